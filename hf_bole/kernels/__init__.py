@@ -1,0 +1,23 @@
+"""Exact tree verification kernels for Gated DeltaNet layers (Triton, with torch paths and naive references)."""
+
+from hf_bole.kernels.tree_gdn import (
+    tree_ancestor_mask,
+    tree_causal_conv1d,
+    tree_conv_state_commit,
+    tree_depths,
+    tree_gdn_commit,
+    tree_gdn_verify,
+)
+
+# fla-core's naming: <form>_<op> with a short alias.
+tree_gdn = tree_gdn_verify
+
+__all__ = [
+    "tree_ancestor_mask",
+    "tree_causal_conv1d",
+    "tree_conv_state_commit",
+    "tree_depths",
+    "tree_gdn",
+    "tree_gdn_commit",
+    "tree_gdn_verify",
+]

@@ -1,0 +1,84 @@
+"""Helpers shared by the Triton kernels: where they run, how they are tuned, how inputs are checked."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def is_interpreter() -> bool:
+    """True when Triton kernels are simulated on the CPU (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA tensors, and on CPU tensors under the interpreter; otherwise the torch path."""
+    return x.is_cuda or is_interpreter()
+
+
+def autotune_configs(configs: list[triton.Config]) -> list[triton.Config]:
+    """The configs to autotune over; only the first under the interpreter, whose autotuner asks a GPU
+    driver for a benchmarker and fails on a CPU-only machine ("0 active drivers")."""
+    return configs[:1] if is_interpreter() else configs
+
+
+def is_capturing(x: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream: value checks that read tensors
+    on the host would synchronise, so they are skipped then (shapes are still checked)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def check_dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"`{name}` must have dtype in ({names}), got {str(x.dtype).removeprefix('torch.')}")
+
+
+def check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"`{name}` must have shape {layout} = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all inputs must be on one device, got {listing}")
+
+
+def check_parents(parents: torch.Tensor, batch: int, num_nodes: int) -> None:
+    """`parents [B, T]` int64 with `-1 <= parents[b, i] < i`: every node comes after its parent."""
+    check_dtype("parents", parents, (torch.int64,))
+    check_shape("parents", parents, (batch, num_nodes), "[B, T]")
+    if is_capturing(parents) or parents.numel() == 0:
+        return
+    node = torch.arange(num_nodes, device=parents.device)
+    bad = (parents < -1) | (parents >= node)
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"parents must satisfy -1 <= parents[b, i] < i (nodes in topological order, -1 = child of the "
+            f"committed state), but parents[{b}, {i}] = {int(parents[b, i])}; reorder the nodes so that every "
+            f"parent comes before its children"
+        )
+
+
+def check_path(path: torch.Tensor, batch: int, num_nodes: int) -> None:
+    """`path [B, L]` int64: node indices in root-to-leaf order, right-padded with -1."""
+    check_dtype("path", path, (torch.int64,))
+    if path.dim() != 2 or path.shape[0] != batch:
+        raise ValueError(f"`path` must have shape [B, L] with B = {batch}, got {tuple(path.shape)}")
+    if is_capturing(path) or path.numel() == 0:
+        return
+    valid = path >= 0
+    if bool((path < -1).any() or (path >= num_nodes).any()):
+        raise ValueError(f"`path` entries must be -1 (padding) or node indices in [0, {num_nodes}), got {path.tolist()}")
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError(f"`path` must be right-padded with -1 (no node after a -1), got {path.tolist()}")
+    if bool((valid[:, 1:] & (path[:, 1:] <= path[:, :-1])).any()):
+        raise ValueError(
+            f"`path` must list a root-to-leaf chain, whose node indices increase since parents come before "
+            f"their children, got {path.tolist()}"
+        )
