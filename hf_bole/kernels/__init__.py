@@ -6,7 +6,9 @@ from hf_bole.kernels.tree_gdn import (
     tree_conv_state_commit,
     tree_depths,
     tree_gdn_commit,
+    tree_gdn_commit_serial,
     tree_gdn_verify,
+    tree_gdn_verify_serial,
 )
 
 # fla-core's naming: <form>_<op> with a short alias.
@@ -19,5 +21,7 @@ __all__ = [
     "tree_depths",
     "tree_gdn",
     "tree_gdn_commit",
+    "tree_gdn_commit_serial",
     "tree_gdn_verify",
+    "tree_gdn_verify_serial",
 ]
