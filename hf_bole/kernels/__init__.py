@@ -11,15 +11,11 @@ from hf_bole.kernels.tree_gdn import (
     tree_gdn_verify_serial,
 )
 
-# fla-core's naming: <form>_<op> with a short alias.
-tree_gdn = tree_gdn_verify
-
 __all__ = [
     "tree_ancestor_mask",
     "tree_causal_conv1d",
     "tree_conv_state_commit",
     "tree_depths",
-    "tree_gdn",
     "tree_gdn_commit",
     "tree_gdn_commit_serial",
     "tree_gdn_verify",

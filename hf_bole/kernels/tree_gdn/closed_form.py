@@ -25,22 +25,19 @@ from hf_bole.kernels.utils import (
     check_parents,
     check_same_device,
     check_shape,
+    is_interpreter,
     use_triton,
 )
 
-MAX_NODES = 128  # G and C are [T, T] on chip: 128 x 128 fp32 is what one program's registers hold.
+MAX_NODES = 128  # a block's rows of G and C ([BS, T]) and the earlier U ([T, BV]) stay in registers up to here
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # BV trades parallelism (more V-tiles) against recomputing the Gram rows per tile; BS is the row block of
 # the forward substitution (off-diagonal blocks in one matmul, the Neumann series only inside a block).
 VERIFY_CONFIGS = [
-    triton.Config({"BS": BS, "BK": BK, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
-    for BS in (32, 16)
-    for BV in (32, 64, 16)
-    for BK in (32, 64)
-    for num_warps in (4, 8)
-    for num_stages in (1, 2)
+    triton.Config({"BS": BS, "BK": 32, "BV": BV}, num_warps=num_warps, num_stages=1)
+    for BS, BV, num_warps in ((16, 32, 4), (16, 32, 8), (16, 64, 8), (16, 16, 4), (32, 64, 8), (16, 128, 8))
 ]
 
 
@@ -65,8 +62,8 @@ def tree_gdn_verify_fwd_kernel(
     stride_vt,
     B,
     T,
-    H: tl.constexpr,
-    HK: tl.constexpr,
+    H,
+    HK,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -76,7 +73,10 @@ def tree_gdn_verify_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
+    # bf16 tiles multiply exactly into fp32 on tensor cores; UPCAST_DOT feeds fp32 tiles instead for
+    # Triton's interpreter, which multiplies bf16 tiles as raw bits (seen with triton 3.9).
     i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
@@ -135,15 +135,18 @@ def tree_gdn_verify_fwd_kernel(
         b_qss_s = tl.zeros([BS], dtype=tl.float32)
         for i_k in range(0, K, BK):
             o_k = i_k + tl.arange(0, BK)
-            b_ka = tl.load(p_k + o_t[:, None] * stride_qt + o_k[None, :], mask=m_t[:, None], other=0)  # [BT, BK]
-            b_ks_ = tl.load(p_k + o_s[:, None] * stride_qt + o_k[None, :], mask=m_s[:, None], other=0)  # [BS, BK]
-            b_qs_ = tl.load(p_q + o_s[:, None] * stride_qt + o_k[None, :], mask=m_s[:, None], other=0)
+            m_k = o_k < K
+            b_ka = tl.load(p_k + o_t[:, None] * stride_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+            b_ks_ = tl.load(p_k + o_s[:, None] * stride_qt + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0)
+            b_qs_ = tl.load(p_q + o_s[:, None] * stride_qt + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0)
+            if UPCAST_DOT:
+                b_ka, b_ks_, b_qs_ = b_ka.to(tl.float32), b_ks_.to(tl.float32), b_qs_.to(tl.float32)
             b_kk += tl.dot(b_ks_, tl.trans(b_ka), input_precision=DOT_PRECISION)
             b_qk += tl.dot(b_qs_, tl.trans(b_ka), input_precision=DOT_PRECISION)
             b_kkd += tl.dot(b_ks_, tl.trans(b_ks_), input_precision=DOT_PRECISION)
             b_qkd += tl.dot(b_qs_, tl.trans(b_ks_), input_precision=DOT_PRECISION)
             if USE_INITIAL_STATE:
-                b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0)  # [BK, BV]
+                b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
                 b_ks += tl.dot(b_ks_.to(tl.float32), b_h, input_precision=DOT_PRECISION)
                 b_qs += tl.dot(b_qs_.to(tl.float32), b_h, input_precision=DOT_PRECISION)
             if USE_QK_L2NORM:
@@ -221,8 +224,9 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, parents, initial_state, scale, use_qk_
 
     tree_gdn_verify_fwd_kernel[grid](
         q, k, v, g, beta, parents, initial_state, o, u, log_decay, scale,
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T,
-        H=H, HK=HK, K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
+        q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
+        K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
+        UPCAST_DOT=is_interpreter(),
     )  # fmt: skip
     return o, u, log_decay
 

@@ -1,0 +1,252 @@
+"""Per-GDN-layer tree verification on the GPU, side by side in one run:
+
+  serial  the tree walk that stores every node's state (SGLang-Tree's algorithm), `tree_gdn_verify_serial`
+  fla     fla-core's `fused_recurrent_gated_delta_rule` over a chain of the same T (plain decoding's kernel)
+  bole    the closed form, `tree_gdn_verify`
+
+Each provider is timed as CUDA-graph replays over rotating input sets (so neither launch overhead nor a
+warm L2 flatters it), median of many; correctness is checked first and a failing op is not reported.
+Also times the stacked commit of all GDN layers of a Qwen3.5-9B shape. Writes JSON lines and prints a
+table. Usage: `python eval/bench_kernels.py --out results/kernels.jsonl [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_bole.kernels import tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
+from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
+from tests.kernels.trees import make_parents  # noqa: E402
+
+L2_BYTES = 60 * 2**20
+
+
+def machine_header() -> dict:
+    import triton
+    import transformers
+
+    try:
+        import fla
+
+        fla_version = getattr(fla, "__version__", "installed")
+    except ImportError:
+        fla_version = None
+    commit = os.environ.get("BOLE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "fla": fla_version,
+        "python": platform.python_version(),
+        "commit": commit or None,
+    }
+
+
+def time_graph(fn, sets: list, reps: int = 30) -> tuple[float, float, float]:
+    """Median (and 20/80% quantiles) of one call in ms: a CUDA graph holds one call per input set, so
+    consecutive calls read different memory; each replay is timed with events."""
+    for s in sets[:2]:
+        fn(*s)  # autotune and compile outside the graph
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in sets:
+            fn(*s)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(sets))
+    q = statistics.quantiles(times, n=10)
+    return statistics.median(times), q[1], q[7]
+
+
+def copy_ceiling_gbps() -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms, _, _ = time_graph(lambda a, b: b.copy_(a), [(x, y)], reps=20)
+    return 2 * x.numel() / ms / 1e6  # read + write
+
+
+def layer_inputs(B, T, HK, H, K, V, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, HK, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(B, T, HK, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen, dtype=torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 2.0)  # fp32, as Qwen3.5
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
+    h0 = torch.randn(B, H, K, V, device="cuda", generator=gen) * 0.5
+    return q, k, v, g, beta, h0
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float("nan") if torch.isnan(x).any() else ((x - ref).norm() / ref.norm()).item()
+
+
+def check_correctness() -> dict:
+    """Against the float64 node-by-node reference at a small real-layout shape, fp32 and bf16."""
+    errs = {}
+    B, T, HK, H, K, V = 2, 48, 2, 4, 128, 128
+    parents = make_parents("mixed", T, B, seed=1).cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, g, beta, h0 = layer_inputs(B, T, HK, H, K, V, seed=1)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        ref = naive_tree_gdn_verify(*(x.double() for x in (q, k, v, g, beta)), parents, h0.double(), use_qk_l2norm_in_kernel=True)
+        for prec in ("tf32x3", "ieee", "tf32"):
+            out = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True, dot_precision=prec)
+            errs[f"bole_{str(dtype)[6:]}_{prec}_o"] = rel_err(out[0], ref[0])
+            errs[f"bole_{str(dtype)[6:]}_{prec}_u"] = rel_err(out[1], ref[1])
+        o_s, _ = tree_gdn_verify_serial(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+        errs[f"serial_{str(dtype)[6:]}_o"] = rel_err(o_s, ref[0])
+    return errs
+
+
+def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
+    parents = make_parents("mixed", T, B, seed=T).cuda()
+    parents = bounded_depth(parents, depth)
+    set_bytes = B * H * K * V * 4 + 3 * B * T * H * V * 4
+    n_sets = max(2, min(16, -(-3 * L2_BYTES // set_bytes)))
+    sets = [layer_inputs(B, T, HK, H, K, V, seed=s) for s in range(n_sets)]
+    chain = make_parents("chain", T, B).cuda()
+    rows = []
+    act = 2 * (2 * B * T * HK * K + B * T * H * V) + B * T * H * (4 + 2) + B * T * 8  # q k v g beta parents
+    state = B * H * K * V * 4
+    for name in providers:
+        if name == "bole":
+            fn = lambda q, k, v, g, b, h: tree_gdn_verify(q, k, v, g, b, parents, h, use_qk_l2norm_in_kernel=True, dot_precision=prec)  # noqa: E731
+            moved = act + state + B * T * H * V * (2 + 4) + B * T * H * 4
+            transient = B * T * H * V * 4 + B * T * H * 4 + B * T * HK * K * 2  # u, log P, k
+        elif name == "serial":
+            fn = lambda q, k, v, g, b, h: tree_gdn_verify_serial(q, k, v, g, b, parents, h, use_qk_l2norm_in_kernel=True)  # noqa: E731
+            moved = act + state + B * T * H * V * 2 + 2 * B * T * H * K * V * 4  # snapshots written and re-read
+            transient = B * T * H * K * V * 4
+        elif name == "fla":
+            try:
+                from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+            except ImportError:
+                continue
+            fn = lambda q, k, v, g, b, h: fused_recurrent_gated_delta_rule(  # noqa: E731
+                q, k, v, g=g, beta=b, initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+            moved = act + 2 * state + B * T * H * V * 2
+            transient = 0
+        try:
+            ms, lo, hi = time_graph(fn, sets)
+        except torch.OutOfMemoryError:
+            rows.append({"provider": name, "oom": True})
+            torch.cuda.empty_cache()
+            continue
+        rows.append(
+            {"provider": name, "ms": ms, "ms_q20": lo, "ms_q80": hi, "bytes_moved": moved, "transient_bytes": transient}
+        )
+    del sets
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bounded_depth(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """Re-hang nodes deeper than `depth` onto shallower ancestors so that the tree depth is <= depth."""
+    parents = parents.clone().cpu()
+    B, T = parents.shape
+    d = torch.zeros(B, T, dtype=torch.long)
+    for i in range(T):
+        for b in range(B):
+            p = int(parents[b, i])
+            while p >= 0 and d[b, p] + 1 > depth:
+                p = int(parents[b, p])
+            parents[b, i] = p
+            d[b, i] = 0 if p < 0 else d[b, p] + 1
+    return parents.cuda()
+
+
+def bench_commit(NL=24, B=16, HK=16, H=32, K=128, V=128, T=64, L=8):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    states = torch.randn(NL, B, H, K, V, device="cuda", generator=gen)
+    out = torch.empty_like(states)
+    k = torch.randn(NL, B, T, HK, K, device="cuda", generator=gen).bfloat16()
+    u = torch.randn(NL, B, T, H, V, device="cuda", generator=gen)
+    lp = -torch.rand(NL, B, T, H, device="cuda", generator=gen).cumsum(2)
+    path = torch.arange(L, device="cuda").expand(B, L).contiguous()
+    ms, lo, hi = time_graph(lambda s, o: tree_gdn_commit(s, k, u, lp, path, use_qk_l2norm_in_kernel=True, out=o), [(states, out)])
+    moved = 2 * states.numel() * 4 + NL * B * L * (HK * K * 2 + H * V * 4)
+    return {"NL": NL, "B": B, "H": H, "HK": HK, "K": K, "V": V, "L": L, "ms": ms, "ms_q20": lo, "ms_q80": hi, "bytes_moved": moved}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="results/kernels.jsonl")
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--precision", default="tf32x3")
+    args = ap.parse_args()
+    header = machine_header()
+    ceiling = copy_ceiling_gbps()
+    errs = check_correctness()
+    print(json.dumps({"header": header, "copy_ceiling_GBps": ceiling, "errors": errs}, indent=1), flush=True)
+    ok = errs["bole_float32_tf32x3_o"] <= 1e-5 and errs["bole_bfloat16_tf32x3_o"] <= 1e-2
+    if not ok:
+        raise SystemExit("closed form failed its correctness check: no timings reported")
+
+    HK, K, V, depth = 16, 128, 128, 8
+    shapes = [(H, B, T) for H in (32, 48, 64) for B in (1, 8, 16) for T in (16, 32, 64, 128)]
+    if args.quick:
+        shapes = [(32, 16, 128), (48, 1, 128), (32, 1, 16), (32, 8, 64)]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    lines = []
+    with open(args.out, "w") as f:
+        f.write(json.dumps({"header": header, "copy_ceiling_GBps": ceiling, "errors": errs}) + "\n")
+        for H, B, T in shapes:
+            rows = bench_verify(B, T, HK, H, K, V, depth, ("serial", "fla", "bole"), args.precision)
+            for r in rows:
+                r.update({"op": "verify", "B": B, "T": T, "H": H, "HK": HK, "K": K, "V": V, "depth": depth, "precision": args.precision})
+                if "ms" in r:
+                    r["GBps"] = r["bytes_moved"] / r["ms"] / 1e6
+                    r["pct_of_copy"] = 100 * r["GBps"] / ceiling
+                f.write(json.dumps(r) + "\n")
+            lines.append((H, B, T, {r["provider"]: r for r in rows}))
+            print(H, B, T, {r["provider"]: round(r.get("ms", float("nan")), 4) for r in rows}, flush=True)
+        commit = bench_commit()
+        commit.update({"op": "commit", "GBps": commit["bytes_moved"] / commit["ms"] / 1e6})
+        commit["pct_of_copy"] = 100 * commit["GBps"] / ceiling
+        f.write(json.dumps(commit) + "\n")
+
+    print(f"\n{header['gpu']}  torch {header['torch']}  triton {header['triton']}  fla {header['fla']}  commit {header['commit']}")
+    print(f"copy ceiling {ceiling:.0f} GB/s; Hk={HK} K=V={K} depth<={depth} bf16 q/k/v, fp32 state; ms per layer (median)")
+    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'bole':>8} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10}")
+    for H, B, T, r in lines:
+        s, fl, bo = (r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "bole"))
+        snap = r.get("serial", {}).get("transient_bytes", B * T * H * K * V * 4) / 2**20
+        fac = r.get("bole", {}).get("transient_bytes", float("nan")) / 2**20
+        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f}")
+    print(
+        f"commit: {commit['NL']} layers B={commit['B']} H={commit['H']} K=V={commit['K']} path {commit['L']}: "
+        f"{commit['ms']:.4f} ms, {commit['GBps']:.0f} GB/s ({commit['pct_of_copy']:.0f}% of copy)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+import pytest
+import torch
+
+from hf_bole.kernels import tree_gdn_verify
+from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
+from tests.kernels.trees import gdn_inputs, make_parents, rel_err
+
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
+
+
+def backend_device(backend: str) -> str:
+    # "triton": the compiled kernel on a GPU, the interpreter on the CPU; "torch": the CPU closed form.
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def gold(q, k, v, g, beta, parents, h0, **kw):
+    f64 = [x.double().cpu() for x in (q, k, v, g, beta)]
+    return naive_tree_gdn_verify(*f64, parents.cpu(), h0.double().cpu(), **kw)
+
+
+CASES = [
+    pytest.param("chain", 1, 1, 1, 1, 16, 16, id="one-node"),
+    pytest.param("chain", 2, 33, 2, 4, 32, 32, id="chain-T33-Hk2-H4"),
+    pytest.param("star", 2, 40, 1, 3, 16, 32, id="star-T40-Hk1-H3"),
+    pytest.param("deep", 1, 128, 1, 2, 16, 16, id="deep-T128-d16"),
+    pytest.param("bushy", 2, 63, 2, 4, 32, 16, id="bushy-T63"),
+    pytest.param("mixed", 3, 100, 2, 6, 16, 32, id="mixed-T100-Hk2-H6"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,B,T,HK,H,K,V", CASES)
+def test_closed_form_fp32(backend, kind, B, T, HK, H, K, V):
+    device = backend_device(backend)
+    q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, device=device)
+    parents = make_parents(kind, T, B).to(device)
+    h0_before = h0.clone()
+    o, u, log_decay = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    ref_o, ref_u, ref_lp = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == torch.float32 and u.dtype == torch.float32 and log_decay.dtype == torch.float32
+    assert rel_err(o, ref_o) <= 1e-5
+    assert rel_err(u, ref_u) <= 1e-5
+    assert rel_err(log_decay, ref_lp) <= 1e-5
+    assert torch.equal(h0, h0_before), "the committed state must not be modified"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,B,T,HK,H,K,V", [CASES[1], CASES[4]])
+def test_closed_form_bf16(backend, kind, B, T, HK, H, K, V):
+    device = backend_device(backend)
+    q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, dtype=torch.bfloat16, device=device, seed=1)
+    g, beta = g.bfloat16(), beta.bfloat16()
+    parents = make_parents(kind, T, B, seed=1).to(device)
+    o, u, log_decay = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    ref_o, ref_u, _ = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == torch.bfloat16
+    assert rel_err(o, ref_o) <= 1e-2
+    assert rel_err(u, ref_u) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closed_form_without_l2norm_scale_or_state(backend):
+    device = backend_device(backend)
+    q, k, v, g, beta, _ = gdn_inputs(2, 21, 1, 2, 16, 16, device=device, seed=2)
+    q, k = q * 0.2, k * 0.2  # raw keys: keep the delta rule contractive
+    parents = make_parents("mixed", 21, 2, seed=2).to(device)
+    o, u, lp = tree_gdn_verify(q, k, v, g, beta, parents, None, scale=0.3)
+    ref_o, ref_u, ref_lp = gold(q, k, v, g, beta, parents, torch.zeros(2, 2, 16, 16), scale=0.3)
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
+
+
+def random_topological_order(parents: list[int], gen: torch.Generator) -> list[int]:
+    """A uniformly shuffled order in which every node still comes after its parent."""
+    children = {i: [] for i in range(-1, len(parents))}
+    for i, p in enumerate(parents):
+        children[p].append(i)
+    order, ready = [], list(children[-1])
+    while ready:
+        i = ready.pop(int(torch.randint(len(ready), (1,), generator=gen)))
+        order.append(i)
+        ready.extend(children[i])
+    return order
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closed_form_reordering_permutes_outputs(backend):
+    device = backend_device(backend)
+    B, T = 2, 37
+    q, k, v, g, beta, h0 = gdn_inputs(B, T, 2, 4, 16, 16, device=device, seed=3)
+    parents = make_parents("mixed", T, B, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    perm = torch.stack([torch.tensor(random_topological_order(parents[b].tolist(), gen)) for b in range(B)])
+    inv = perm.argsort(dim=1)  # old index -> new index
+    new_parents = torch.stack(
+        [torch.where(parents[b, perm[b]] >= 0, inv[b][parents[b, perm[b]].clamp(min=0)], -1) for b in range(B)]
+    )
+    rows = torch.arange(B)[:, None]
+    permuted = [x[rows, perm.to(device)] for x in (q, k, v, g, beta)]
+    out = tree_gdn_verify(q, k, v, g, beta, parents.to(device), h0, use_qk_l2norm_in_kernel=True)
+    out_p = tree_gdn_verify(*permuted, new_parents.to(device), h0, use_qk_l2norm_in_kernel=True)
+    for x, y in zip(out, out_p):
+        torch.testing.assert_close(x[rows, perm.to(device)], y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closed_form_siblings_do_not_interact(backend):
+    device = backend_device(backend)
+    T = 9
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 2, 3, 5]], device=device)  # 3 and 5 are cousins
+    q, k, v, g, beta, h0 = gdn_inputs(1, T, 1, 2, 16, 16, device=device, seed=4)
+    o, u, _ = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    for x in (q, k, v):
+        x[:, [2, 4, 5, 6, 8]] = torch.randn_like(x[:, [2, 4, 5, 6, 8]])  # everything off the path 0-1-3-7
+    o2, u2, _ = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    keep = [0, 1, 3, 7]
+    torch.testing.assert_close(o2[:, keep], o[:, keep], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(u2[:, keep], u[:, keep], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closed_form_chain_equals_linear_recurrence(backend):
+    """A chain is ordinary decoding: compare with transformers' recurrence (and fla's where installed)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    device = backend_device(backend)
+    B, T, HK, H, K, V = 2, 24, 2, 4, 32, 32
+    q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, device=device, seed=5)
+    parents = make_parents("chain", T, B).to(device)
+    o, _, _ = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    ref, _ = torch_recurrent_gated_delta_rule(
+        q.cpu(), k.cpu(), v.cpu(), g=g.cpu(), beta=beta.cpu(), initial_state=h0.cpu(), use_qk_l2norm_in_kernel=True
+    )
+    assert rel_err(o, ref) <= 1e-5
+    if device == "cuda":
+        fla = pytest.importorskip("fla.ops.gated_delta_rule")
+        ref_fla, _ = fla.fused_recurrent_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=h0, use_qk_l2norm_in_kernel=True
+        )
+        assert rel_err(o, ref_fla) <= 1e-5
+
+
+def test_closed_form_rejects_bad_input():
+    q, k, v, g, beta, h0 = gdn_inputs(1, 4, 2, 4, 16, 16)
+    parents = torch.tensor([[-1, 0, 1, 2]])
+    with pytest.raises(ValueError, match=r"parents\[0, 2\] = 3"):
+        tree_gdn_verify(q, k, v, g, beta, torch.tensor([[-1, 0, 3, 2]]), h0)
+    with pytest.raises(ValueError, match="parents must satisfy"):
+        tree_gdn_verify(q, k, v, g, beta, torch.tensor([[-1, -2, 0, 1]]), h0)
+    with pytest.raises(ValueError, match="dtype"):
+        tree_gdn_verify(q, k, v, g, beta, parents.int(), h0)
+    with pytest.raises(ValueError, match="multiple of the key heads"):
+        tree_gdn_verify(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3], parents, h0[:, :3])
+    with pytest.raises(ValueError, match=r"`g` must have shape"):
+        tree_gdn_verify(q, k, v, g[:, :3], beta, parents, h0)
+    with pytest.raises(ValueError, match=r"`initial_state` must have shape"):
+        tree_gdn_verify(q, k, v, g, beta, parents, h0[:, :, :8])
+    with pytest.raises(ValueError, match="dot_precision"):
+        tree_gdn_verify(q, k, v, g, beta, parents, h0, dot_precision="fp16")
+
+
+@pytest.mark.interpreter
+def test_closed_form_triton_limits():
+    device = backend_device("triton")
+    q, k, v, g, beta, h0 = gdn_inputs(1, 129, 1, 1, 16, 16, device=device)
+    with pytest.raises(ValueError, match="at most 128 nodes"):
+        tree_gdn_verify(q, k, v, g, beta, make_parents("chain", 129, 1).to(device), h0)
+    q, k, v, g, beta, h0 = gdn_inputs(1, 4, 1, 1, 24, 16, device=device)
+    with pytest.raises(ValueError, match="head dims"):
+        tree_gdn_verify(q, k, v, g, beta, make_parents("chain", 4, 1).to(device), h0)

@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+from hf_bole.kernels import tree_causal_conv1d, tree_conv_state_commit
+from hf_bole.kernels.tree_gdn.naive import naive_tree_causal_conv1d, naive_tree_conv_state_commit
+from tests.kernels.test_closed_form import BACKENDS, backend_device
+from tests.kernels.test_commit import random_paths
+from tests.kernels.trees import make_parents, rel_err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kind,B,T,D,W,S,bias,dtype",
+    [
+        ("mixed", 2, 37, 48, 4, 4, True, torch.float32),
+        ("star", 1, 9, 200, 4, 3, False, torch.float32),
+        ("chain", 3, 5, 64, 2, 2, True, torch.float32),
+        ("deep", 2, 50, 32, 4, 4, False, torch.bfloat16),
+    ],
+)
+def test_tree_causal_conv1d(backend, kind, B, T, D, W, S, bias, dtype):
+    device = backend_device(backend)
+    x = torch.randn(B, T, D, device=device, dtype=dtype)
+    weight = torch.randn(D, W, device=device, dtype=dtype)
+    b = torch.randn(D, device=device, dtype=dtype) if bias else None
+    state = torch.randn(B, D, S, device=device, dtype=dtype)
+    parents = make_parents(kind, T, B, seed=9).to(device)
+    out = tree_causal_conv1d(x, weight, b, parents, state, activation="silu")
+    ref = naive_tree_causal_conv1d(
+        x.double(), weight.double(), None if b is None else b.double(), parents.cpu(), state.double(), "silu"
+    )
+    assert out.dtype == dtype and out.shape == (B, T, D)
+    assert rel_err(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_causal_conv1d_chain_equals_transformers_conv(backend):
+    """On a chain the tree conv is transformers' causal conv over (window, tokens)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    device = backend_device(backend)
+    B, T, D, W = 2, 11, 40, 4
+    x, weight, state = torch.randn(B, T, D), torch.randn(D, W), torch.randn(B, D, W)
+    out = tree_causal_conv1d(x.to(device), weight.to(device), None, make_parents("chain", T, B).to(device), state.to(device))
+    full = torch.cat([state, x.transpose(1, 2)], dim=-1)  # [B, D, W + T]
+    ref = causal_conv1d_fn(full, weight, None, activation="silu")[:, :, W:].transpose(1, 2)
+    assert rel_err(out, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("S", [4, 3])
+def test_tree_conv_state_commit(backend, S):
+    device = backend_device(backend)
+    B, T, D = 4, 12, 40
+    x, state = torch.randn(B, T, D, device=device), torch.randn(B, D, S, device=device)
+    parents = make_parents("mixed", T, B, seed=11)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        path = random_paths(parents, gen, empty_rows=(2,))
+        path[3, 1:] = -1  # a one-node path
+        new = tree_conv_state_commit(state, x, path.to(device))
+        assert torch.equal(new.cpu(), naive_tree_conv_state_commit(state.cpu(), x.cpu(), path))
+        in_place = state.clone()
+        tree_conv_state_commit(in_place, x, path.to(device), out=in_place)
+        assert torch.equal(in_place, new)
+
+
+def test_tree_conv_rejects_bad_input():
+    x, weight = torch.randn(1, 3, 8), torch.randn(8, 4)
+    parents = torch.tensor([[-1, 0, 0]])
+    with pytest.raises(ValueError, match="at least W - 1 = 3"):
+        tree_causal_conv1d(x, weight, None, parents, torch.zeros(1, 8, 2))
+    with pytest.raises(ValueError, match="activation"):
+        tree_causal_conv1d(x, weight, None, parents, torch.zeros(1, 8, 4), activation="gelu")
+    with pytest.raises(ValueError, match=r"`weight` must be \[D, W\]"):
+        tree_causal_conv1d(x, weight[:4], None, parents, torch.zeros(1, 8, 4))
+    with pytest.raises(ValueError, match="parents"):
+        tree_causal_conv1d(x, weight, None, torch.tensor([[0, 0, 0]]), torch.zeros(1, 8, 4))
