@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hf_bole.kernels import tree_gdn_verify
+from hf_bole.kernels import tree_ancestor_mask, tree_gdn_verify
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
 from tests.kernels.trees import gdn_inputs, make_parents, rel_err
 
@@ -69,6 +69,19 @@ def test_closed_form_without_l2norm_scale_or_state(backend):
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closed_form_precomputed_ancestors(backend):
+    device = backend_device(backend)
+    q, k, v, g, beta, h0 = gdn_inputs(2, 30, 1, 2, 16, 16, device=device, seed=6)
+    parents = make_parents("bushy", 30, 2, seed=6).to(device)
+    out = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    out_anc = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True, ancestors=tree_ancestor_mask(parents))
+    for x, y in zip(out, out_anc):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="ancestors"):
+        tree_gdn_verify(q, k, v, g, beta, parents, h0, ancestors=tree_ancestor_mask(parents).int())
+
+
 def random_topological_order(parents: list[int], gen: torch.Generator) -> list[int]:
     """A uniformly shuffled order in which every node still comes after its parent."""
     children = {i: [] for i in range(-1, len(parents))}
@@ -127,9 +140,8 @@ def test_closed_form_chain_equals_linear_recurrence(backend):
     q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, device=device, seed=5)
     parents = make_parents("chain", T, B).to(device)
     o, _, _ = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
-    ref, _ = torch_recurrent_gated_delta_rule(
-        q.cpu(), k.cpu(), v.cpu(), g=g.cpu(), beta=beta.cpu(), initial_state=h0.cpu(), use_qk_l2norm_in_kernel=True
-    )
+    # With fla-core installed, transformers routes this to fla's kernel, which needs the tensors' device.
+    ref, _ = torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, use_qk_l2norm_in_kernel=True)
     assert rel_err(o, ref) <= 1e-5
     if device == "cuda":
         fla = pytest.importorskip("fla.ops.gated_delta_rule")

@@ -6,8 +6,9 @@ For each (request, value head), with P_i the product of gates on node i's path a
     O = D_P Q S_pre + C U,   C_ij = (P_i/P_j) q_i.k_j  [j in A(i) or j = i]
 
 G is nilpotent (G^(d+1) = 0 for a tree of depth d), so U = sum_{m<=d} (-G)^m R: d small matmuls.
-The Triton kernel runs one program per (request, value head, V-tile) and solves by forward substitution
-over row blocks: the rows of G and C for a block are built on chip from streamed K chunks, earlier blocks
+The Triton kernel runs one program per (request, value head, V-tile). The tree enters as its ancestor
+mask (computed once per tree, shared by every head and layer), so log P is a masked sum and nothing walks
+parent pointers. It solves by forward substitution over row blocks: the rows of G and C for a block are built on chip from streamed K chunks, earlier blocks
 enter through one matmul with their U, and the Neumann series runs only inside the diagonal block. Only O
 and the factors (U, log P) are written. Nothing of size K x V per node exists.
 """
@@ -36,9 +37,12 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # BV trades parallelism (more V-tiles) against recomputing the Gram rows per tile; BS is the row block of
 # the forward substitution (off-diagonal blocks in one matmul, the Neumann series only inside a block).
 VERIFY_CONFIGS = [
-    triton.Config({"BS": BS, "BK": 32, "BV": BV}, num_warps=num_warps, num_stages=1)
-    for BS, BV, num_warps in ((16, 32, 4), (16, 32, 8), (16, 64, 8), (16, 16, 4), (32, 64, 8), (16, 128, 8))
-]
+    triton.Config({"BS": BS, "BK": 32, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
+    for BS, BV, num_warps, num_stages in (
+        (16, 32, 4, 1), (16, 32, 8, 1), (16, 64, 8, 1), (16, 16, 4, 1),
+        (32, 64, 8, 1), (16, 128, 8, 1), (16, 32, 4, 2), (16, 64, 8, 2),
+    )
+]  # fmt: skip
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
@@ -50,7 +54,7 @@ def tree_gdn_verify_fwd_kernel(
     v,
     g,
     beta,
-    parents,
+    anc,
     h0,
     o,
     u,
@@ -85,7 +89,7 @@ def tree_gdn_verify_fwd_kernel(
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    p_par = parents + i_b * T
+    p_anc = anc + i_b * T * T
     p_g = g + i_b * T * H + i_h
     p_q = q + i_b * stride_qb + i_hk * K
     p_k = k + i_b * stride_qb + i_hk * K
@@ -95,15 +99,10 @@ def tree_gdn_verify_fwd_kernel(
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V
 
-    # log P of every node (the column side of P_i / P_j) and the tree depth: walk all nodes to the root.
-    b_lp = tl.load(p_g + o_t * H, mask=m_t, other=0).to(tl.float32)
-    b_cur = tl.load(p_par + o_t, mask=m_t, other=-1)
-    n_steps = tl.zeros([], dtype=tl.int32)
-    while tl.max(b_cur, axis=0) >= 0:
-        m_c = b_cur >= 0
-        b_lp += tl.load(p_g + b_cur * H, mask=m_c, other=0).to(tl.float32)
-        b_cur = tl.load(p_par + b_cur, mask=m_c, other=-1)
-        n_steps += 1
+    # log P of every node (the column side of P_i / P_j): the sum of g over its ancestors-or-self.
+    b_g = tl.load(p_g + o_t * H, mask=m_t, other=0).to(tl.float32)  # [BT]
+    b_ancf = tl.load(p_anc + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
+    b_lp = tl.sum(tl.where(b_ancf, b_g[None, :], 0.0), axis=1)  # [BT]
 
     # Forward substitution over row blocks of BS nodes. Ancestors come before their descendants, so block
     # s needs U of earlier blocks (written to `u` already) and of its own diagonal block.
@@ -111,17 +110,11 @@ def tree_gdn_verify_fwd_kernel(
         o_s = i_s + tl.arange(0, BS)
         m_s = o_s < T
         b_beta = tl.load(beta + (i_b * T + o_s) * H + i_h, mask=m_s, other=0).to(tl.float32)
-        # Walk the block's rows up to the root: their log P and ancestor sets.
-        b_lps = tl.load(p_g + o_s * H, mask=m_s, other=0).to(tl.float32)
-        b_anc = o_s[:, None] == o_t[None, :]  # [BS, BT] ancestor-or-self
-        b_ancd = o_s[:, None] == o_s[None, :]  # [BS, BS]
-        b_up_s = tl.load(p_par + o_s, mask=m_s, other=-1)
-        while tl.max(b_up_s, axis=0) >= 0:
-            m_c = b_up_s >= 0
-            b_anc = b_anc | (b_up_s[:, None] == o_t[None, :])
-            b_ancd = b_ancd | (b_up_s[:, None] == o_s[None, :])
-            b_lps += tl.load(p_g + b_up_s * H, mask=m_c, other=0).to(tl.float32)
-            b_up_s = tl.load(p_par + b_up_s, mask=m_c, other=-1)
+        b_anc = tl.load(p_anc + o_s[:, None] * T + o_t[None, :], mask=m_s[:, None] & m_t[None, :], other=0) != 0
+        b_ancd = tl.load(p_anc + o_s[:, None] * T + o_s[None, :], mask=m_s[:, None] & m_s[None, :], other=0) != 0
+        b_lps = tl.sum(tl.where(b_anc, b_g[None, :], 0.0), axis=1)  # [BS] log P of the block's rows
+        # (I + G_ss) is nilpotent of index (longest chain inside the block): that many Neumann terms.
+        n_diag = tl.max(tl.sum(b_ancd.to(tl.int32), axis=1), axis=0) - 1
 
         # Gram rows against all nodes (kk, qk) and within the block (kkd, qkd); K S_pre and Q S_pre.
         b_kk = tl.zeros([BS, BT], dtype=tl.float32)
@@ -185,7 +178,7 @@ def tree_gdn_verify_fwd_kernel(
         # The diagonal block: U_s = sum_m (-G_ss)^m X, nilpotent within the block.
         b_Gd = tl.where(o_s[:, None] == o_s[None, :], 0.0, b_decd) * b_kkd * b_beta[:, None]
         b_us = b_x
-        for _ in range(tl.minimum(n_steps, BS - 1)):
+        for _ in range(n_diag):
             b_us = b_x - tl.dot(b_Gd, b_us, input_precision=DOT_PRECISION)
 
         # O = D_P Q S_pre + C U over earlier blocks and the own block.
@@ -207,13 +200,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
-def tree_gdn_verify_fwd(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm, dot_precision):
+def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
     q, k, v = _rows(q), _rows(k), _rows(v)
     if q.stride() != k.stride():
         q, k = q.contiguous(), k.contiguous()
-    g, beta, parents = g.contiguous(), beta.contiguous(), parents.contiguous()
+    g, beta = g.contiguous(), beta.contiguous()
+    anc = ancestors.contiguous().view(torch.uint8)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
@@ -223,7 +217,7 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, parents, initial_state, scale, use_qk_
         return (triton.cdiv(V, meta["BV"]), B * H)
 
     tree_gdn_verify_fwd_kernel[grid](
-        q, k, v, g, beta, parents, initial_state, o, u, log_decay, scale,
+        q, k, v, g, beta, anc, initial_state, o, u, log_decay, scale,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
         K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
         UPCAST_DOT=is_interpreter(),
@@ -231,7 +225,7 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, parents, initial_state, scale, use_qk_
     return o, u, log_decay
 
 
-def torch_tree_gdn_verify(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm):
+def torch_tree_gdn_verify(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm):
     """The same closed form in plain torch (batched matmuls and a triangular solve): the CPU path."""
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
@@ -242,7 +236,7 @@ def torch_tree_gdn_verify(q, k, v, g, beta, parents, initial_state, scale, use_q
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     vv = v.to(dtype).transpose(1, 2)  # [B, H, T, V]
     gg, bb = (x.to(dtype).transpose(1, 2) for x in (g, beta))  # [B, H, T]
-    anc = tree_ancestor_mask(parents)[:, None]  # [B, 1, T, T]
+    anc = ancestors[:, None]  # [B, 1, T, T]
     logp = torch.einsum("bij,bhj->bhi", anc.squeeze(1).to(dtype), gg)  # [B, H, T]
     diff = logp[..., :, None] - logp[..., None, :]
     dec = torch.exp(torch.where(anc, diff, float("-inf")))  # [B, H, T, T]
@@ -268,6 +262,7 @@ def tree_gdn_verify(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     dot_precision: str = "tf32x3",
+    ancestors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Runs a whole draft tree through one Gated DeltaNet layer in parallel, exactly.
 
@@ -288,6 +283,8 @@ def tree_gdn_verify(
         use_qk_l2norm_in_kernel: L2-normalise q and k first (Qwen3.5 does).
         dot_precision: how float32 matmuls run on the GPU: "tf32x3" (default, ~1e-6 relative), "ieee"
             or "tf32" (fast, ~1e-3). bf16 inputs multiply exactly in every mode.
+        ancestors: `tree_ancestor_mask(parents)`, `[B, T, T]` bool, when the caller already has it: one
+            tree serves every GDN layer of a forward, so a model computes it once. Derived here otherwise.
 
     Returns:
         o: `[B, T, H, V]` in the dtype of v.
@@ -330,13 +327,18 @@ def tree_gdn_verify(
     if initial_state is not None:
         check_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
         check_dtype("initial_state", initial_state, (torch.float32, torch.float64))
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, parents=parents, initial_state=initial_state)
+    if ancestors is None:
+        ancestors = tree_ancestor_mask(parents)
+    else:
+        check_shape("ancestors", ancestors, (B, T, T), "[B, T, T]")
+        check_dtype("ancestors", ancestors, (torch.bool,))
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, parents=parents, initial_state=initial_state, ancestors=ancestors)
     if dot_precision not in ("tf32x3", "ieee", "tf32"):
         raise ValueError(f"dot_precision must be 'tf32x3', 'ieee' or 'tf32', got {dot_precision!r}")
     scale = K**-0.5 if scale is None else float(scale)
 
     if not use_triton(v) or v.dtype == torch.float64:
-        return torch_tree_gdn_verify(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
+        return torch_tree_gdn_verify(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm_in_kernel)
     if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"the Triton kernel supports head dims K, V in {SUPPORTED_HEAD_DIMS}, got K = {K}, V = {V}")
     if T > MAX_NODES:
@@ -346,4 +348,4 @@ def tree_gdn_verify(
         )
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    return tree_gdn_verify_fwd(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel, dot_precision)
+    return tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm_in_kernel, dot_precision)
