@@ -99,10 +99,10 @@ def tree_gdn_verify_fwd_kernel(
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V
 
-    # log P of every node (the column side of P_i / P_j): the sum of g over its ancestors-or-self.
     b_g = tl.load(p_g + o_t * H, mask=m_t, other=0).to(tl.float32)  # [BT]
-    b_ancf = tl.load(p_anc + o_t[:, None] * T + o_t[None, :], mask=m_t[:, None] & m_t[None, :], other=0) != 0
-    b_lp = tl.sum(tl.where(b_ancf, b_g[None, :], 0.0), axis=1)  # [BT]
+    # log P of the nodes of the blocks done so far (the column side of P_i / P_j), filled block by block:
+    # a block only looks at columns of earlier blocks.
+    b_lp = tl.zeros([BT], dtype=tl.float32)
 
     # Forward substitution over row blocks of BS nodes. Ancestors come before their descendants, so block
     # s needs U of earlier blocks (written to `u` already) and of its own diagonal block.
@@ -112,7 +112,8 @@ def tree_gdn_verify_fwd_kernel(
         b_beta = tl.load(beta + (i_b * T + o_s) * H + i_h, mask=m_s, other=0).to(tl.float32)
         b_anc = tl.load(p_anc + o_s[:, None] * T + o_t[None, :], mask=m_s[:, None] & m_t[None, :], other=0) != 0
         b_ancd = tl.load(p_anc + o_s[:, None] * T + o_s[None, :], mask=m_s[:, None] & m_s[None, :], other=0) != 0
-        b_lps = tl.sum(tl.where(b_anc, b_g[None, :], 0.0), axis=1)  # [BS] log P of the block's rows
+        b_lps = tl.sum(tl.where(b_anc, b_g[None, :], 0.0), axis=1)  # [BS] log P: sum of g over ancestors-or-self
+        b_lp += tl.sum(tl.where(o_t[None, :] == o_s[:, None], b_lps[:, None], 0.0), axis=0)
         # (I + G_ss) is nilpotent of index (longest chain inside the block): that many Neumann terms.
         n_diag = tl.max(tl.sum(b_ancd.to(tl.int32), axis=1), axis=0) - 1
 
