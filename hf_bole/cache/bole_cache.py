@@ -1,0 +1,696 @@
+"""BoleCache: the committed state of a hybrid (GDN + full attention) model per batch row, plus the scratch
+of one tree-verification round, and the commit that keeps only each row's accepted path.
+
+Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses stay put for CUDA graphs):
+
+    keys, values   [NA, B, Hkv, C, Dh]   full-attention KV of the NA attention layers, slot s of row b is the
+                                         s-th token of that row's sequence (left padding included)
+    conv           [NG, B, D, W]         GDN conv windows (transformers' layout: last W pre-conv inputs, oldest
+                                         first), D = 2 Hk K + H V
+    recurrent      [NG, B, H, K, V]      GDN recurrent states, float32, stacked so that one `tree_gdn_commit`
+                                         launch updates every GDN layer
+    lengths        [B]                   committed slots per row (left padding included)
+    positions      [B]                   position id of each row's next token
+    valid          [B, C]                False on padding slots
+
+A tree round (`tree_mode`) writes the tree's KV into the free slots right after each row's committed ones
+(slot `lengths[b] + i` for node i), and keeps the per-node GDN factors (k, u, log-decay) or, for the serial
+baseline, per-node state snapshots, together with every node's pre-conv input. `commit(path)` then moves the
+accepted nodes' KV into place, applies Eq. 10 to all GDN layers at once and rebuilds the conv windows. The
+committed state is never touched before `commit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from hf_bole.kernels import (
+    tree_ancestor_mask,
+    tree_conv_state_commit,
+    tree_gdn_commit,
+    tree_gdn_commit_serial,
+)
+from hf_bole.kernels.utils import check_parents, check_path, is_capturing
+
+VERIFY_MODES = ("closed_form", "serial")
+CAPACITY_STEP = 64  # the KV capacity grows in multiples of this many slots
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _extend(t: torch.Tensor, dim: int, extra: int, fill) -> torch.Tensor:
+    """`t` with `extra` more entries along `dim`, filled with `fill` (a new tensor: growth moves storage)."""
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
+
+
+@dataclass
+class GDNTreeState:
+    """What a GDN layer hands to `BoleCache.update_recurrent_state` in tree mode, in place of a new state.
+
+    Closed form (`verify="closed_form"`): the factors of `tree_gdn_verify`, from which `commit` builds the state
+    after any accepted path (Eq. 10). Serial (`verify="serial"`): the state after every node.
+
+    Args:
+        use_qk_l2norm: whether the verify kernel L2-normalised q and k (the commit must do the same to k).
+        key: `[B, N, Hk, K]` the keys given to the verify kernel (closed form).
+        u: `[B, N, H, V]` float32 delta-rule writes (closed form).
+        log_decay: `[B, N, H]` float32 inclusive sums of g along each node's path (closed form).
+        snapshots: `[B, N, H, K, V]` float32 state after every node (serial).
+    """
+
+    use_qk_l2norm: bool
+    key: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    log_decay: torch.Tensor | None = None
+    snapshots: torch.Tensor | None = None
+
+
+@dataclass
+class _TreeRound:
+    """Scratch of one tree-verification round. Buffers are reused by the next round of the same shape."""
+
+    parents: torch.Tensor  # [B, N]
+    verify: str
+    slots: torch.Tensor  # [B, N] KV slot of every node: lengths[b] + i
+    conv_inputs: torch.Tensor  # [NG, B, N, D] pre-conv inputs of every node
+    keys: torch.Tensor | None  # [NG, B, N, Hk, K] (closed form)
+    u: torch.Tensor | None  # [NG, B, N, H, V] float32 (closed form)
+    log_decay: torch.Tensor | None  # [NG, B, N, H] float32 (closed form)
+    snapshots: list[torch.Tensor | None] = field(default_factory=list)  # NG x [B, N, H, K, V] (serial)
+    use_qk_l2norm: bool = True
+    active: bool = False  # inside the verify forward: cache writes go to this round
+    ready: bool = False  # a finished verify forward waits for `commit`
+
+
+class BoleAttentionLayer(CacheLayerMixin):
+    """A full-attention layer of a `BoleCache`: views into the cache's stacked per-row KV storage."""
+
+    is_compileable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, cache: BoleCache, layer_idx: int):
+        # The base initialiser would set `keys`/`values` attributes; here they are views of the cache's storage.
+        self.cache, self.layer_idx = cache, layer_idx
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """`[B, Hkv, C, Dh]` this layer's key slots."""
+        return self.cache._keys[self.cache._attn_index[self.layer_idx]]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """`[B, Hkv, C, Dh]` this layer's value slots."""
+        return self.cache._values[self.cache._attn_index[self.layer_idx]]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the cache allocates its storage up front."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return self.cache.get_max_length()
+
+
+class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
+    """A GDN layer of a `BoleCache`: views into the cache's stacked conv windows and recurrent states."""
+
+    is_croppable = False
+
+    def __init__(self, cache: BoleCache, layer_idx: int):
+        self.cache, self.layer_idx = cache, layer_idx
+        self.number_of_states = 1
+        self.record_past = False
+
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor]:
+        return {0: self.cache._conv[self.cache._gdn_index[self.layer_idx]]}
+
+    @property
+    def recurrent_states(self) -> dict[int, torch.Tensor]:
+        return {0: self.cache._recurrent[self.cache._gdn_index[self.layer_idx]]}
+
+    @property
+    def has_previous_state(self) -> dict[int, bool]:
+        return {0: self.cache._gdn_started[self.cache._gdn_index[self.layer_idx]]}
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
+        """Nothing to do: the cache allocates its storage up front."""
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        return self.cache.update_conv_state(conv_states, self.layer_idx, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        return self.cache.update_recurrent_state(recurrent_states, self.layer_idx, state_idx, **kwargs)
+
+
+class BoleCache(Cache):
+    """
+    A transformers `Cache` for Qwen3.5 hybrid models (Gated DeltaNet + full attention) that verifies a whole
+    draft tree in one forward and commits only each row's accepted path.
+
+    Plain forwards (prefill, one-token decode, `model.generate`) behave exactly as with transformers' own
+    caches. `hf_bole.models.tree_forward` runs the model over a tree of candidate tokens per row without
+    changing the committed state, and `commit(path)` then appends each row's accepted root-to-leaf path.
+    Rows advance independently: each keeps its own length, left padding and next position.
+
+    Args:
+        config (`PreTrainedConfig`):
+            The model config: a Qwen3.5 (or Qwen3.5-MoE) text config, or the composite config of a
+            `...ForConditionalGeneration` model (its text config is used).
+        batch_size (`int`):
+            Number of rows.
+        max_cache_len (`int`, *optional*):
+            KV slots per row, allocated once (the addresses then never change, as CUDA graphs need). A tree
+            round needs `N` free slots after the longest row. `None` grows the storage on demand instead.
+        device (`torch.device` or `str`, *optional*, defaults to `"cpu"`):
+            Where the cache lives (the model's device).
+        dtype (`torch.dtype`, *optional*):
+            Dtype of the KV and conv windows, which must be the model's dtype; defaults to `config.dtype`.
+            Recurrent states are always float32.
+
+    Attributes:
+        lengths (`torch.LongTensor` of shape `(batch_size,)`):
+            Committed tokens per row, left padding included: the length the row has in a left-padded batch of
+            sequences (as in `generate`'s `input_ids`), without the pending root token.
+        positions (`torch.LongTensor` of shape `(batch_size,)`):
+            The position id the next token of each row gets. Read from the position ids of plain forwards
+            (`generate` numbers real tokens from 0, so there `positions = lengths - left padding`; a plain
+            call without position ids numbers slots, so `positions = lengths`), advanced by `commit`.
+
+    Example:
+
+    ```python
+    >>> cache = BoleCache(model.config, batch_size=2, device=model.device, dtype=model.dtype)
+    >>> out = model(input_ids, attention_mask=attention_mask, past_key_values=cache)  # prefill
+    >>> tree = tree_forward(model, cache, tree_ids, parents)  # verify a tree per row
+    >>> cache.commit(path)  # keep each row's accepted path, e.g. path = [[0, 2, 5], [0, -1, -1]]
+    ```
+    """
+
+    def __init__(
+        self,
+        config,
+        batch_size: int,
+        max_cache_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        from hf_bole.models import install_adapter
+
+        config = config.get_text_config(decoder=True)
+        # Wires the model family's tree seams and plain-forward observation (once per process).
+        install_adapter(config)
+        layer_types = list(config.layer_types)
+        attn_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        gdn_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
+        if not attn_layers or not gdn_layers or len(attn_layers) + len(gdn_layers) != len(layer_types):
+            raise ValueError(
+                f"BoleCache needs a hybrid model whose layers are 'linear_attention' (GDN) or 'full_attention', "
+                f"with at least one of each; got layer_types={layer_types}"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be positive or None, got {max_cache_len}")
+        if dtype is None:
+            dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
+        device = torch.device("cpu" if device is None else device)
+
+        layers = [
+            BoleAttentionLayer(self, i) if t == "full_attention" else BoleLinearAttentionLayer(self, i)
+            for i, t in enumerate(layer_types)
+        ]
+        super().__init__(layers=layers)
+        self.max_cache_len = max_cache_len
+        self.dtype, self.device = dtype, device
+        self._batch_size = batch_size
+        self._attn_index = {layer: a for a, layer in enumerate(attn_layers)}
+        self._gdn_index = {layer: g for g, layer in enumerate(gdn_layers)}
+        self._last_attn_layer = attn_layers[-1]
+
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._kv_shape = (len(attn_layers), batch_size, config.num_key_value_heads, head_dim)
+        hk, k = config.linear_num_key_heads, config.linear_key_head_dim
+        hv, v = config.linear_num_value_heads, config.linear_value_head_dim
+        self._gdn_dims = (hk, k, hv, v)
+        self._conv_dim = 2 * hk * k + hv * v
+        width = config.linear_conv_kernel_dim
+
+        capacity = max_cache_len or 0
+        NA, B, Hkv, Dh = self._kv_shape
+        self._keys = torch.zeros(NA, B, Hkv, capacity, Dh, dtype=dtype, device=device)
+        self._values = torch.zeros_like(self._keys)
+        self._conv = torch.zeros(len(gdn_layers), B, self._conv_dim, width, dtype=dtype, device=device)
+        self._recurrent = torch.zeros(len(gdn_layers), B, hv, k, v, dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(B, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(B, dtype=torch.int64, device=device)
+        self._valid = torch.ones(B, capacity, dtype=torch.bool, device=device)
+        self.device = self.lengths.device  # with its index: "cuda" becomes "cuda:0"
+
+        # Host-side bookkeeping, so that the hot path never reads a length back from the device.
+        self._aligned_length: int | None = 0  # the common length while all rows are known to be equal
+        self._length_bound = 0  # an upper bound on max(lengths)
+        self._observed = False  # the current plain forward's positions and padding were recorded
+        self._gdn_started = [False] * len(gdn_layers)
+        self._round: _TreeRound | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"BoleCache(batch_size={self._batch_size}, capacity={self.capacity}, "
+            f"attention_layers={len(self._attn_index)}, gdn_layers={len(self._gdn_index)}, dtype={self.dtype})"
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def capacity(self) -> int:
+        """KV slots per row currently allocated."""
+        return self._keys.shape[3]
+
+    @property
+    def is_compileable(self) -> bool:
+        # `generate` would auto-compile its decode step around this cache, whose length bookkeeping is on the
+        # host; the decoding loop captures its own CUDA graphs instead.
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def transient_bytes(self) -> dict[str, int]:
+        """Bytes of per-round tree state of the last `tree_forward`: GDN factors (k, u, log-decay; closed form),
+        per-node state snapshots (serial), pre-conv inputs, and the tree's KV (written in place into the free
+        slots of the KV storage, so not a separate allocation)."""
+        out = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}
+        r = self._round
+        if r is None:
+            return out
+        out["factors"] = _nbytes(r.keys) + _nbytes(r.u) + _nbytes(r.log_decay)
+        out["snapshots"] = sum(_nbytes(s) for s in r.snapshots)
+        out["conv_inputs"] = _nbytes(r.conv_inputs)
+        NA, B, Hkv, Dh = self._kv_shape
+        out["tree_kv"] = 2 * NA * B * Hkv * r.parents.shape[1] * Dh * self._keys.element_size()
+        return out
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Writes the new keys/values of full-attention layer `layer_idx` and returns the layer's KV.
+
+        Plain forward: appends `q` tokens to every row and returns `[B, Hkv, lengths + q, Dh]`. Tree mode:
+        writes node i of row b to slot `lengths[b] + i` and returns the whole storage `[B, Hkv, C, Dh]`, to be
+        read with the ancestor mask of `tree_mode`.
+        """
+        a = self._attention_index(layer_idx)
+        self._check_batch(key_states.shape[0], "key_states")
+        if key_states.dtype != self.dtype:
+            raise ValueError(
+                f"BoleCache was created with dtype={self.dtype} but the model runs in {key_states.dtype}; "
+                f"create it with dtype=model.dtype"
+            )
+        r = self._round
+        if r is not None and r.active:
+            B, H, N, D = key_states.shape
+            index = r.slots[:, None, :, None].expand(B, H, N, D)
+            self._keys[a].scatter_(2, index, key_states)
+            self._values[a].scatter_(2, index, value_states)
+            return self._keys[a], self._values[a]
+
+        start, q = self._plain_length(), key_states.shape[2]
+        self._ensure_capacity(start + q)
+        if r is not None:
+            r.ready = False  # this write lands in the tree's slots
+        self._keys[a, :, :, start : start + q].copy_(key_states)
+        self._values[a, :, :, start : start + q].copy_(value_states)
+        if layer_idx == self._last_attn_layer:
+            self._finish_plain_forward(start + q, q)
+        return self._keys[a, :, :, : start + q], self._values[a, :, :, : start + q]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The common length of all rows (left padding included). Rows that accepted different numbers of
+        tokens have no common length: their maximum is returned then (one read from the device)."""
+        if self._aligned_length is None and not self._check_aligned():
+            return int(self.lengths.max())
+        return self._aligned_length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._plain_length() + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1 if self.max_cache_len is None else self.max_cache_len
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """`[B, D, W]` the committed conv window of GDN layer `layer_idx`, or None before its first forward.
+        In tree mode always the window (zeros on a fresh cache): the tree conv falls back to it above the root."""
+        g = self._gdn(layer_idx)
+        if self._gdn_started[g] or self._tree_active():
+            return self._conv[g]
+        return None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """`[B, H, K, V]` float32 committed state of GDN layer `layer_idx`, or None before its first forward.
+        In tree mode always the state, which the verification starts from and does not change."""
+        g = self._gdn(layer_idx)
+        if self._gdn_started[g] or self._tree_active():
+            return self._recurrent[g]
+        return None
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is None:
+            layer_idx = max(self._gdn_index)
+        return self._gdn_started[self._gdn(layer_idx)]
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        # In tree mode the one-token fast path (which updates the conv window in place) must not run, even for
+        # a one-node tree: answering True sends the GDN layer through `update_conv_state` and the conv seam.
+        return self._tree_active()
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        """Takes the new pre-conv inputs `[B, D, q]` of GDN layer `layer_idx` and returns the conv's input:
+        the committed window followed by them (just them at the first forward).
+
+        Plain forward: the window becomes the last W inputs. Tree mode: the inputs are kept for `commit` and
+        the window is left as it is.
+        """
+        g = self._gdn(layer_idx)
+        self._check_batch(conv_states.shape[0], "conv_states")
+        r = self._round
+        if r is not None and r.active:
+            r.conv_inputs[g].copy_(conv_states.transpose(1, 2))
+            return torch.cat([self._conv[g], conv_states.to(self._conv.dtype)], dim=-1)
+        width = self._conv.shape[-1]
+        if not self._gdn_started[g]:  # first forward: a shorter input leaves zeros in front, as upstream pads
+            self._gdn_started[g] = True
+            tail = conv_states[..., -width:]
+            self._conv[g].zero_()
+            self._conv[g, ..., width - tail.shape[-1] :].copy_(tail)
+            return conv_states
+        full = torch.cat([self._conv[g], conv_states.to(self._conv.dtype)], dim=-1)
+        self._conv[g].copy_(full[..., -width:])
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor | GDNTreeState, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        """Plain forward: stores the new state `[B, H, K, V]` of GDN layer `layer_idx`. Tree mode: takes the
+        layer's `GDNTreeState` (factors or snapshots) for `commit`; the committed state is left as it is."""
+        g = self._gdn(layer_idx)
+        r = self._round
+        if r is not None and r.active:
+            if not isinstance(recurrent_states, GDNTreeState):
+                raise RuntimeError(
+                    "a GDN layer reached the cache in tree mode without going through the tree verification: the "
+                    "hf_bole adapter is not wired into this model (call hf_bole.models.tree_forward)"
+                )
+            r.use_qk_l2norm = recurrent_states.use_qk_l2norm
+            if r.verify == "serial":
+                r.snapshots[g] = recurrent_states.snapshots
+            else:
+                r.keys[g].copy_(recurrent_states.key)
+                r.u[g].copy_(recurrent_states.u)
+                r.log_decay[g].copy_(recurrent_states.log_decay)
+            return self._recurrent[g]
+        self._recurrent[g].copy_(recurrent_states)
+        return self._recurrent[g]
+
+    def record_plain_inputs(
+        self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, num_tokens: int
+    ) -> None:
+        """Called by the model adapter at the start of every plain forward through this cache, with the
+        forward's 2D attention mask `[B, past + q]` (or None) and text position ids `[B, q]` (or None).
+
+        Records which of the `q = num_tokens` new slots are padding and the position the next token will get,
+        which tree rounds need (their masks skip padding, their positions continue the row's numbering).
+        """
+        start = self._plain_length()
+        self._ensure_capacity(start + num_tokens)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            self._check_batch(attention_mask.shape[0], "attention_mask")
+            self._valid[:, start : start + num_tokens].copy_(attention_mask[:, -num_tokens:].bool())
+        if position_ids is not None:
+            self.positions.copy_(position_ids[:, -1].expand(self._batch_size) + 1)
+            self._observed = True
+
+    def _finish_plain_forward(self, new_length: int, num_tokens: int) -> None:
+        self.lengths.add_(num_tokens)
+        if not self._observed:
+            self.positions.add_(num_tokens)
+        self._observed = False
+        self._aligned_length = self._length_bound = new_length
+
+    @contextlib.contextmanager
+    def tree_mode(
+        self, parents: torch.Tensor, verify: str = "closed_form", ancestors: torch.Tensor | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Routes this cache into tree mode for one verification forward.
+
+        Args:
+            parents (`torch.LongTensor` of shape `(batch_size, N)`):
+                Parent of every node, `-1 <= parents[b, i] < i`; node 0 is the row's root (parent -1), padding
+                nodes of a ragged batch also have parent -1.
+            verify (`str`): "closed_form" keeps GDN factors, "serial" keeps per-node state snapshots.
+            ancestors (`torch.BoolTensor` of shape `(batch_size, N, N)`, *optional*): `tree_ancestor_mask(parents)`
+                when the caller has it already.
+
+        Yields:
+            attention_mask (`torch.BoolTensor` of shape `(batch_size, 1, N, capacity)`): node i of row b sees the
+                row's committed, non-padding slots, its tree ancestors and itself.
+            position_ids (`torch.LongTensor` of shape `(batch_size, N)`): `positions[b] + depth(i)`.
+        """
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if parents.dim() != 2:
+            raise ValueError(f"parents must be [B, N], got shape {tuple(parents.shape)}")
+        B, N = parents.shape
+        self._check_batch(B, "parents")
+        check_parents(parents, B, N)
+        if parents.device != self.device:
+            raise ValueError(f"parents are on {parents.device} but the cache is on {self.device}")
+        self._reserve_tree(N)
+
+        r = self._prepare_round(parents, verify)
+        anc = tree_ancestor_mask(parents) if ancestors is None else ancestors  # [B, N, N]
+        position_ids = self.positions[:, None] + anc.sum(-1) - 1
+        rel = torch.arange(self.capacity, device=self.device)[None, :] - self.lengths[:, None]  # [B, C]
+        in_tree = (rel >= 0) & (rel < N)
+        tree_part = anc.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(B, N, -1)) & in_tree[:, None, :]
+        committed = (rel < 0) & self._valid  # [B, C]
+        attention_mask = (committed[:, None, :] | tree_part)[:, None]  # [B, 1, N, C]
+
+        r.active, r.ready = True, False
+        try:
+            yield attention_mask, position_ids
+        finally:
+            r.active = False
+        r.ready = True
+
+    def commit(self, path: torch.Tensor) -> None:
+        """Appends each row's accepted path of the last tree round to the committed state.
+
+        Args:
+            path (`torch.LongTensor` of shape `(batch_size, L)`):
+                Node indices root-to-leaf (starting with 0, the root), right-padded with -1, L <= N. A row of
+                only -1 commits nothing.
+
+        Moves the path's KV into slots `lengths[b] + j`, sets every GDN state to the state after the path (one
+        stacked `tree_gdn_commit`, or the leaf's snapshot in serial mode) and every conv window to the last W
+        pre-conv inputs, and advances `lengths` and `positions` by the path's length.
+        """
+        r = self._round
+        if r is None or not r.ready:
+            raise ValueError("commit(path) needs a tree round to commit: call tree_forward first (once per commit)")
+        B, N = r.parents.shape
+        check_path(path, B, N)
+        L = path.shape[1]
+        if L > N:
+            raise ValueError(f"path holds at most N = {N} nodes (the tree's size), got L = {L}")
+        if path.device != self.device:
+            raise ValueError(f"path is on {path.device} but the cache is on {self.device}")
+        if not is_capturing(path) and bool(((path[:, 0] != 0) & (path[:, 0] != -1)).any()):
+            raise ValueError(
+                f"every path starts at the root, node 0 (or is all -1), got path[:, 0] = {path[:, 0].tolist()}"
+            )
+        # A path need only be increasing for check_path; it must also follow parent links.
+        if not is_capturing(path):
+            prev = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)
+            linked = r.parents.gather(1, path.clamp(min=0)) == prev
+            if bool(((path >= 0) & ~linked).any()):
+                raise ValueError(
+                    f"path must follow parent links from the root, got {path.tolist()} for parents {r.parents.tolist()}"
+                )
+
+        accepted = path >= 0  # [B, L]
+        steps = torch.arange(L, device=self.device)
+        dst = self.lengths[:, None] + steps  # [B, L]
+        src = self.lengths[:, None] + path.clamp(min=0)
+        for buf in (self._keys, self._values):
+            NA, _, H, _, D = buf.shape
+            dst_i, src_i = (x[None, :, None, :, None].expand(NA, B, H, L, D) for x in (dst, src))
+            # Padding entries write their own slot back, so every row's scatter has distinct targets.
+            moved = torch.where(accepted[None, :, None, :, None], buf.gather(3, src_i), buf.gather(3, dst_i))
+            buf.scatter_(3, dst_i, moved)
+
+        if r.verify == "serial":
+            for g, snapshots in enumerate(r.snapshots):
+                self._recurrent[g].copy_(tree_gdn_commit_serial(self._recurrent[g], snapshots, path))
+        else:
+            tree_gdn_commit(
+                self._recurrent, r.keys, r.u, r.log_decay, path,
+                use_qk_l2norm_in_kernel=r.use_qk_l2norm, out=self._recurrent,
+            )  # fmt: skip
+        NG, _, D, W = self._conv.shape
+        conv = self._conv.view(NG * B, D, W)
+        tree_conv_state_commit(conv, r.conv_inputs.view(NG * B, N, D), path.repeat(NG, 1), out=conv)
+
+        num_accepted = accepted.sum(1)
+        self.lengths.add_(num_accepted)
+        self.positions.add_(num_accepted)
+        self._length_bound += L
+        self._aligned_length = None
+        self._gdn_started = [True] * NG
+        r.ready = False
+
+    def _prepare_round(self, parents: torch.Tensor, verify: str) -> _TreeRound:
+        B, N = parents.shape
+        slots = self.lengths[:, None] + torch.arange(N, device=self.device)
+        r = self._round
+        if r is None or r.parents.shape != parents.shape or r.verify != verify:
+            NG = self._conv.shape[0]
+            hk, k, hv, v = self._gdn_dims
+            closed = verify == "closed_form"
+            f32 = dict(dtype=torch.float32, device=self.device)
+            r = self._round = _TreeRound(
+                parents=parents,
+                verify=verify,
+                slots=slots,
+                conv_inputs=torch.empty(NG, B, N, self._conv_dim, dtype=self.dtype, device=self.device),
+                keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=self.device) if closed else None,
+                u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
+                log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,
+                snapshots=[None] * NG,
+            )
+        r.parents, r.slots = parents, slots
+        return r
+
+    def _tree_active(self) -> bool:
+        return self._round is not None and self._round.active
+
+    def _check_aligned(self) -> bool:
+        """Reads the lengths back (once) to learn whether all rows are equally long again."""
+        low, high = (int(x) for x in torch.aminmax(self.lengths))
+        if low == high:
+            self._aligned_length = self._length_bound = high
+        return low == high
+
+    def _plain_length(self) -> int:
+        """The common length plain forwards append at; rows must be equally long."""
+        if self._aligned_length is None and not self._check_aligned():
+            raise ValueError(
+                f"a plain forward appends the same tokens to all rows, but the rows of this BoleCache hold different "
+                f"lengths {self.lengths.tolist()} after tree commits; continue with hf_bole.models.tree_forward "
+                f"(a one-node tree is a one-token decode)"
+            )
+        return self._aligned_length
+
+    def _reserve_tree(self, num_nodes: int) -> None:
+        """Makes sure every row has `num_nodes` free slots, reading the lengths back only when the host-side
+        bound says they might not fit."""
+        if self._length_bound + num_nodes <= self.capacity:
+            return
+        if is_capturing(self.lengths):
+            raise ValueError(
+                f"a tree of {num_nodes} nodes may not fit after rows of up to {self._length_bound} tokens in "
+                f"max_cache_len={self.capacity} slots, which cannot be checked during CUDA graph capture; create the "
+                f"BoleCache with a larger max_cache_len"
+            )
+        self._length_bound = int(self.lengths.max())
+        reason = f"a tree of {num_nodes} nodes after the longest row ({self._length_bound} tokens)"
+        self._ensure_capacity(self._length_bound + num_nodes, reason)
+
+    def _ensure_capacity(self, needed: int, reason: str = "this forward") -> None:
+        C = self.capacity
+        if needed <= C:
+            return
+        if self.max_cache_len is not None:
+            raise ValueError(
+                f"{reason} needs {needed} KV slots per row, but the BoleCache holds max_cache_len="
+                f"{self.max_cache_len}; create it with a larger max_cache_len (or None to grow it on demand)"
+            )
+        extra = -(-max(needed, 2 * C) // CAPACITY_STEP) * CAPACITY_STEP - C
+        self._keys = _extend(self._keys, 3, extra, 0)
+        self._values = _extend(self._values, 3, extra, 0)
+        self._valid = _extend(self._valid, 1, extra, True)
+
+    def _attention_index(self, layer_idx: int) -> int:
+        if layer_idx not in self._attn_index:
+            raise ValueError(f"layer {layer_idx} is not a full-attention layer of this BoleCache")
+        return self._attn_index[layer_idx]
+
+    def _gdn(self, layer_idx: int) -> int:
+        if layer_idx not in self._gdn_index:
+            raise ValueError(f"layer {layer_idx} is not a GDN (linear_attention) layer of this BoleCache")
+        return self._gdn_index[layer_idx]
+
+    def _check_batch(self, batch: int, name: str) -> None:
+        if batch != self._batch_size:
+            raise ValueError(
+                f"BoleCache was created for batch_size={self._batch_size}, but {name} has batch size {batch}; "
+                f"create a cache per batch size"
+            )
+
+    def reset(self) -> None:
+        """Empties every row (storage is kept)."""
+        for t in (self._keys, self._values, self._conv, self._recurrent, self.lengths, self.positions):
+            t.zero_()
+        self._valid.fill_(True)
+        self._aligned_length, self._length_bound, self._observed = 0, 0, False
+        self._gdn_started = [False] * len(self._gdn_started)
+        self._round = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keeps the rows `beam_idx` (beam search)."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps the rows `indices`, in that order (the batch size becomes `len(indices)`)."""
+        indices = indices.to(self.device)
+        for name in ("_keys", "_values", "_conv", "_recurrent"):  # [layers, B, ...]
+            setattr(self, name, getattr(self, name).index_select(1, indices))
+        for name in ("lengths", "positions", "_valid"):  # [B, ...]
+            setattr(self, name, getattr(self, name).index_select(0, indices))
+        self._batch_size = len(indices)
+        self._kv_shape = (self._kv_shape[0], self._batch_size, *self._kv_shape[2:])
+        self._round = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "BoleCache does not roll back: verify candidates with hf_bole.models.tree_forward and keep only the "
+            "accepted ones with commit(path)"
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self._batch_size, device=self.device).repeat_interleave(repeats))
+
+    def activate_past_recording(self) -> None:
+        raise NotImplementedError("BoleCache does not record past states: it commits only accepted tree paths")

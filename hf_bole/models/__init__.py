@@ -1,0 +1,19 @@
+"""Model adapters: tree-mode forwards for the supported hybrid model families."""
+
+from hf_bole.models.qwen3_5 import (
+    SUPPORTED_CLASSES,
+    TreeBatch,
+    TreeForwardOutput,
+    check_supported_model,
+    install_adapter,
+    tree_forward,
+)
+
+__all__ = [
+    "SUPPORTED_CLASSES",
+    "TreeBatch",
+    "TreeForwardOutput",
+    "check_supported_model",
+    "install_adapter",
+    "tree_forward",
+]

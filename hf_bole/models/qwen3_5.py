@@ -1,0 +1,248 @@
+"""The narrow adapter that routes Qwen3.5 and Qwen3.5-MoE layers into tree mode, on transformers' own classes.
+
+Tree mode is asked for per call: `tree_forward` passes a `bole_tree` keyword argument, which the model's
+forward hands untouched to every layer, and a dict attention mask, which the model passes through untouched.
+Without them every layer runs exactly as upstream. The seams, all module-level functions of transformers'
+Qwen3.5 modeling files, wrapped once per process and passing through unless asked:
+
+    causal_conv1d_fn                   the GDN conv (a hub-kernel seam): with `bole_tree`, the conv along each
+                                       node's ancestor path (`tree_causal_conv1d`)
+    torch_chunk_gated_delta_rule,      the GDN recurrences (hub-kernel seams): with `bole_tree`, the closed-form
+    torch_recurrent_gated_delta_rule   verification from the committed state (`tree_gdn_verify`), or the serial
+                                       walk; they return a `GDNTreeState` where a new state would go, which the
+                                       layer hands to `BoleCache.update_recurrent_state`
+    create_recurrent_attention_mask    called once per plain forward with the 2D attention mask and the position
+                                       ids: tells a BoleCache which new slots are padding and which position
+                                       comes next (nothing else in a forward shows the cache those)
+
+Full-attention layers need no seam: the ancestor mask arrives as the attention mask, the tree positions as
+position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask indexes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import transformers
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
+from hf_bole.kernels import tree_ancestor_mask, tree_causal_conv1d, tree_gdn_verify, tree_gdn_verify_serial
+
+SUPPORTED_CLASSES = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+SUPPORTED_MODEL_TYPES = {"qwen3_5_text": modeling_qwen3_5, "qwen3_5_moe_text": modeling_qwen3_5_moe}
+# The tree mask is an arbitrary ancestor pattern, which these attention implementations take as a 4D mask.
+TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclass
+class TreeBatch:
+    """The `bole_tree` keyword argument: what the GDN seams need to verify a tree.
+
+    Args:
+        parents: `[B, N]` int64 parent of every node (-1 for roots and padding nodes).
+        verify: "closed_form" or "serial".
+        ancestors: `[B, N, N]` bool ancestor-or-self mask of the trees, built once for all GDN layers.
+    """
+
+    parents: torch.Tensor
+    verify: str
+    ancestors: torch.Tensor
+
+
+@dataclass
+class TreeForwardOutput:
+    """
+    Output of `tree_forward`.
+
+    Args:
+        logits (`torch.FloatTensor` of shape `(batch_size, N, vocab_size)`):
+            The model's logits at every node (same dtype as the model's logits), i.e. its prediction of the
+            token after that node.
+        hidden_states (`torch.FloatTensor` of shape `(batch_size, N, hidden_size)`):
+            The final-norm output at every node (the input of `lm_head`), e.g. for an MTP drafter.
+    """
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor
+
+
+def check_supported_model(model: torch.nn.Module) -> None:
+    """Raises a `ValueError` unless `model` is a Qwen3.5 (dense or MoE) model hf_bole can verify trees with:
+    one of `SUPPORTED_CLASSES`, with GDN and full-attention layers and an attention implementation that
+    takes an arbitrary 4D mask ("sdpa" or "eager")."""
+    supported = tuple(getattr(transformers, name) for name in SUPPORTED_CLASSES)
+    if not isinstance(model, supported):
+        raise ValueError(
+            f"hf_bole verifies trees on {', '.join(SUPPORTED_CLASSES)} (text-only input); got {type(model).__name__}"
+        )
+    config = model.config.get_text_config(decoder=True)
+    layer_types = set(config.layer_types)
+    if layer_types != {"linear_attention", "full_attention"}:
+        raise ValueError(
+            f"hf_bole needs a hybrid model with both GDN ('linear_attention') and 'full_attention' layers; "
+            f"{type(model).__name__} has layer types {sorted(layer_types)}"
+        )
+    if config._attn_implementation not in TREE_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"tree verification passes an ancestor mask, which attn_implementation="
+            f"{config._attn_implementation!r} cannot take; load the model with attn_implementation='sdpa' "
+            f"(or 'eager')"
+        )
+
+
+def install_adapter(config) -> None:
+    """Wraps the tree seams of the modeling module of `config` (a text config; once per process).
+
+    Raises a `ValueError` naming the supported classes for any other model family.
+    """
+    module = SUPPORTED_MODEL_TYPES.get(config.model_type)
+    if module is None:
+        raise ValueError(
+            f"hf_bole supports {', '.join(SUPPORTED_CLASSES)} (model types {', '.join(SUPPORTED_MODEL_TYPES)}); "
+            f"got a config of model type {config.model_type!r}"
+        )
+    _wrap(module, "causal_conv1d_fn", _tree_causal_conv1d_fn)
+    _wrap(module, "torch_chunk_gated_delta_rule", _tree_gated_delta_rule)
+    _wrap(module, "torch_recurrent_gated_delta_rule", _tree_gated_delta_rule)
+    _wrap(module, "create_recurrent_attention_mask", _observed_recurrent_attention_mask)
+
+
+@torch.no_grad()
+def tree_forward(
+    model: torch.nn.Module,
+    cache: BoleCache,
+    input_ids: torch.LongTensor,
+    parents: torch.LongTensor,
+    verify: str = "closed_form",
+) -> TreeForwardOutput:
+    """Runs the model over a draft tree per row in one forward, from the committed state of `cache`.
+
+    Every node gets exactly the logits the model gives it when the node's root-to-node path is decoded token
+    by token from the committed state. The committed state is not modified; `cache.commit(path)` then keeps
+    each row's accepted path.
+
+    Args:
+        model: a Qwen3.5 model (see `check_supported_model`).
+        cache: the `BoleCache` the model was prefilled with.
+        input_ids: `[B, N]` int64 tokens of the nodes. Node 0 of each row is its root: the last accepted token,
+            not yet in the cache.
+        parents: `[B, N]` int64, `parents[:, 0] = -1` and `0 <= parents[b, i] < i` otherwise; rows of a ragged
+            batch are padded with extra nodes of parent -1, whose outputs are meaningless.
+        verify: "closed_form" (GDN layers keep per-node factors; the default) or "serial" (node by node with a
+            state snapshot per node: the SGLang-Tree baseline).
+
+    Returns:
+        `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`.
+
+    Example:
+        >>> cache = BoleCache(model.config, batch_size=1, dtype=model.dtype)
+        >>> _ = model(prompt_ids, past_key_values=cache)  # prefill all but the last prompt token
+        >>> ids = torch.tensor([[last_token, 11, 12, 13]])
+        >>> parents = torch.tensor([[-1, 0, 0, 1]])  # root, two children, a grandchild under node 1
+        >>> out = tree_forward(model, cache, ids, parents)
+        >>> cache.commit(torch.tensor([[0, 1, 3]]))  # accept root -> 1 -> 3
+    """
+    check_supported_model(model)
+    if not isinstance(cache, BoleCache):
+        raise ValueError(f"tree_forward needs a BoleCache, got {type(cache).__name__}")
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if input_ids.dim() != 2 or input_ids.shape != parents.shape:
+        raise ValueError(
+            f"input_ids and parents must both be [B, N], got {tuple(input_ids.shape)} and {tuple(parents.shape)}"
+        )
+    decoder = model.get_decoder()
+    config = decoder.config
+    install_adapter(config)
+    if len(cache.layers) != config.num_hidden_layers:
+        raise ValueError(
+            f"the BoleCache has {len(cache.layers)} layers but the model {config.num_hidden_layers}; build the cache "
+            f"from this model's config"
+        )
+    ancestors = tree_ancestor_mask(parents)  # one tree for every layer: the mask, positions and GDN kernels share it
+    with cache.tree_mode(parents, verify, ancestors=ancestors) as (mask, position_ids):
+        if config._attn_implementation == "eager":
+            dtype = decoder.get_input_embeddings().weight.dtype
+            mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+        # Qwen3.5 takes mRoPE position ids: a text row and three rotary rows, all equal for text.
+        outputs = decoder(
+            input_ids=input_ids,
+            attention_mask={"full_attention": mask, "linear_attention": None},
+            position_ids=position_ids[None].expand(4, -1, -1),
+            past_key_values=cache,
+            use_cache=True,
+            bole_tree=TreeBatch(parents=parents, verify=verify, ancestors=ancestors),
+        )
+    hidden_states = outputs.last_hidden_state
+    return TreeForwardOutput(logits=model.get_output_embeddings()(hidden_states), hidden_states=hidden_states)
+
+
+def _wrap(module: ModuleType, name: str, make_wrapper) -> None:
+    original = getattr(module, name)
+    if getattr(original, "__hf_bole_original__", None) is not None:
+        return
+    wrapper = make_wrapper(original)
+    wrapper.__hf_bole_original__ = original
+    setattr(module, name, wrapper)
+
+
+def _tree_causal_conv1d_fn(original):
+    @functools.wraps(original)
+    def causal_conv1d_fn(
+        hidden_states, weight, bias=None, activation=None, bole_tree: TreeBatch | None = None, **kwargs
+    ):
+        if bole_tree is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        # The cache returned [committed window, node inputs] from `update_conv_state`: [B, D, W + N].
+        num_nodes = bole_tree.parents.shape[1]
+        window, x = hidden_states[..., :-num_nodes], hidden_states[..., -num_nodes:]
+        out = tree_causal_conv1d(x.transpose(1, 2), weight, bias, bole_tree.parents, window, activation)
+        return out.transpose(1, 2)  # [B, D, N], as the layer expects
+
+    return causal_conv1d_fn
+
+
+def _tree_gated_delta_rule(original):
+    @functools.wraps(original)
+    def gated_delta_rule(
+        query, key, value, g, beta, *args, initial_state=None, use_qk_l2norm_in_kernel=False,
+        bole_tree: TreeBatch | None = None, **kwargs,
+    ):  # fmt: skip
+        if bole_tree is None:
+            return original(
+                query, key, value, g, beta, *args,
+                initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
+            )  # fmt: skip
+        if bole_tree.verify == "serial":
+            o, snapshots = tree_gdn_verify_serial(
+                query, key, value, g, beta, bole_tree.parents, initial_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )  # fmt: skip
+            return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm_in_kernel, snapshots=snapshots)
+        o, u, log_decay = tree_gdn_verify(
+            query, key, value, g, beta, bole_tree.parents, initial_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, ancestors=bole_tree.ancestors,
+        )  # fmt: skip
+        return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm_in_kernel, key=key, u=u, log_decay=log_decay)
+
+    return gated_delta_rule
+
+
+def _observed_recurrent_attention_mask(original):
+    @functools.wraps(original)
+    def create_recurrent_attention_mask(config, inputs_embeds, attention_mask, past_key_values=None, **kwargs):
+        if isinstance(past_key_values, BoleCache):
+            past_key_values.record_plain_inputs(attention_mask, kwargs.get("position_ids"), inputs_embeds.shape[1])
+        return original(config, inputs_embeds, attention_mask, past_key_values, **kwargs)
+
+    return create_recurrent_attention_mask

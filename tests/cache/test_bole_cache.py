@@ -1,0 +1,211 @@
+"""BoleCache: tree rounds leave exactly the committed path behind, in every part of the cache, row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_bole.cache import BoleCache, GDNTreeState
+from hf_bole.models import tree_forward
+from tests.models.tiny import (
+    VOCAB,
+    batch_trees,
+    build_model,
+    generate_positions,
+    left_pad,
+    prefill,
+    random_path,
+    random_tree,
+    reference_cache,
+    text_config,
+)
+
+PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
+PADDING = [0, 3, 6]
+
+
+def assert_rows_match_reference(model, cache, committed):
+    """Every part of every row equals transformers' own cache after a plain forward over the row's tokens."""
+    for b, tokens in enumerate(committed):
+        ref = reference_cache(model, tokens)
+        n = len(tokens)
+        assert int(cache.lengths[b]) == PADDING[b] + n and int(cache.positions[b]) == n
+        for layer, ref_layer in zip(cache.layers, ref.layers):
+            if ref_layer.__class__.__name__ == "DynamicLayer":
+                slots = slice(PADDING[b], PADDING[b] + n)
+                torch.testing.assert_close(layer.keys[b, :, slots], ref_layer.keys[0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(layer.values[b, :, slots], ref_layer.values[0], atol=1e-5, rtol=1e-5)
+            else:
+                torch.testing.assert_close(layer.conv_states[0][b], ref_layer.conv_states[0][0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    layer.recurrent_states[0][b], ref_layer.recurrent_states[0][0], atol=1e-5, rtol=1e-5
+                )
+
+
+@pytest.mark.parametrize("verify", ["closed_form", "serial"])
+def test_commit(verify):
+    """Ten rounds of random trees and accepted paths (rows of their own sizes, sometimes a row that accepts
+    nothing): after each commit the cache equals a plain forward over each row's accepted tokens."""
+    gen = torch.Generator().manual_seed(0)
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=3)
+    roots = prefill(model, cache, PROMPTS)
+    committed = [list(p) for p in PROMPTS]
+    for _ in range(10):
+        trees = [random_tree(int(torch.randint(1, 9, (1,), generator=gen)), 4, gen) for _ in range(3)]
+        parents = batch_trees(trees)
+        tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+        tokens[:, 0] = roots
+        logits = tree_forward(model, cache, tokens, parents, verify=verify).logits
+        paths = [random_path(tree, gen) if torch.rand(1, generator=gen) > 0.15 else [] for tree in trees]
+        cache.commit(batch_trees([p or [-1] for p in paths]))
+        for b, path in enumerate(paths):
+            if path:
+                committed[b] += tokens[b, path].tolist()
+                roots[b] = logits[b, path[-1]].argmax()
+        assert_rows_match_reference(model, cache, committed)
+
+
+def test_commit_moves_exact_slots():
+    """Position ids as values (FLA's test_cache idea): KV slots, conv windows and GDN states after a commit
+    hold exactly the accepted nodes, in path order, and the tree round's mask and positions are exact."""
+    cache = BoleCache(text_config(), batch_size=3)
+    B, T, D, W = 3, 4, cache._conv_dim, 4
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]])
+    cache.record_plain_inputs(mask, generate_positions(mask), T)
+    slot_ids = (100 * torch.arange(B)[:, None] + torch.arange(T)).float()  # [B, T]
+    for layer in range(3):
+        cache.update_conv_state(slot_ids[:, None, :].expand(B, D, T), layer)
+        cache.update_recurrent_state(torch.ones(B, 4, 16, 16), layer)
+    kv = slot_ids[:, None, :, None].expand(B, 1, T, 16)
+    cache.update(kv, kv, 3)
+    assert cache.lengths.tolist() == [4, 4, 4] and cache.positions.tolist() == [4, 2, 3]
+
+    parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, -1, -1], [-1, 0, 0, 0, 0]])
+    N = parents.shape[1]
+    node_ids = (1000 + 100 * torch.arange(B)[:, None] + torch.arange(N)).float()  # [B, N]
+    with cache.tree_mode(parents) as (attention_mask, position_ids):
+        depth = torch.tensor([[0, 1, 1, 2, 3], [0, 1, 2, 0, 0], [0, 1, 1, 1, 1]])
+        torch.testing.assert_close(position_ids, cache.positions[:, None] + depth, rtol=0, atol=0)
+        for b in range(B):
+            for i in range(N):
+                ancestors, j = set(), i
+                while j >= 0:
+                    ancestors.add(j)
+                    j = int(parents[b, j])
+                expected = [bool(mask[b, s]) if s < T else (s - T) in ancestors for s in range(cache.capacity)]
+                assert attention_mask[b, 0, i].tolist() == expected
+        kv = node_ids[:, None, :, None].expand(B, 1, N, 16)
+        cache.update(kv, kv, 3)
+        key = torch.zeros(B, N, 2, 16)
+        key[..., 0] = 1  # every node writes only row 0 of the state, u = 2^i: the sum names the nodes
+        u = (2.0 ** torch.arange(N))[None, :, None, None].expand(B, N, 4, 16)
+        for layer in range(3):
+            cache.update_conv_state(node_ids[:, None, :].expand(B, D, N), layer)
+            state = GDNTreeState(use_qk_l2norm=False, key=key, u=u, log_decay=torch.zeros(B, N, 4))
+            cache.update_recurrent_state(state, layer)
+    paths = [[0, 1, 3, 4], [0, 1], []]
+    cache.commit(batch_trees([p or [-1] for p in paths]))
+
+    assert cache.lengths.tolist() == [8, 6, 4] and cache.positions.tolist() == [8, 4, 3]
+    keys = cache.layers[3].keys[:, 0, :, 0]  # [B, C]
+    for b, path in enumerate(paths):
+        expected_kv = slot_ids[b].tolist() + node_ids[b, path].tolist()
+        assert keys[b, : T + len(path)].tolist() == expected_kv
+        for layer in range(3):
+            assert cache.layers[layer].conv_states[0][b, 0].tolist() == expected_kv[-W:]
+            state = cache.layers[layer].recurrent_states[0][b]  # [H, K, V]
+            assert (state[:, 0] == 1 + sum(2.0**j for j in path)).all() and (state[:, 1:] == 1).all()
+
+
+@torch.no_grad()
+def test_positions_follow_plain_forwards():
+    """Tree positions continue whatever numbering the plain forwards used."""
+    model = build_model()
+    ids, mask = left_pad(PROMPTS)
+    cache = BoleCache(model.config, batch_size=3)
+    model(ids, attention_mask=mask, past_key_values=cache)  # the model numbers slots, padding included
+    assert cache.positions.tolist() == cache.lengths.tolist() == [7, 7, 7]
+    cache = BoleCache(model.config, batch_size=3)
+    model(ids, attention_mask=mask, position_ids=generate_positions(mask), past_key_values=cache)
+    assert cache.positions.tolist() == [7, 4, 1] and cache.lengths.tolist() == [7, 7, 7]
+    step = dict(attention_mask=torch.ones(3, 8), position_ids=cache.positions[:, None].clone(), past_key_values=cache)
+    model(torch.ones(3, 1, dtype=torch.int64), **step)  # a decode step as generate makes it
+    assert cache.positions.tolist() == [8, 5, 2] and cache.lengths.tolist() == [8, 8, 8]
+
+
+def test_capacity_grows_and_keeps_committed_state():
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=3)
+    prompts = [list(range(1, 61)), list(range(2, 40)), [7]]
+    roots = prefill(model, cache, prompts)
+    assert cache.capacity == 64
+    keys = cache.layers[3].keys[:, :, :60].clone()
+    parents = torch.tensor([[-1] + list(range(7))] * 3)
+    tokens = torch.randint(1, VOCAB, parents.shape)
+    tokens[:, 0] = roots
+    tree_forward(model, cache, tokens, parents)  # 60 + 8 slots
+    assert cache.capacity == 128
+    torch.testing.assert_close(cache.layers[3].keys[:, :, :60], keys, rtol=0, atol=0)
+
+
+def test_transient_bytes():
+    model = build_model()
+    N, B = 5, 3
+    parents = torch.tensor([[-1, 0, 0, 1, 2]] * B)
+    sizes = {}
+    for verify in ("closed_form", "serial"):
+        cache = BoleCache(model.config, batch_size=B)
+        assert cache.transient_bytes == {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}
+        tokens = torch.randint(1, VOCAB, parents.shape)
+        tokens[:, 0] = prefill(model, cache, PROMPTS)
+        tree_forward(model, cache, tokens, parents, verify=verify)
+        sizes[verify] = cache.transient_bytes
+    NG, Hk, K, H, V, D = 3, 2, 16, 4, 16, 2 * 2 * 16 + 4 * 16
+    assert sizes["closed_form"]["factors"] == 4 * NG * B * N * (Hk * K + H * V + H)
+    assert sizes["serial"]["snapshots"] == 4 * NG * B * N * H * K * V
+    for s in sizes.values():
+        assert s["conv_inputs"] == 4 * NG * B * N * D and s["tree_kv"] == 4 * 2 * B * N * 16
+
+
+def test_reset():
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=3)
+    first = prefill(model, cache, PROMPTS)
+    cache.reset()
+    assert cache.lengths.tolist() == [0, 0, 0]
+    torch.testing.assert_close(prefill(model, cache, PROMPTS), first)
+
+
+def test_errors():
+    model = build_model()
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
+        BoleCache(LlamaConfig(), batch_size=1)
+    with pytest.raises(ValueError, match="at least one of each"):
+        BoleCache(text_config(layer_types=["full_attention"] * 4), batch_size=1)
+    cache = BoleCache(model.config, batch_size=3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype=model.dtype"):
+        prefill(model, cache, PROMPTS)
+
+    cache = BoleCache(model.config, batch_size=3)
+    prefill(model, cache, PROMPTS)
+    with pytest.raises(ValueError, match="call tree_forward first"):
+        cache.commit(torch.tensor([[0], [0], [0]]))
+    parents = torch.tensor([[-1, 0, 0, 1]] * 3)
+    tree_forward(model, cache, torch.ones(3, 4, dtype=torch.int64), parents)
+    with pytest.raises(ValueError, match="starts at the root"):
+        cache.commit(torch.tensor([[1, 3], [0, 1], [0, 1]]))
+    with pytest.raises(ValueError, match="follow parent links"):
+        cache.commit(torch.tensor([[0, 2, 3], [0, 1, 3], [0, -1, -1]]))
+    with pytest.raises(ValueError, match="at most N = 4"):
+        cache.commit(torch.tensor([[0, 1, 3, -1, -1]] * 3))
+    with pytest.raises(ValueError, match="right-padded"):
+        cache.commit(torch.tensor([[0, -1, 1]] * 3))
+    with pytest.raises(ValueError, match=r"B = 3"):
+        cache.commit(torch.tensor([[0, 1]] * 2))
+    cache.commit(torch.tensor([[0, 1, 3], [0, -1, -1], [0, 2, -1]]))
+    with pytest.raises(ValueError, match="call tree_forward first"):
+        cache.commit(torch.tensor([[0], [0], [0]]))
+    with pytest.raises(ValueError, match="different lengths"):
+        model(torch.ones(3, 1, dtype=torch.int64), past_key_values=cache)

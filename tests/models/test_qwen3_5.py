@@ -1,0 +1,182 @@
+"""Tree-mode Qwen3.5: every node's logits equal plain token-by-token decoding of its path; plain forwards and
+`generate` through a BoleCache equal upstream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from hf_bole.cache import BoleCache
+from hf_bole.models import SUPPORTED_CLASSES, check_supported_model, tree_forward
+from tests.models.tiny import (
+    VOCAB,
+    batch_trees,
+    build_model,
+    left_pad,
+    prefill,
+    random_path,
+    random_tree,
+    reference_tree_logits,
+    text_config,
+)
+
+PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]  # left padding of 0, 3 and 6
+
+
+def make_trees(shape: str, gen: torch.Generator) -> list[list[int]]:
+    if shape == "chain":
+        return [[-1, 0, 1, 2, 3, 4]] * 3
+    if shape == "star":
+        return [[-1] + [0] * 6] * 3
+    if shape == "deep":
+        return [random_tree(9, max_depth=7, gen=gen) for _ in range(3)]
+    if shape == "bushy":
+        return [random_tree(10, max_depth=2, gen=gen) for _ in range(3)]
+    # ragged: a tree of its own size per row, padded with parent -1 nodes
+    return [random_tree(9, max_depth=4, gen=gen), [-1, 0, 1], [-1, 0, 0, 0, 3]]
+
+
+def check_tree_logits(model, cache, committed, roots, trees, gen, verify="closed_form"):
+    """Runs one tree round and compares every real node with the plain reference; returns the node tokens."""
+    parents = batch_trees(trees)
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    tokens[:, 0] = roots
+    out = tree_forward(model, cache, tokens, parents, verify=verify)
+    assert out.logits.shape == (3, parents.shape[1], VOCAB)
+    torch.testing.assert_close(out.logits, model.get_output_embeddings()(out.hidden_states))
+    for b, tree in enumerate(trees):
+        ref = reference_tree_logits(model, committed[b], tokens[b, : len(tree)].tolist(), tree)
+        torch.testing.assert_close(out.logits[b, : len(tree)], ref, atol=1e-4, rtol=1e-4)
+    return tokens, out
+
+
+@pytest.mark.parametrize(
+    "kind, shape, attn",
+    [
+        pytest.param("dense", "chain", "sdpa", id="dense-chain"),
+        pytest.param("dense", "star", "sdpa", id="dense-star"),
+        pytest.param("dense", "deep", "sdpa", id="dense-deep"),
+        pytest.param("dense", "ragged", "eager", id="dense-ragged-eager"),
+        pytest.param("moe", "bushy", "sdpa", id="moe-bushy"),
+        pytest.param("moe", "ragged", "sdpa", id="moe-ragged"),
+        pytest.param("vl", "ragged", "sdpa", id="vl-ragged"),
+    ],
+)
+def test_tree_forward(kind, shape, attn):
+    """Two rounds, so that the second starts from rows of different committed lengths."""
+    gen = torch.Generator().manual_seed(1)
+    model = build_model(kind, attn)
+    cache = BoleCache(model.config, batch_size=3)
+    roots = prefill(model, cache, PROMPTS)
+    committed = [list(p) for p in PROMPTS]
+    for _ in range(2):
+        trees = make_trees(shape, gen)
+        tokens, out = check_tree_logits(model, cache, committed, roots, trees, gen)
+        paths = [random_path(tree, gen) for tree in trees]
+        cache.commit(batch_trees(paths))  # -1 right-padding, as commit expects
+        for b, path in enumerate(paths):
+            committed[b] += tokens[b, path].tolist()
+        roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
+
+
+def test_tree_forward_leaves_committed_state():
+    gen = torch.Generator().manual_seed(2)
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=3)
+    prefill(model, cache, PROMPTS)
+    before = {name: getattr(cache, name).clone() for name in ("lengths", "positions")}
+    states = [(layer.conv_states[0].clone(), layer.recurrent_states[0].clone()) for layer in cache.layers[:3]]
+    keys = cache.layers[3].keys[:, :, :7].clone()
+    parents = batch_trees(make_trees("deep", gen))
+    tree_forward(model, cache, torch.randint(1, VOCAB, parents.shape, generator=gen), parents)
+    for name, value in before.items():
+        torch.testing.assert_close(getattr(cache, name), value, rtol=0, atol=0)
+    for layer, (conv, recurrent) in zip(cache.layers[:3], states):
+        torch.testing.assert_close(layer.conv_states[0], conv, rtol=0, atol=0)
+        torch.testing.assert_close(layer.recurrent_states[0], recurrent, rtol=0, atol=0)
+    torch.testing.assert_close(cache.layers[3].keys[:, :, :7], keys, rtol=0, atol=0)
+
+
+def test_serial_matches_closed_form():
+    """Same logits and the same committed cache from both verification schemes."""
+    model = build_model("moe")
+    caches = {v: BoleCache(model.config, batch_size=3) for v in ("closed_form", "serial")}
+    gen = torch.Generator().manual_seed(3)
+    trees = make_trees("ragged", gen)
+    parents = batch_trees(trees)
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    paths = batch_trees([random_path(tree, gen) for tree in trees])
+    logits = {}
+    for verify, cache in caches.items():
+        tokens[:, 0] = prefill(model, cache, PROMPTS)
+        logits[verify] = tree_forward(model, cache, tokens, parents, verify=verify).logits
+        cache.commit(paths)
+    torch.testing.assert_close(logits["serial"], logits["closed_form"], atol=1e-5, rtol=1e-5)
+    closed, serial = caches["closed_form"], caches["serial"]
+    torch.testing.assert_close(serial.lengths, closed.lengths, rtol=0, atol=0)
+    for a, b in zip(serial.layers[:3], closed.layers[:3]):
+        torch.testing.assert_close(a.conv_states[0], b.conv_states[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(serial.layers[3].keys, closed.layers[3].keys, atol=1e-5, rtol=1e-5)
+    assert serial.transient_bytes["snapshots"] > 0 and serial.transient_bytes["factors"] == 0
+    assert closed.transient_bytes["factors"] > 0 and closed.transient_bytes["snapshots"] == 0
+
+
+@torch.no_grad()
+def test_plain_forward_matches_upstream():
+    """Prefill and one-token decodes through a BoleCache give upstream's logits (positions as given, or the
+    model's default numbering of slots)."""
+    model = build_model()
+    ids, mask = left_pad(PROMPTS)
+    logits = []
+    for cache in (DynamicCache(config=model.config), BoleCache(model.config, batch_size=3)):
+        out = model(ids, attention_mask=mask, past_key_values=cache)
+        steps, m = [out.logits], mask
+        for _ in range(3):
+            m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], dim=1)
+            out = model(out.logits[:, -1:].argmax(-1), attention_mask=m, past_key_values=cache)
+            steps.append(out.logits)
+        logits.append(torch.cat(steps, dim=1))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind, num_beams", [("dense", 1), ("dense", 2), ("moe", 1), ("vl", 1)])
+def test_generate_matches_plain(kind, num_beams):
+    model = build_model(kind)
+    ids, mask = left_pad(PROMPTS)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=8, num_beams=num_beams)
+    expected = model.generate(ids, **kwargs)
+    cache = BoleCache(model.config, batch_size=3 * num_beams)
+    torch.testing.assert_close(model.generate(ids, past_key_values=cache, **kwargs), expected, rtol=0, atol=0)
+
+
+def test_check_supported_model():
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, intermediate_size=32))
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM"):
+        check_supported_model(llama)
+    config = text_config(layer_types=["full_attention"] * 4)
+    with pytest.raises(ValueError, match="both GDN"):
+        check_supported_model(type(build_model())(config))
+    check_supported_model(build_model("vl"))
+    assert len(SUPPORTED_CLASSES) == 4
+
+
+def test_tree_forward_errors():
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=3, max_cache_len=10)
+    prefill(model, cache, PROMPTS)  # 7 slots used
+    ids = torch.ones(3, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="parents must satisfy"):
+        tree_forward(model, cache, ids, torch.tensor([[-1, 2, 0]] * 3))
+    with pytest.raises(ValueError, match="batch_size=3"):
+        tree_forward(model, cache, ids[:2], torch.tensor([[-1, 0, 1]] * 2))
+    with pytest.raises(ValueError, match="verify must be"):
+        tree_forward(model, cache, ids, torch.tensor([[-1, 0, 1]] * 3), verify="fast")
+    big = torch.tensor([[-1] + list(range(4))] * 3)
+    with pytest.raises(ValueError, match="max_cache_len=10"):
+        tree_forward(model, cache, torch.ones(3, 5, dtype=torch.int64), big)
+    with pytest.raises(ValueError, match="needs a BoleCache"):
+        tree_forward(model, DynamicCache(config=model.config), ids, torch.tensor([[-1, 0, 1]] * 3))
+    with pytest.raises(ValueError, match="layers"):
+        tree_forward(model, BoleCache(text_config(num_hidden_layers=8), 3), ids, torch.tensor([[-1, 0, 1]] * 3))
