@@ -1,0 +1,345 @@
+"""The default drafter: EAGLE-2-style tree drafting with the checkpoint's own MTP head (`hf_bole.models.mtp`).
+
+Every call does two things, all rows of the batch at once:
+
+1. extend: the A new committed entries, pairs (target final hidden h_t, next token x_{t+1}) at position t, run
+   through the MTP head; their keys/values are written into the drafter's cache behind each row's earlier entries
+   (each row its own length, padding entries dropped), exactly as the head saw them in training.
+2. draft: the output o at the last entry (whose token is the root) gives the root's children. The tree then grows
+   one depth per MTP step: the `topk` best nodes of the deepest level (by cumulative draft probability, the
+   frontier) each get their `topk` most likely children. A depth-d node is the entry (o_parent, token) at position
+   root_position + d, where o_parent is the head's own output at its parent; it attends to the row's committed
+   entries and its ancestors in the tree. The tree's keys/values are scratch: the next call brings the accepted
+   tokens back in as committed entries, with the target's hidden states.
+
+Of the `topk + (depth - 1) * topk**2` drafted nodes, the best `max_nodes` by cumulative draft probability are
+returned (a prefix-closed set: a child's cumulative log-probability never exceeds its parent's, and ties keep the
+shallower node first).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import PreTrainedModel
+
+from hf_bole.generation.drafters.base import DraftContext
+from hf_bole.generation.tree import DraftTree
+from hf_bole.models.mtp import Qwen3_5MTP
+
+# Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
+_CAPACITY_STEP = 256
+
+# Not cuDNN: torch picks it for masked bf16 attention on Hopper, and it builds an execution plan for every new shape,
+# ~40 ms of CPU each (H200, torch 2.11), while the drafter's query and key lengths change from call to call.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class MTPDrafter:
+    r"""
+    Drafts token trees with the target's MTP head (`mtp.*` weights), keeping its own KV cache of the committed entries.
+
+    Args:
+        mtp (`Qwen3_5MTP`):
+            The MTP head.
+        embed_tokens (`nn.Module`):
+            The target's input embedding.
+        lm_head (`nn.Module`):
+            The target's output projection.
+        rotary_emb (`nn.Module`):
+            The target's rotary embedding, called as `rotary_emb(x, position_ids)` with `position_ids [3, B, T]`.
+        depth (`int`):
+            The deepest level drafted (1 = the root's children only).
+        topk (`int`):
+            Children per expanded node, and nodes expanded per level.
+        max_nodes (`int`, *optional*):
+            A cap on nodes per row on top of each call's `ctx.max_nodes`.
+
+    Example:
+        ```python
+        >>> drafter = MTPDrafter.from_model(model, depth=4, topk=4)
+        >>> tree = drafter.propose(ctx)  # DraftTree: tokens, parents, draft_logprobs, each [B, N]
+        ```
+    """
+
+    def __init__(
+        self,
+        mtp: Qwen3_5MTP,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+        rotary_emb: nn.Module,
+        *,
+        depth: int,
+        topk: int,
+        max_nodes: int | None = None,
+    ):
+        if depth < 1 or topk < 1 or (max_nodes is not None and max_nodes < 1):
+            raise ValueError(
+                f"MTPDrafter needs depth >= 1, topk >= 1 and max_nodes >= 1 (or None), got {depth}, {topk}, {max_nodes}"
+            )
+        vocab_size = lm_head.weight.shape[0]
+        if topk > vocab_size:
+            raise ValueError(f"MTPDrafter topk={topk} exceeds the vocabulary size {vocab_size}")
+        self.mtp, self.embed_tokens, self.lm_head, self.rotary_emb = mtp, embed_tokens, lm_head, rotary_emb
+        self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
+        self._cache: _MTPKVCache | None = None
+
+    @classmethod
+    def from_model(
+        cls,
+        model: PreTrainedModel,
+        *,
+        depth: int,
+        topk: int,
+        max_nodes: int | None = None,
+        pretrained: str | os.PathLike | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> MTPDrafter:
+        r"""
+        The drafter for `model`, with the MTP head of its checkpoint.
+
+        Args:
+            model (`PreTrainedModel`):
+                A Qwen3.5 or Qwen3.5-MoE model; its embedding, `lm_head` and rotary embedding are shared, not copied.
+            depth, topk, max_nodes:
+                See [`MTPDrafter`].
+            pretrained (`str` or `os.PathLike`, *optional*):
+                Checkpoint folder or Hub repo id holding the `mtp.*` weights; defaults to `model.name_or_path`.
+            state_dict (`dict[str, torch.Tensor]`, *optional*):
+                The `mtp.*` tensors themselves (checkpoint key layout).
+
+        Raises:
+            `ValueError`: the checkpoint has no `mtp.*` weights (use `bole_drafter="ngram"` then).
+        """
+        mtp = Qwen3_5MTP.from_pretrained(model, pretrained, state_dict=state_dict)
+        return cls(
+            mtp,
+            model.get_input_embeddings(),
+            model.get_output_embeddings(),
+            model.get_decoder().rotary_emb,
+            depth=depth,
+            topk=topk,
+            max_nodes=max_nodes,
+        )
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """The number of nodes drafted per row before capping: `topk + (depth - 1) * topk**2`."""
+        return self.topk + (self.depth - 1) * self.topk**2
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        r"""
+        Extends the cache with the entries committed since the last call, then drafts a tree from each row's root.
+
+        Args:
+            ctx (`DraftContext`):
+                Reads `sequences` (only their lengths: row b holds `len(sequences[b]) - 1` committed entries after
+                this call), `max_nodes`, `hidden_states [B, A, hidden]`, `next_tokens [B, A]`, `new_mask [B, A]`
+                (`None` = all real) and `positions [B, A]` (`None` = each entry's index in its row). A row whose new
+                entries cover its whole sequence starts afresh; a row with no new entries gets a meaningless tree.
+
+        Returns:
+            `DraftTree` with `N = min(max_tree_nodes, ctx.max_nodes, max_nodes)` nodes per row, in descending order
+            of cumulative draft probability; nodes whose cumulative probability underflows to 0 are padding (-inf).
+        """
+        if ctx.hidden_states is None or ctx.next_tokens is None:
+            raise ValueError(
+                "MTPDrafter needs DraftContext.hidden_states (the target's final hidden states) and next_tokens"
+            )
+        hidden = ctx.hidden_states.to(self.mtp.fc.weight.dtype)
+        batch_size, num_new, _ = hidden.shape
+        device = hidden.device
+        new_mask = ctx.new_mask
+        if new_mask is None:
+            new_mask = torch.ones(batch_size, num_new, dtype=torch.bool, device=device)
+        lengths = [len(seq) - 1 for seq in ctx.sequences]
+        cache = self._reserve(batch_size, max(lengths), device)
+        # attend over the slots in use only, not the whole capacity
+        cache.num_keys = cache.offset + max(lengths)
+        committed = torch.tensor(lengths, device=device)  # [B] entries after this call
+        root_hidden, root_position = self._extend(cache, hidden, ctx.next_tokens, new_mask, ctx.positions, committed)
+        num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
+        return self._draft(cache, root_hidden, root_position, committed, num_nodes)
+
+    def _reserve(self, batch_size: int, length: int, device: torch.device) -> _MTPKVCache:
+        """The cache, reallocated for a new batch size or device, grown when `length` entries do not fit."""
+        cache = self._cache
+        if cache is None or cache.key.shape[0] != batch_size or cache.key.device != device:
+            attn = self.mtp.layers[0].self_attn
+            cache = self._cache = _MTPKVCache(
+                batch_size,
+                self.mtp.config.num_key_value_heads,
+                attn.head_dim,
+                capacity=_round_up(length, _CAPACITY_STEP),
+                scratch=self.topk * (self.depth - 1),
+                dtype=self.mtp.fc.weight.dtype,
+                device=device,
+            )
+        elif length > cache.capacity:
+            cache.grow(_round_up(max(length, 2 * cache.capacity), _CAPACITY_STEP))
+        return cache
+
+    def _step(
+        self,
+        cache: _MTPKVCache,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One MTP forward of entries (hidden, token) `[B, T]`, writing their keys/values to cache `slots [B, T]`;
+        returns the outputs `[B, T, hidden]`."""
+        cache.write_slots = slots
+        embeds = self.embed_tokens(tokens)
+        # Qwen3.5's rotary embedding takes multimodal (3, B, T) position ids; text has one position on all three axes
+        rope = self.rotary_emb(embeds, positions.expand(3, *positions.shape))
+        with sdpa_kernel(_SDPA_BACKENDS):
+            return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache)
+
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float().log_softmax(-1)
+
+    def _extend(
+        self,
+        cache: _MTPKVCache,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        new_mask: torch.Tensor,
+        positions: torch.Tensor | None,
+        committed: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new entries behind each row's earlier ones; returns the root output `[B, hidden]` and the
+        root entry's position `[B]`."""
+        batch_size, num_new = next_tokens.shape
+        start = committed - new_mask.sum(1)  # [B] entries already cached
+        index = start[:, None] + new_mask.cumsum(1) - 1  # [B, A] each entry's index in its row
+        slots = torch.where(new_mask, cache.offset + index, cache.TRASH)
+        positions = torch.where(new_mask, index if positions is None else positions, 0)
+        keys = torch.arange(cache.num_keys, device=slots.device)
+        # [B, 1, A, L]: a real entry sees the row's entries up to itself; padding sees only the trash slot, so its
+        # softmax stays finite without touching real entries
+        mask = torch.where(
+            new_mask[..., None], (keys <= slots[..., None]) & (keys >= cache.offset), keys == cache.TRASH
+        )[:, None]
+        tokens = torch.where(new_mask, next_tokens, 0)
+        hidden = hidden.masked_fill(~new_mask[..., None], 0)
+        out = self._step(cache, tokens, hidden, positions, mask, slots)  # [B, A, hidden]
+        last = torch.where(new_mask, torch.arange(num_new, device=slots.device), 0).amax(1)  # [B]
+        rows = torch.arange(batch_size, device=slots.device)
+        return out[rows, last], positions[rows, last]
+
+    def _draft(
+        self,
+        cache: _MTPKVCache,
+        root_hidden: torch.Tensor,
+        root_position: torch.Tensor,
+        committed: torch.Tensor,
+        num_nodes: int,
+    ) -> DraftTree:
+        """Grows the tree level by level from the root outputs `[B, hidden]`, then keeps the best `num_nodes`."""
+        K = self.topk
+        batch_size, hidden_size = root_hidden.shape
+        device = root_hidden.device
+        keys = torch.arange(cache.num_keys, device=device)
+        committed_keys = ((keys >= cache.offset) & (keys < cache.offset + committed[:, None]))[:, None, :]  # [B, 1, L]
+
+        # the drafted nodes, level by level; node ids number them in this order (shallower first)
+        logp, tokens = self._log_probs(root_hidden).topk(K, dim=-1)  # [B, K]
+        all_tokens, all_logp, all_cum = [tokens], [logp], [logp]
+        all_parents = [torch.full_like(tokens, -1)]
+        frontier_hidden = root_hidden[:, None].expand(-1, K, -1)  # [B, K, hidden]
+        frontier_ids = torch.arange(K, device=device).expand(batch_size, -1)  # [B, K]
+        frontier_cum = logp
+        frontier_tokens = tokens
+        frontier_ancestors = torch.zeros(batch_size, K, cache.num_keys, dtype=torch.bool, device=device)
+        for d in range(1, self.depth):
+            slots = cache.TRASH + 1 + (d - 1) * K + torch.arange(K, device=device)  # [K] scratch slots of level d
+            frontier_ancestors = frontier_ancestors | (keys == slots[:, None])  # [B, K, L] ancestors and self
+            out = self._step(
+                cache,
+                frontier_tokens,
+                frontier_hidden,
+                (root_position + d)[:, None].expand(-1, K),
+                (committed_keys | frontier_ancestors)[:, None],
+                slots.expand(batch_size, -1),
+            )  # [B, K, hidden]
+            child_logp, child_tokens = self._log_probs(out).topk(K, dim=-1)  # [B, K, K]
+            child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
+            child_tokens = child_tokens.flatten(1)
+            all_tokens.append(child_tokens)
+            all_logp.append(child_logp.flatten(1))
+            all_cum.append(child_cum)
+            all_parents.append(frontier_ids.repeat_interleave(K, dim=1))
+            if d + 1 < self.depth:
+                frontier_cum, chosen = child_cum.topk(K, dim=-1)  # [B, K] among the level's K*K children
+                parent = chosen // K  # index of the parent in the current frontier
+                frontier_tokens = child_tokens.gather(1, chosen)
+                frontier_hidden = out.gather(1, parent[..., None].expand(-1, -1, hidden_size))
+                frontier_ancestors = frontier_ancestors.gather(1, parent[..., None].expand(-1, -1, cache.num_keys))
+                frontier_ids = K + (d - 1) * K * K + chosen
+
+        tokens, logp, cum, parents = (torch.cat(x, dim=1) for x in (all_tokens, all_logp, all_cum, all_parents))
+        # ids grow with depth, so the stable sort breaks ties shallower first and every parent precedes its children
+        order = cum.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]  # [B, N]
+        rank = torch.full_like(cum, -1, dtype=torch.long)
+        rank.scatter_(1, order, torch.arange(num_nodes, device=device).expand(batch_size, -1))
+        parents = parents.gather(1, order)
+        parents = torch.where(parents >= 0, rank.gather(1, parents.clamp(min=0)), -1)
+        logp = torch.where(cum.gather(1, order) > float("-inf"), logp.gather(1, order), float("-inf"))
+        return DraftTree(tokens=tokens.gather(1, order), parents=parents, draft_logprobs=logp)
+
+
+class _MTPKVCache:
+    """Keys/values of the MTP layer, `[B, kv_heads, 1 + scratch + capacity, head_dim]`: slot 0 is a trash slot that
+    padding entries are written to, the next `scratch` slots hold the draft tree's entries, and the committed entries
+    follow from `offset` on (row b's first `committed[b]`). Committed entries go last so that attention can stop at
+    the longest row (`num_keys`). Buffers start at zero: a masked-out slot must hold finite values, or SDPA's
+    `0 * NaN` would leak into real rows.
+
+    Implements the one `Cache` method the attention layer calls, `update`, writing to `write_slots [B, T]`."""
+
+    TRASH = 0
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        capacity: int,
+        scratch: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.capacity, self.offset = capacity, 1 + scratch
+        shape = (batch_size, num_kv_heads, self.offset + capacity, head_dim)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_keys = self.offset
+        self.write_slots: torch.Tensor | None = None
+
+    def grow(self, capacity: int) -> None:
+        """Reallocates with a larger committed capacity, keeping the committed entries."""
+        B, H, L, D = self.key.shape
+        for name in ("key", "value"):
+            new = self.key.new_zeros(B, H, self.offset + capacity, D)
+            new[:, :, :L] = getattr(self, name)
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self.write_slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
+        self.key.scatter_(2, index, key_states)
+        self.value.scatter_(2, index, value_states)
+        return self.key[:, :, : self.num_keys], self.value[:, :, : self.num_keys]
+
+
+def _round_up(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)

@@ -1,0 +1,301 @@
+"""The multi-token-prediction (MTP) head that Qwen3.5 checkpoints ship as `mtp.*` tensors: module, loading, saving.
+
+One MTP step maps a pair (hidden state h_t, next token x_{t+1}) at position t to a hidden state that predicts x_{t+2}:
+
+    x = fc(cat(pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)))     # [B, T, 2*hidden] -> [B, T, hidden]
+    o = norm(layers[0](x))                                                          # one full-attention decoder layer
+    p(x_{t+2}) = softmax(lm_head(o))
+
+`embed`, `lm_head` and the rotary embedding are the target model's own; the checkpoint holds only the head:
+
+    mtp.fc.weight                     [hidden, 2*hidden]
+    mtp.pre_fc_norm_embedding.weight  [hidden]
+    mtp.pre_fc_norm_hidden.weight     [hidden]
+    mtp.layers.0.*                    the target's decoder-layer class with full attention (dense MLP, or the MoE block)
+    mtp.norm.weight                   [hidden]
+
+transformers keeps these keys out of the model (`_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`) and its generic
+`MtpModel` (`modeling_layers.py`) cannot be built from a Qwen3.5 config (it needs `num_mtp_layers` and
+`mtp_layer_types`, which Qwen3.5 configs do not carry), so the head is assembled here from transformers' own layer
+classes, under the checkpoint's own parameter names, so that loading is a prefix strip and saving a prefix add.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+MTP_PREFIX = "mtp."
+MTP_SHARD_NAME = "model-mtp.safetensors"
+
+# Per-expert checkpoint layout (`experts.{e}.gate_proj.weight`), fused by transformers' `qwen2_moe` conversion mapping
+# into `experts.gate_up_proj` [E, 2*I, hidden] and `experts.down_proj` [E, hidden, I] on load.
+_PER_EXPERT_KEY = re.compile(r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Qwen3_5MTP(nn.Module):
+    r"""
+    The Qwen3.5 (dense or MoE) MTP head, with the checkpoint's parameter names minus the `mtp.` prefix.
+
+    Build it with [`Qwen3_5MTP.for_model`] (fresh, for training) or [`Qwen3_5MTP.from_pretrained`] (checkpoint
+    weights); save it with [`save_pretrained_with_mtp`].
+
+    Args:
+        text_config (`PreTrainedConfig`):
+            The target's text config. Copied; the copy's one layer is full attention and runs under SDPA, because the
+            drafter passes boolean tree masks that flash attention cannot take and eager attention would read as
+            additive.
+        decoder_layer_cls (`type[nn.Module]`):
+            The target's decoder-layer class (`Qwen3_5DecoderLayer` or `Qwen3_5MoeDecoderLayer`).
+        norm_cls (`type[nn.Module]`):
+            The target's RMSNorm class (`1 + weight` scaling, zero-initialised).
+    """
+
+    def __init__(self, text_config, decoder_layer_cls: type[nn.Module], norm_cls: type[nn.Module]):
+        super().__init__()
+        config = copy.deepcopy(text_config)
+        config.layer_types = ["full_attention"]
+        config.num_hidden_layers = 1
+        config._attn_implementation = "sdpa"
+        self.config = config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = norm_cls(hidden, eps=eps)
+        self.pre_fc_norm_hidden = norm_cls(hidden, eps=eps)
+        self.layers = nn.ModuleList([decoder_layer_cls(config, 0)])
+        self.norm = norm_cls(hidden, eps=eps)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel) -> Qwen3_5MTP:
+        """A freshly initialised head shaped for `model`, on its device and in its dtype (the training entry point)."""
+        mtp = cls._build(model, device=model.get_output_embeddings().weight.device)
+        mtp.apply(model._init_weights)
+        return mtp.to(model.dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: PreTrainedModel,
+        pretrained: str | os.PathLike | None = None,
+        *,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> Qwen3_5MTP:
+        r"""
+        The MTP head of `model`'s checkpoint.
+
+        Args:
+            model (`PreTrainedModel`):
+                A Qwen3.5 or Qwen3.5-MoE model (`ForCausalLM` or `ForConditionalGeneration`). The head is placed on the
+                device of its `lm_head`, in its dtype.
+            pretrained (`str` or `os.PathLike`, *optional*):
+                A checkpoint folder or Hub repo id (resolved through the local Hub cache when offline). Defaults to
+                `model.name_or_path`, the folder or repo `model` was loaded from.
+            state_dict (`dict[str, torch.Tensor]`, *optional*):
+                Tensors in the checkpoint's layout (`mtp.*` keys; other keys are ignored). Takes precedence over
+                `pretrained`.
+
+        Returns:
+            `Qwen3_5MTP`: the head, in eval mode.
+
+        Raises:
+            `ValueError`: the checkpoint has no `mtp.*` weights, or they do not match the model's shapes.
+
+        Example:
+            ```python
+            >>> model = AutoModelForCausalLM.from_pretrained("path/to/qwen3.5-checkpoint")
+            >>> mtp = Qwen3_5MTP.from_pretrained(model)
+            ```
+        """
+        if state_dict is not None:
+            source = "the given state_dict"
+        else:
+            pretrained = pretrained if pretrained is not None else model.name_or_path
+            if not pretrained:
+                raise ValueError(
+                    "Cannot locate the checkpoint of this model (it has no `name_or_path`): pass `pretrained=` (a "
+                    "checkpoint folder or Hub repo id) or `state_dict=` with its `mtp.*` tensors."
+                )
+            source = f"'{pretrained}'"
+            state_dict = load_mtp_state_dict(pretrained)
+        weights = _merge_per_expert_weights(
+            {k.removeprefix(MTP_PREFIX): v for k, v in state_dict.items() if k.startswith(MTP_PREFIX)}
+        )
+        if not weights:
+            raise ValueError(
+                f"The checkpoint at {source} has no `mtp.*` weights, so the MTP drafter cannot be built. Use "
+                f'`bole_drafter="ngram"` (prompt lookup, needs no weights) or a checkpoint that ships an MTP head.'
+            )
+        num_layers = len({k.split(".")[1] for k in weights if k.startswith("layers.")})
+        if num_layers != 1:
+            raise ValueError(
+                f"The checkpoint at {source} has {num_layers} MTP layers; hf_bole drafts with exactly one (as every "
+                f"published Qwen3.5 checkpoint ships)."
+            )
+
+        device = model.get_output_embeddings().weight.device
+        mtp = cls._build(model, device="meta")
+        expected = mtp.state_dict()
+        missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+        mismatched = [k for k in expected.keys() & weights.keys() if expected[k].shape != weights[k].shape]
+        if missing or unexpected or mismatched:
+            raise ValueError(
+                f"The `mtp.*` weights at {source} do not fit this model's MTP head: missing {missing}, unexpected "
+                f"{unexpected}, wrong shape {sorted(mismatched)}."
+            )
+        mtp.load_state_dict({k: v.to(device=device, dtype=model.dtype) for k, v in weights.items()}, assign=True)
+        return mtp.eval()
+
+    @classmethod
+    def _build(cls, model: PreTrainedModel, device: torch.device | str) -> Qwen3_5MTP:
+        text_config = model.config.get_text_config()
+        if text_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"The MTP head is defined for Qwen3.5 and Qwen3.5-MoE ({', '.join(SUPPORTED_MODEL_TYPES)}), not "
+                f"'{text_config.model_type}'."
+            )
+        decoder = model.get_decoder()
+        with torch.device(device):
+            return cls(text_config, type(decoder.layers[0]), type(decoder.norm))
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+    ) -> torch.Tensor:
+        r"""
+        One MTP step for every (next-token embedding, hidden state) pair.
+
+        Args:
+            inputs_embeds (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden)`):
+                The target's embeddings of the next tokens x_{t+1}.
+            hidden_states (`torch.FloatTensor` of shape `(batch_size, seq_len, hidden)`):
+                The hidden states h_t: the target's final (normed) hidden states, or this head's own outputs when it
+                recurses.
+            position_embeddings (`tuple[torch.FloatTensor, torch.FloatTensor]`):
+                `(cos, sin)` from the target's rotary embedding at positions t (Qwen3.5's takes position ids of
+                shape `(3, batch_size, seq_len)`, the same text position on all three axes).
+            attention_mask (`torch.BoolTensor` of shape `(batch_size, 1, seq_len, kv_len)`, *optional*):
+                True where a query may attend; `None` is causal attention over `seq_len` (training).
+            past_key_values (*optional*):
+                Any object with the `Cache.update(key_states, value_states, layer_idx)` method, which receives this
+                step's keys/values `[batch_size, kv_heads, seq_len, head_dim]` and returns all keys/values to attend to.
+
+        Returns:
+            `torch.FloatTensor` of shape `(batch_size, seq_len, hidden)`: the normed output o_t, the `lm_head` input
+            for x_{t+2} and the hidden-state input of the next MTP step.
+        """
+        x = torch.cat([self.pre_fc_norm_embedding(inputs_embeds), self.pre_fc_norm_hidden(hidden_states)], dim=-1)
+        x = self.layers[0](
+            self.fc(x),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+        )
+        return self.norm(x)
+
+
+def load_mtp_state_dict(pretrained: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The `mtp.*` tensors of a safetensors checkpoint (single file or sharded), keys unchanged; `{}` when it has none.
+
+    `pretrained` is a local folder or a Hub repo id; repo ids resolve through the Hub cache (and download when online).
+    Only the shards that hold `mtp.*` keys are opened.
+    """
+    index = cached_file(
+        pretrained,
+        SAFE_WEIGHTS_INDEX_NAME,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+    )
+    if index is not None:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        shards = sorted({shard for key, shard in weight_map.items() if key.startswith(MTP_PREFIX)})
+        files = [cached_file(pretrained, shard) for shard in shards]
+    else:
+        single = cached_file(
+            pretrained,
+            SAFE_WEIGHTS_NAME,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+        if single is None:
+            raise ValueError(
+                f"Found no safetensors checkpoint ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}) at '{pretrained}' "
+                f'to read `mtp.*` weights from. Pass `state_dict=`, or use `bole_drafter="ngram"`, which needs no '
+                f"weights."
+            )
+        files = [single]
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys() if key.startswith(MTP_PREFIX)})
+    return tensors
+
+
+def save_pretrained_with_mtp(
+    model: PreTrainedModel, mtp: Qwen3_5MTP, save_directory: str | os.PathLike, **kwargs
+) -> None:
+    r"""
+    `model.save_pretrained(save_directory, **kwargs)`, plus the head as `mtp.*` tensors in the same checkpoint.
+
+    A single-file checkpoint gets the tensors added to `model.safetensors`; a sharded one gets them in
+    `model-mtp.safetensors`, listed in the index. `config.json` records `mtp_num_hidden_layers` (in `text_config` when
+    the config nests one), as Qwen3.5's own configs do. `from_pretrained` ignores the `mtp.*` keys and
+    [`Qwen3_5MTP.from_pretrained`] reads them back.
+
+    Example:
+        ```python
+        >>> mtp = Qwen3_5MTP.for_model(model)  # ... then train it
+        >>> save_pretrained_with_mtp(model, mtp, "house-model")
+        >>> model = AutoModelForCausalLM.from_pretrained("house-model")
+        >>> drafter = MTPDrafter.from_model(model, depth=4, topk=4)
+        ```
+    """
+    model.save_pretrained(save_directory, **kwargs)
+    folder = Path(save_directory)
+    tensors = {MTP_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in mtp.state_dict().items()}
+    index_path = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        save_file(tensors, folder / MTP_SHARD_NAME, metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(tensors, MTP_SHARD_NAME))
+        metadata = index.setdefault("metadata", {})
+        metadata["total_size"] = metadata.get("total_size", 0) + sum(t.nbytes for t in tensors.values())
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    else:
+        path = folder / SAFE_WEIGHTS_NAME
+        save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
+    config_path = folder / CONFIG_NAME
+    config = json.loads(config_path.read_text())
+    config.get("text_config", config)["mtp_num_hidden_layers"] = len(mtp.layers)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _merge_per_expert_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fuse per-expert MoE tensors into transformers' `gate_up_proj`/`down_proj` layout; other keys pass through."""
+    merged, experts = {}, {}
+    for key, tensor in weights.items():
+        match = _PER_EXPERT_KEY.match(key)
+        if match is None:
+            merged[key] = tensor
+        else:
+            experts.setdefault(match["experts"], {}).setdefault(match["proj"], {})[int(match["e"])] = tensor
+    for prefix, projs in experts.items():
+        ids = sorted(projs["down_proj"])
+        gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in ids]  # [2*I, hidden] each
+        merged[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        merged[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in ids])
+    return merged

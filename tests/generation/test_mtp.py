@@ -1,0 +1,328 @@
+"""MTP head loading/saving and the MTP tree drafter, against a plain sequential MTP recursion."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+from hf_bole.generation.drafters.base import DraftContext
+from hf_bole.generation.drafters.mtp import MTPDrafter
+from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
+
+VOCAB, HIDDEN = 61, 64
+
+_SHAPES = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
+
+def _model(moe: bool) -> torch.nn.Module:
+    if moe:
+        config = Qwen3_5MoeTextConfig(
+            **_SHAPES,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+        model = Qwen3_5MoeForCausalLM(config)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_SHAPES, intermediate_size=96))
+    with torch.no_grad():
+        # peaked draft distributions, so top-k choices are far from ties
+        model.get_input_embeddings().weight.normal_()
+        model.lm_head.weight.normal_(std=0.5)
+    return model.eval()
+
+
+def _mtp(model) -> Qwen3_5MTP:
+    mtp = Qwen3_5MTP.for_model(model)
+    with torch.no_grad():
+        for p in mtp.parameters():
+            p.normal_(std=0.2)
+    return mtp.eval()
+
+
+def _drafter(model, mtp, depth: int, topk: int, max_nodes: int | None = None) -> MTPDrafter:
+    return MTPDrafter(
+        mtp,
+        model.get_input_embeddings(),
+        model.get_output_embeddings(),
+        model.get_decoder().rotary_emb,
+        depth=depth,
+        topk=topk,
+        max_nodes=max_nodes,
+    )
+
+
+def _rows(lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row: n committed entries' target hidden states `[n, hidden]` and the token ids `[n + 1]` (root last)."""
+    return [(torch.randn(n, HIDDEN), torch.randint(VOCAB, (n + 1,))) for n in lengths]
+
+
+def _ctx(rows, starts: list[int], ends: list[int], max_nodes: int = 1000, left_pad: bool = False, positions=True):
+    """The context of a call bringing in entries `[start, end)` of every row (row b's root is token `end`)."""
+    A = max(e - s for s, e in zip(starts, ends))
+    B = len(rows)
+    hidden = torch.randn(B, A, HIDDEN)  # padding entries hold garbage on purpose
+    next_tokens = torch.randint(VOCAB, (B, A))
+    new_mask = torch.zeros(B, A, dtype=torch.bool)
+    pos = torch.zeros(B, A, dtype=torch.long)
+    for b, ((h, ids), s, e) in enumerate(zip(rows, starts, ends)):
+        cols = slice(A - (e - s), A) if left_pad else slice(0, e - s)
+        hidden[b, cols] = h[s:e]
+        next_tokens[b, cols] = ids[s + 1 : e + 1]
+        new_mask[b, cols] = True
+        pos[b, cols] = torch.arange(s, e)
+    return DraftContext(
+        sequences=[ids[: e + 1] for (_, ids), e in zip(rows, ends)],
+        max_nodes=max_nodes,
+        hidden_states=hidden,
+        next_tokens=next_tokens,
+        new_mask=new_mask,
+        positions=pos if positions else None,
+    )
+
+
+class _Sequential:
+    """The MTP recursion without cache or tree: every step reruns the head causally over all of its entries."""
+
+    def __init__(self, model, mtp, hidden: torch.Tensor, ids: torch.Tensor):
+        self.model, self.mtp = model, mtp
+        self.hidden, self.ids = hidden, ids  # [n, hidden], [n + 1]
+        self._outputs = {}
+
+    @torch.no_grad()
+    def output(self, path: tuple[int, ...]) -> torch.Tensor:
+        """`[hidden]`: the head's output at the last entry, after the committed entries and one entry per path token
+        (whose hidden input is the output at its parent)."""
+        if path not in self._outputs:
+            hidden = torch.cat([self.hidden, *[self.output(path[:i])[None] for i in range(len(path))]])
+            tokens = torch.cat([self.ids[1:], torch.tensor(path, dtype=torch.long)])
+            T = len(tokens)
+            embeds = self.model.get_input_embeddings()(tokens)[None]
+            rope = self.model.get_decoder().rotary_emb(embeds, torch.arange(T).expand(3, 1, T))
+            causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+            self._outputs[path] = self.mtp(embeds, hidden[None], rope, attention_mask=causal)[0, -1]
+        return self._outputs[path]
+
+    @torch.no_grad()
+    def log_probs(self, path: tuple[int, ...]) -> torch.Tensor:
+        """`[V]`: log p_draft of the children of the node reached by `path` (the root's children for `()`)."""
+        return self.model.lm_head(self.output(path)).log_softmax(-1)
+
+
+def _paths(tree, b: int) -> list[tuple[int, ...]]:
+    """The token path from the root to every node of row b."""
+    paths = []
+    for token, parent in zip(tree.tokens[b].tolist(), tree.parents[b].tolist()):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+def _assert_same_trees(tree, expected):
+    """Same tokens and topology; draft log-probabilities equal up to rounding."""
+    assert torch.equal(tree.tokens, expected.tokens)
+    assert torch.equal(tree.parents, expected.parents)
+    torch.testing.assert_close(tree.draft_logprobs, expected.draft_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def _row(tree, b: int):
+    rows = slice(b, b + 1)
+    return type(tree)(tokens=tree.tokens[rows], parents=tree.parents[rows], draft_logprobs=tree.draft_logprobs[rows])
+
+
+@pytest.mark.parametrize(
+    "moe, max_shard_size",
+    [
+        pytest.param(False, None, id="dense"),
+        pytest.param(False, "40KB", id="dense-sharded"),
+        pytest.param(True, None, id="moe"),
+    ],
+)
+def test_save_pretrained_with_mtp(tmp_path, moe, max_shard_size):
+    model = _model(moe)
+    mtp = _mtp(model)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    save_pretrained_with_mtp(model, mtp, tmp_path, **kwargs)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (max_shard_size is not None)
+    assert json.loads((tmp_path / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+
+    loaded = type(model).from_pretrained(tmp_path)
+    drafter = MTPDrafter.from_model(loaded, depth=2, topk=2)
+    expected, got = mtp.state_dict(), drafter.mtp.state_dict()
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    assert drafter.lm_head is loaded.lm_head and drafter.embed_tokens is loaded.get_input_embeddings()
+
+
+def test_from_model_per_expert_layout():
+    """MoE checkpoints may store the MTP layer's experts one by one; they load fused, as transformers fuses them."""
+    model = _model(moe=True)
+    mtp = _mtp(model)
+    state_dict = {}
+    for key, tensor in mtp.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            prefix = "mtp." + key.removesuffix("gate_up_proj")
+            for e, w in enumerate(tensor):
+                gate, up = w.chunk(2)
+                state_dict[f"{prefix}{e}.gate_proj.weight"] = gate
+                state_dict[f"{prefix}{e}.up_proj.weight"] = up
+        elif key.endswith("experts.down_proj"):
+            prefix = "mtp." + key.removesuffix("down_proj")
+            state_dict.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(tensor)})
+        else:
+            state_dict["mtp." + key] = tensor
+    state_dict["model.embed_tokens.weight"] = torch.zeros(1)  # not an MTP key: ignored
+    loaded = MTPDrafter.from_model(model, depth=2, topk=2, state_dict=state_dict).mtp.state_dict()
+    for key, tensor in mtp.state_dict().items():
+        assert torch.equal(tensor, loaded[key]), key
+
+
+def test_from_model_without_mtp_weights(tmp_path):
+    model = _model(moe=False)
+    model.save_pretrained(tmp_path)
+    loaded = Qwen3_5ForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"no `mtp\.\*` weights.*bole_drafter=\"ngram\""):
+        MTPDrafter.from_model(loaded, depth=2, topk=2)
+    with pytest.raises(ValueError, match=r"no `mtp\.\*` weights"):
+        MTPDrafter.from_model(loaded, depth=2, topk=2, state_dict={"model.norm.weight": torch.zeros(HIDDEN)})
+
+
+@pytest.mark.parametrize(
+    "moe, depth, topk",
+    [
+        pytest.param(False, 5, 1, id="dense-chain"),
+        pytest.param(False, 4, 3, id="dense-tree"),
+        pytest.param(False, 1, 4, id="dense-depth1"),
+        pytest.param(True, 3, 2, id="moe-tree"),
+    ],
+)
+def test_propose_matches_sequential(moe, depth, topk):
+    """Every node's draft log-prob, every node's children and every level's expanded nodes match the plain recursion."""
+    model = _model(moe)
+    mtp = _mtp(model)
+    rows = _rows([7, 4])
+    tree = _drafter(model, mtp, depth, topk).propose(_ctx(rows, [0, 0], [7, 4], left_pad=True))
+    tree.validate(batch_size=2, vocab_size=VOCAB)
+    assert tree.num_nodes == topk + (depth - 1) * topk**2
+    depths, cum = tree.depths(), tree.cumulative_logprobs()
+    for b, (hidden, ids) in enumerate(rows):
+        ref = _Sequential(model, mtp, hidden, ids)
+        paths = _paths(tree, b)
+        got = tree.draft_logprobs[b]
+        want = torch.stack([ref.log_probs(path[:-1])[path[-1]] for path in paths])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # an expanded node (or the root) has exactly the top-k tokens of its draft distribution as children
+        expanded = [()] + sorted({path[:-1] for path in paths if len(path) > 1})
+        for parent in expanded:
+            children = {path[-1] for path in paths if path[:-1] == parent}
+            assert children == set(ref.log_probs(parent).topk(topk).indices.tolist()), parent
+        # the expanded nodes of each level are its top-k by cumulative draft probability
+        for d in range(depth - 1):
+            level = (depths[b] == d).nonzero().flatten()
+            best = level[cum[b, level].topk(topk).indices].tolist()
+            assert {paths[i] for i in best} == {p for p in expanded if len(p) == d + 1}
+    if topk == 1:  # the chain is the greedy recursion
+        ref = _Sequential(model, mtp, *rows[0])
+        greedy = ()
+        for _ in range(depth):
+            greedy += (int(ref.log_probs(greedy).argmax()),)
+        assert tuple(tree.tokens[0].tolist()) == greedy
+
+
+def test_propose_ragged_batch_matches_single_rows():
+    """Rows of different lengths, left-padded at prefill and right-padded later, draft as if each were alone."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    lengths, accepted = [9, 3, 6], [2, 4, 1]
+    rows = _rows([n + a for n, a in zip(lengths, accepted)])
+    batched = _drafter(model, mtp, depth=3, topk=3)
+    singles = [_drafter(model, mtp, depth=3, topk=3) for _ in rows]
+    starts, ends = [0] * 3, lengths
+    for left_pad in (True, False):
+        tree = batched.propose(_ctx(rows, starts, ends, left_pad=left_pad))
+        for b, single in enumerate(singles):
+            alone = single.propose(_ctx(rows[b : b + 1], starts[b : b + 1], ends[b : b + 1]))
+            _assert_same_trees(_row(tree, b), alone)
+        starts, ends = ends, [n + a for n, a in zip(lengths, accepted)]
+
+
+def test_propose_extension_in_pieces():
+    """Entries committed over several rounds (ragged, past the initial capacity) give the trees of one-shot prefill."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([300, 40])
+    bounds = [[0, 7, 10, 200, 290, 300], [0, 1, 2, 17, 39, 40]]  # entries [bounds[i], bounds[i + 1]) per round
+    drafter = _drafter(model, mtp, depth=3, topk=2)
+    for r in range(1, len(bounds[0])):
+        starts, ends = [bound[r - 1] for bound in bounds], [bound[r] for bound in bounds]
+        tree = drafter.propose(_ctx(rows, starts, ends, positions=False))
+        one_shot = _drafter(model, mtp, depth=3, topk=2).propose(_ctx(rows, [0, 0], ends, left_pad=True))
+        _assert_same_trees(tree, one_shot)
+    assert drafter._cache.capacity >= 300
+
+
+@pytest.mark.parametrize(
+    "depth, topk, ctx_max_nodes, max_nodes",
+    [
+        pytest.param(4, 3, 1000, None, id="all-30"),
+        pytest.param(4, 3, 11, None, id="ctx-cap-11"),
+        pytest.param(5, 4, 1000, 20, id="drafter-cap-20"),
+        pytest.param(3, 2, 1, None, id="cap-1"),
+    ],
+)
+def test_propose_tree_shape(depth, topk, ctx_max_nodes, max_nodes):
+    model = _model(moe=False)
+    rows = _rows([5, 8, 2])
+    drafter = _drafter(model, _mtp(model), depth, topk, max_nodes)
+    tree = drafter.propose(_ctx(rows, [0, 0, 0], [5, 8, 2], max_nodes=ctx_max_nodes, left_pad=True))
+    tree.validate(batch_size=3, vocab_size=VOCAB)  # parents earlier, sibling tokens distinct, log-probs <= 0
+    assert tree.num_nodes == min(topk + (depth - 1) * topk**2, ctx_max_nodes, max_nodes or ctx_max_nodes)
+    assert tree.depths().max() <= depth - 1
+    cum = tree.cumulative_logprobs()
+    assert (cum[:, 1:] <= cum[:, :-1]).all()  # best first: every prefix is the best tree of its size
+    assert (tree.parents[:, 0] == -1).all()
+
+
+class _FixedLogits(torch.nn.Module):
+    """An lm_head that ignores its input."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = logits
+        self.weight = torch.zeros(len(logits), HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(*x.shape[:-1], -1)
+
+
+def test_propose_ties_and_impossible_tokens():
+    """Token 3 has draft probability exactly 1 and token 7 a sliver, all others 0: the chain 3 -> 3 -> 3 ties at
+    cumulative log-prob 0 and must come shallower first; children of probability 0 become padding, last."""
+    model = _model(moe=False)
+    logits = torch.full((VOCAB,), float("-inf"))
+    logits[3], logits[7] = 0.0, -1e4
+    embed, rope = model.get_input_embeddings(), model.get_decoder().rotary_emb
+    drafter = MTPDrafter(_mtp(model), embed, _FixedLogits(logits), rope, depth=3, topk=3)
+    tree = drafter.propose(_ctx(_rows([4, 6]), [0, 0], [4, 6], left_pad=True))
+    tree.validate(batch_size=2, vocab_size=VOCAB)
+    assert tree.tokens[:, :3].eq(3).all() and tree.parents[:, :3].eq(torch.tensor([-1, 0, 1])).all()
+    assert tree.draft_logprobs[:, :3].eq(0).all()
+    # real nodes: {3, 7} under the root, under 3 and under 7, then under the 3 best of those 4 (3->3, 3->7, 7->3)
+    assert tree.num_nodes == 3 + 2 * 9
+    assert tree.node_mask[:, :12].all() and not tree.node_mask[:, 12:].any()
