@@ -1,0 +1,14 @@
+"""hf_bole: fast, exact tree speculative decoding for hybrid-attention (Gated DeltaNet) models in transformers.
+
+    import hf_bole
+    model.generate(input_ids, custom_generate="hf_bole", max_new_tokens=128)
+"""
+
+from hf_bole.cache import BoleCache
+from hf_bole.config import BoleConfig
+from hf_bole.generation import DraftContext, DraftTree, NgramDrafter
+from hf_bole.generation.loop import BoleGenerateOutput, generate, install_custom_generate_name
+
+install_custom_generate_name()
+
+__all__ = ["BoleCache", "BoleConfig", "BoleGenerateOutput", "DraftContext", "DraftTree", "NgramDrafter", "generate"]

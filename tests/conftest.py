@@ -8,6 +8,10 @@ import sys
 import pytest
 import torch
 
+# pytest-xdist runs one worker per core: more torch threads per worker would only oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # Without a GPU, Triton kernels are built for the interpreter (this must happen before hf_bole is imported).
 # Tests marked `interpreter` run them there; all other tests take the torch path on CPU tensors.
 if not torch.cuda.is_available():

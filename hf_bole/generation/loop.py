@@ -1,0 +1,457 @@
+"""The decoding loop: draft -> select -> verify -> accept -> commit, behind transformers' `custom_generate`.
+
+    model.generate(input_ids, custom_generate="hf_bole")            after `import hf_bole`
+    model.generate(input_ids, custom_generate=hf_bole.generate)     the callable form
+    model.generate(input_ids, custom_generate="<repo with custom_generate/>", trust_remote_code=True)
+
+One round (DESIGN.md §3) for the whole batch: the drafter proposes a tree per row; the batch-shared budget keeps
+the best nodes by cumulative draft probability; one target forward verifies root + kept nodes of every row from
+the committed state; greedy or lossless sampling acceptance walks each tree; the cache commits each row's
+accepted path. Rows advance independently; output, stopping, padding and streaming follow plain `generate`
+step for step.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from hf_bole.cache import BoleCache
+from hf_bole.config import BoleConfig
+from hf_bole.generation.acceptance import (
+    accept_greedy,
+    accept_sampling,
+    check_logits_processor,
+    is_context_free,
+    process_logits,
+    sample_tokens,
+)
+from hf_bole.generation.drafters import DraftContext, NgramDrafter
+from hf_bole.generation.select import select_nodes
+from hf_bole.generation.tree import DraftTree
+from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
+from hf_bole.models import check_supported_model, tree_forward
+
+CUSTOM_GENERATE_NAME = "hf_bole"
+# Arguments of `GenerationMixin.generate` that transformers (5.17-5.24) does not forward to a `custom_generate`
+# callable; the loop reads them from the calling frame so that a streamer still streams and a forbidden
+# assistant still raises.
+_DROPPED_GENERATE_ARGS = ("streamer", "assistant_model", "synced_gpus")
+_ASSISTANT_ERROR = (
+    "hf_bole drafts with its own drafter: drop assistant_model / prompt_lookup_num_tokens and choose one with "
+    "bole_drafter ('mtp', 'ngram' or an object with propose(ctx) -> DraftTree)"
+)
+# Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+@dataclass
+class BoleGenerateOutput(GenerateDecoderOnlyOutput):
+    r"""
+    `GenerateDecoderOnlyOutput` plus how well the tree drafts did (`return_dict_in_generate=True`).
+
+    Args:
+        accept_lengths (`torch.LongTensor` of shape `(batch_size, num_rounds)`):
+            Tokens each verify round emitted per row, the bonus token included; 0 where the row sat the round out
+            (finished). The first generated token comes from the prefill and is not counted.
+        mean_accepted_tokens (`float`):
+            Emitted tokens per verify round over all rows' rounds.
+    """
+
+    accept_lengths: torch.LongTensor | None = None
+    mean_accepted_tokens: float | None = None
+
+
+def _caller_generate_frame():
+    """The frame of transformers' `GenerationMixin.generate` that called `generate`, if it did."""
+    frame = sys._getframe(2)
+    if frame.f_code is GenerationMixin.generate.__wrapped__.__code__:
+        return frame
+    return None
+
+
+def generate(model, *args, **kwargs):
+    r"""
+    Generates like `model.generate`, with exact tree speculative decoding (the hf_bole `custom_generate`).
+
+    Takes everything `model.generate` takes (GenerationConfig, logits processors, stopping criteria, stop strings,
+    streamers, left-padded batches, sampling), plus the tree settings of [`BoleConfig`] as `bole_<field>`
+    keyword arguments (or `GenerationConfig` attributes): `bole_depth`, `bole_topk`, `bole_budget`,
+    `bole_verify`, `bole_drafter`, ... Greedy output equals plain `generate` token for token; sampling keeps the
+    model's distribution.
+
+    Returns:
+        What `model.generate` returns; with `return_dict_in_generate=True` a [`BoleGenerateOutput`], which adds
+        `accept_lengths` and `mean_accepted_tokens`.
+
+    Example:
+
+    ```python
+    >>> import hf_bole
+    >>> out = model.generate(input_ids, max_new_tokens=64, custom_generate="hf_bole", bole_drafter="ngram")
+    >>> out = model.generate(input_ids, max_new_tokens=64, custom_generate=hf_bole.generate)
+    ```
+    """
+    frame = _caller_generate_frame()
+    if frame is not None and callable(frame.f_locals.get("custom_generate")):
+        # Called by `model.generate` as the decoding method: inputs, processors and criteria are prepared.
+        dropped = {name: frame.f_locals.get(name) for name in _DROPPED_GENERATE_ARGS}
+        return _decode(model, *args, **kwargs, **dropped)
+    # Called with `model.generate`'s own arguments (directly, by name, or from a Hub folder): let transformers
+    # prepare them and call back as the decoding method.
+    kwargs.pop("custom_generate", None)
+    kwargs.pop("trust_remote_code", None)
+    # Settings are read again in `_decode`; checking them here names a misspelt `bole_*` argument, which
+    # transformers would only report as an unused model kwarg.
+    BoleConfig.from_generate_kwargs(kwargs, kwargs.get("generation_config"))
+    if kwargs.get("assistant_model") is not None:  # transformers would refuse it with a less helpful message
+        raise ValueError(_ASSISTANT_ERROR)
+    _stop_strings_as_criteria(kwargs)
+    return model.generate(*args, custom_generate=generate, **kwargs)
+
+
+def _stop_strings_as_criteria(kwargs: dict) -> None:
+    """transformers (5.17-5.24) does not hand `tokenizer` on to the stopping criteria it builds for a
+    `custom_generate` callable, so stop strings would fail there: build their criterion here instead."""
+    config = kwargs.get("generation_config")
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    if stop_strings is None:
+        return
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("stop strings need the model's tokenizer: pass `tokenizer=` to generate")
+    if getattr(config, "stop_strings", None) is not None:
+        kwargs["generation_config"] = config = copy.deepcopy(config)
+        config.stop_strings = None
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+
+
+# transformers forwards to a custom_generate callable only the keyword arguments its signature names, beyond
+# those of `_sample`: list every `bole_*` setting.
+generate.__signature__ = inspect.Signature(
+    [
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+        *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in BoleConfig.kwarg_names()),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+    ]
+)
+
+
+def install_custom_generate_name() -> None:
+    """Lets `model.generate(..., custom_generate="hf_bole")` resolve to `generate` from any working directory and
+    without `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo)."""
+    original = GenerationMixin.load_custom_generate
+    if getattr(original, "__hf_bole_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
+        if pretrained_model_name_or_path == CUSTOM_GENERATE_NAME:
+            return generate
+        return original(self, pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+
+    load_custom_generate.__hf_bole_original__ = original
+    GenerationMixin.load_custom_generate = load_custom_generate
+
+
+_MTP_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _make_drafter(model, config: BoleConfig):
+    if config.drafter == "ngram":
+        return NgramDrafter(config)
+    if config.drafter == "mtp":
+        # Loading the head reads the checkpoint: keep one per model (and tree shape) across generate calls.
+        from hf_bole.generation.drafters.mtp import MTPDrafter
+
+        per_model = _MTP_DRAFTERS.setdefault(model, {})
+        key = (config.depth, config.topk)
+        if key not in per_model:
+            try:
+                per_model[key] = MTPDrafter.from_model(model, depth=config.depth, topk=config.topk)
+            except ValueError as e:
+                raise ValueError(
+                    f"the default drafter runs the checkpoint's MTP head (`mtp.*` weights), which this model lacks: "
+                    f"{e} Pass bole_drafter='ngram' (needs no weights) or a drafter object instead."
+                ) from e
+        return per_model[key]
+    return config.drafter
+
+
+def _check_request(model, generation_config: GenerationConfig, model_kwargs: dict, dropped: dict) -> None:
+    check_supported_model(model)
+    if generation_config.num_beams != 1:
+        raise ValueError(f"hf_bole decodes one sequence per row; num_beams={generation_config.num_beams} is not supported")
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("hf_bole returns one sequence per row; repeat the prompts instead of num_return_sequences")
+    if dropped.get("assistant_model") is not None or generation_config.prompt_lookup_num_tokens is not None:
+        raise ValueError(_ASSISTANT_ERROR)
+    if dropped.get("synced_gpus"):
+        raise ValueError("hf_bole does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
+    for flag in _UNSUPPORTED_OUTPUTS:
+        if getattr(generation_config, flag, False):
+            raise ValueError(f"hf_bole does not return per-step tensors: {flag}=True is not supported")
+    # `generate` puts a fresh cache of its own here; one the user passed carries `_is_user_defined`.
+    if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
+        raise ValueError("hf_bole builds its own BoleCache for the request; do not pass past_key_values")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("hf_bole needs input_ids (it drafts and verifies tokens); inputs_embeds is not supported")
+    for key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
+        if model_kwargs.get(key) is not None:
+            raise ValueError(f"hf_bole verifies text-only requests; `{key}` is not supported")
+
+
+class _Stopping:
+    """Plain `generate`'s stopping rules applied token by token to rows that advance at different speeds.
+
+    EOS and length criteria are checked on the host from the emitted token ids; any other criterion (stop
+    strings, user criteria) is called exactly as plain decoding calls it, with the row's full `input_ids`.
+    """
+
+    def __init__(self, criteria: StoppingCriteriaList, prompt_len: int):
+        self.prompt_len = prompt_len
+        self.max_lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
+        self.eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten()}
+        self.others = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+        # Plain decoding pads a finished row only when some criterion knows an EOS token (`_sample`).
+        self.pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
+
+    def __call__(self, token: int, length: int, row_ids) -> bool:
+        """Whether the row stops after `token`, its sequence now `length` long; `row_ids()` gives it as [1, length]."""
+        if token in self.eos or any(length >= m for m in self.max_lengths):
+            return True
+        return bool(self.others) and bool(self.others(row_ids(), None).any())
+
+
+@torch.no_grad()
+def _decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    generation_config: GenerationConfig | None = None,
+    streamer=None,
+    assistant_model=None,
+    synced_gpus=None,
+    **model_kwargs,
+):
+    generation_config = generation_config if generation_config is not None else model.generation_config
+    bole, model_kwargs = BoleConfig.from_generate_kwargs(
+        {k: v for k, v in model_kwargs.items() if v is not None or not k.startswith("bole_")}, generation_config
+    )
+    _check_request(model, generation_config, model_kwargs, {"assistant_model": assistant_model, "synced_gpus": synced_gpus})
+    check_logits_processor(logits_processor)
+    stopping = _Stopping(stopping_criteria or StoppingCriteriaList(), input_ids.shape[1])
+    do_sample = bool(generation_config.do_sample)
+    pad_token = generation_config._pad_token_tensor
+    pad_token = int(pad_token) if pad_token is not None else 0
+
+    device = model.get_input_embeddings().weight.device
+    input_ids = input_ids.to(device)
+    B, P = input_ids.shape
+    max_new = generation_config.max_length - P
+    attention_mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
+
+    row_cap = MAX_NODES - 1  # the kernels verify at most MAX_NODES nodes per tree, the root included
+    per_row = min(row_cap, bole.budget)
+    drafter = _make_drafter(model, bole)
+    builtin_drafter = isinstance(drafter, NgramDrafter) or type(drafter).__name__ == "MTPDrafter"
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+
+    # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
+    cache = BoleCache(
+        model.config, B, max_cache_len=P + max_new + 2 * (per_row + 1), device=device, dtype=model.dtype
+    )
+    decoder = model.get_decoder()
+    prefill = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    hidden = prefill.last_hidden_state  # [B, P, hidden]
+    logits = model.get_output_embeddings()(hidden[:, -1]).float()  # [B, V]
+    scores = logits_processor(input_ids, logits) if logits_processor else logits
+    first = sample_tokens(scores) if do_sample else scores.argmax(-1)  # [B]
+
+    # seq: every row as plain decoding's `input_ids` holds it (left padding, generated tokens); a spare column at
+    # the end takes the writes of padding entries.
+    seq = torch.full((B, P + max_new + per_row + 3), pad_token, dtype=torch.long, device=device)
+    seq[:, :P] = input_ids
+    left_pad = (P - mask.sum(-1)).tolist()
+    state = _Rows(B, P, max_new, stopping, seq, pad_token)
+    state.emit(first[:, None], torch.ones(B, dtype=torch.long))
+    streamed = _Streamer(streamer, state)
+    streamed.flush()
+
+    # What the drafter has not seen yet: the prompt's hidden states, each followed by its next token.
+    new_hidden = hidden
+    new_tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
+    new_mask, new_positions = mask, text_positions
+    root = first
+    rounds: list[torch.Tensor] = []
+    while True:
+        active = state.active()
+        if not any(active):
+            break
+        active_t = torch.tensor(active, device=device)
+        ctx = DraftContext(
+            sequences=[seq[b, left_pad[b] : P + state.n_gen[b]] for b in range(B)],
+            max_nodes=per_row,
+            hidden_states=new_hidden,
+            next_tokens=new_tokens,
+            new_mask=new_mask,
+            positions=new_positions,
+        )
+        tree = drafter.propose(ctx)
+        if not builtin_drafter:
+            _check_custom_tree(tree, B, vocab_size, drafter)
+        # Rows that are done verify their root only (their draft gets no budget) and commit nothing.
+        logprobs = torch.where(active_t[:, None], tree.draft_logprobs.to(device), float("-inf"))
+        tree = DraftTree(tokens=tree.tokens.to(device), parents=tree.parents.to(device), draft_logprobs=logprobs)
+        verify = select_nodes(tree, root, bole.budget, per_row)
+        out = tree_forward(model, cache, verify.input_ids, verify.parents, verify=bole.verify)
+        contexts = None
+        if not is_context_free(logits_processor):
+            contexts = [seq[b, : P + state.n_gen[b]] for b in range(B)]
+        scores = process_logits(logits_processor, out.logits, verify, contexts)
+        accepted = accept_sampling(verify, scores) if do_sample else accept_greedy(verify, scores)
+        path = torch.where(active_t[:, None], accepted.path, -1)
+        positions = cache.positions.clone()
+        cache.commit(path)
+
+        # The one host synchronisation of the round: how many tokens each row emitted, for the stopping rules.
+        lengths = torch.where(active_t, accepted.accept_lengths, 0)
+        state.emit(accepted.tokens, lengths.cpu())
+        rounds.append(lengths)
+        streamed.flush()
+
+        L = path.shape[1]
+        new_hidden = out.hidden_states.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, out.hidden_states.shape[-1]))
+        new_tokens = accepted.tokens.clamp(min=0)
+        new_mask = path >= 0
+        new_positions = positions[:, None] + torch.arange(L, device=device)
+        root = accepted.bonus
+
+    T_out = state.output_length()
+    streamed.flush(T_out, final=True)
+    sequences = state.sequences(T_out)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    accept_lengths = torch.stack(rounds, dim=1) if rounds else torch.zeros(B, 0, dtype=torch.long, device=device)
+    played = (accept_lengths > 0).sum()
+    mean = float(accept_lengths.sum() / played) if played > 0 else 0.0
+    return BoleGenerateOutput(
+        sequences=sequences, past_key_values=cache, accept_lengths=accept_lengths, mean_accepted_tokens=mean
+    )
+
+
+def _check_custom_tree(tree, batch_size: int, vocab_size: int, drafter) -> None:
+    if not isinstance(tree, DraftTree):
+        raise ValueError(f"{type(drafter).__name__}.propose must return a hf_bole.DraftTree, got {type(tree).__name__}")
+    try:
+        tree.validate(batch_size, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{type(drafter).__name__}.propose returned an invalid DraftTree: {e}") from e
+
+
+class _Rows:
+    """Host-side bookkeeping of every row: tokens generated, where it finished, whether it still decodes."""
+
+    def __init__(self, B: int, P: int, max_new: int, stopping: _Stopping, seq: torch.Tensor, pad: int):
+        self.B, self.P, self.max_new, self.stopping, self.seq, self.pad = B, P, max_new, stopping, seq, pad
+        self.n_gen = [0] * B
+        self.tokens: list[list[int]] = [[] for _ in range(B)]
+        self.finished_at: list[int | None] = [None] * B  # generated length when a stopping criterion fired
+        self.frozen = [False] * B  # finished and padded from then on, as plain decoding does with an EOS criterion
+
+    def limit(self) -> int:
+        """How many tokens rows need: `max_new`, or, once every row has finished, the last one to finish
+        (plain decoding stops there; rows that are not padded keep producing real tokens until then)."""
+        if all(f is not None for f in self.finished_at):
+            return max(self.finished_at)
+        return self.max_new
+
+    def active(self) -> list[bool]:
+        limit = self.limit()
+        return [not self.frozen[b] and self.n_gen[b] < limit for b in range(self.B)]
+
+    def emit(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Appends `tokens[b, :lengths[b]]` (`[B, L]` on the device, `lengths` on the host) to every row, token by
+        token through the stopping rules."""
+        B, L = tokens.shape
+        start = torch.tensor(self.n_gen, device=tokens.device)
+        steps = torch.arange(L, device=tokens.device)
+        keep = steps[None, :] < lengths.to(tokens.device)[:, None]
+        # Write first: criteria other than EOS/length read the row's ids; entries past a stop are overwritten later.
+        col = torch.where(keep, self.P + start[:, None] + steps, self.seq.shape[1] - 1)
+        self.seq.scatter_(1, col, torch.where(keep, tokens, self.seq.gather(1, col)))
+        host = tokens.cpu().tolist()
+        for b in range(B):
+            for j in range(int(lengths[b])):
+                if self.frozen[b] or self.n_gen[b] >= self.limit():
+                    break
+                self.tokens[b].append(host[b][j])
+                self.n_gen[b] += 1
+                length = self.P + self.n_gen[b]
+                if self.finished_at[b] is None and self.stopping(
+                    host[b][j], length, lambda b=b, length=length: self.seq[b : b + 1, :length]
+                ):
+                    self.finished_at[b] = self.n_gen[b]
+                    self.frozen[b] = self.stopping.pads_finished
+
+    def output_length(self) -> int:
+        return min(self.limit(), max(self.n_gen))
+
+    def sequences(self, T_out: int) -> torch.LongTensor:
+        """`[B, P + T_out]`: the prompt, each row's tokens, and padding after a row that finished with EOS."""
+        out = self.seq[:, : self.P + T_out].clone()
+        for b in range(self.B):
+            if self.n_gen[b] < T_out:
+                out[b, self.P + self.n_gen[b] :] = self.pad
+        return out
+
+
+class _Streamer:
+    """Hands tokens to a streamer exactly as plain decoding does: one `[B]` tensor per step, a step once every
+    row has produced its token there (a padded row contributes its pad)."""
+
+    def __init__(self, streamer, rows: _Rows):
+        self.streamer, self.rows = streamer, rows
+        self.sent = 0
+
+    def flush(self, upto: int | None = None, final: bool = False) -> None:
+        rows = self.rows
+        if upto is None:
+            upto = min(rows.max_new if rows.frozen[b] else rows.n_gen[b] for b in range(rows.B))
+            upto = min(upto, rows.limit())
+        if self.streamer is not None:
+            for t in range(self.sent, upto):
+                step = [rows.tokens[b][t] if t < rows.n_gen[b] else rows.pad for b in range(rows.B)]
+                self.streamer.put(torch.tensor(step))
+        self.sent = max(self.sent, upto)
+        if final and self.streamer is not None:
+            self.streamer.end()

@@ -1,0 +1,344 @@
+"""The decoding loop end to end on tiny random Qwen3.5 models: equal to plain `generate`, through every entry point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import hf_bole
+from hf_bole.generation import DraftContext, DraftTree
+from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
+from tests.models import tiny
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13], [8, 8, 90, 4, 4]]
+NEW = 14
+
+
+class OracleDrafter:
+    """Knows each row's plain greedy continuation and puts it on one branch of every level among decoys:
+    deep accepted paths through trees with siblings. `good=False` ranks the decoys above the truth."""
+
+    def __init__(self, prompts, continuations, depth=4, decoys=2, good=True):
+        self.prompts, self.continuations = prompts, continuations
+        self.depth, self.decoys, self.good = depth, decoys, good
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        rows = []
+        for b, seq in enumerate(ctx.sequences):
+            done = len(seq) - len(self.prompts[b])  # tokens generated so far, the root included
+            truth = self.continuations[b][done : done + self.depth]
+            tokens, parents, logp, parent = [], [], [], -1
+            for d, t in enumerate(truth):
+                level = [t] + [(t + 1 + 7 * k + d) % tiny.VOCAB for k in range(self.decoys)]
+                probs = [0.5] + [0.2] * self.decoys if self.good else [0.1] + [0.4] * self.decoys
+                first = len(tokens)
+                tokens += level
+                parents += [parent] * len(level)
+                logp += [float(torch.tensor(p).log()) for p in probs]
+                parent = first
+            rows.append((tokens, parents, logp))
+        N = max(1, max(len(r[0]) for r in rows))
+        pad = lambda xs, v: [x + [v] * (N - len(x)) for x in xs]  # noqa: E731
+        return DraftTree(
+            tokens=torch.tensor(pad([r[0] for r in rows], 0)),
+            parents=torch.tensor(pad([r[1] for r in rows], -1)),
+            draft_logprobs=torch.tensor(pad([r[2] for r in rows], float("-inf"))),
+        )
+
+
+def batch(prompts):
+    ids, mask = tiny.left_pad(prompts)
+    return ids, mask
+
+
+def plain(model, prompts, **kwargs):
+    ids, mask = batch(prompts)
+    return model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs)
+
+
+def bole(model, prompts, **kwargs):
+    ids, mask = batch(prompts)
+    kwargs.setdefault("custom_generate", "hf_bole")
+    return model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs)
+
+
+def oracle_for(model, prompts, new=NEW, **kwargs):
+    ref = plain(model, prompts, max_new_tokens=new + 8, do_sample=False)
+    P = ref.shape[1] - new - 8
+    return OracleDrafter(prompts, [ref[b, P:].tolist() for b in range(len(prompts))], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return tiny.build_model("dense")
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return tiny.build_model("moe")
+
+
+@pytest.fixture(scope="module")
+def dense_with_mtp(tmp_path_factory):
+    """A dense model saved with a random MTP head and loaded back the way a real checkpoint is."""
+    model = tiny.build_model("dense")
+    mtp = Qwen3_5MTP.for_model(model)
+    folder = tmp_path_factory.mktemp("with_mtp")
+    save_pretrained_with_mtp(model, mtp, folder)
+    return type(model).from_pretrained(folder, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("rows", [[0], [0, 1], [1, 2, 3], [0, 1, 2, 3]], ids=["B1", "B2", "B3", "B4"])
+def test_greedy_matches_plain_oracle(request, kind, rows):
+    model = request.getfixturevalue(kind)
+    prompts = [PROMPTS[r] for r in rows]
+    ref = plain(model, prompts, max_new_tokens=NEW, do_sample=False)
+    out = bole(
+        model, prompts, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(model, prompts),
+        bole_budget=64, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.mean_accepted_tokens > 3.0  # the oracle's branch is accepted 4 deep plus the bonus
+    assert out.accept_lengths.shape[0] == len(rows)
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_greedy_matches_plain_budget_and_serial(dense, good):
+    """A small budget that cuts the oracle's trees, a bad ranking, and the serial-snapshot verification."""
+    ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    for verify in ("closed_form", "serial"):
+        out = bole(
+            dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, PROMPTS, good=good),
+            bole_budget=5, bole_verify=verify,
+        )  # fmt: skip
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_greedy_matches_plain_ngram(request, kind):
+    model = request.getfixturevalue(kind)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3, 4]]
+    ref = plain(model, prompts, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(bole(model, prompts, max_new_tokens=NEW, do_sample=False, bole_drafter="ngram"), ref)
+
+
+def test_greedy_matches_plain_mtp(dense_with_mtp):
+    ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    out = bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
+    assert torch.equal(out, ref)  # the default drafter is the checkpoint's MTP head
+
+
+def test_entry_points(dense):
+    prompts = PROMPTS[:2]
+    ref = plain(dense, prompts, max_new_tokens=6, do_sample=False)
+    ids, mask = batch(prompts)
+    common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, bole_drafter="ngram")
+    by_name = dense.generate(ids, custom_generate="hf_bole", **common)
+    by_callable = dense.generate(ids, custom_generate=hf_bole.generate, **common)
+    by_folder = dense.generate(ids, custom_generate=str(REPO), trust_remote_code=True, **common)
+    direct = hf_bole.generate(dense, ids, **common)
+    for out in (by_name, by_callable, by_folder, direct):
+        assert torch.equal(out, ref)
+
+
+def test_entry_points_honour_generation_config(dense):
+    """Tree settings as GenerationConfig attributes, and a typo rejected with a suggestion."""
+    from transformers import GenerationConfig
+
+    prompts = PROMPTS[:2]
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0, bole_drafter="ngram", bole_depth=2)
+    ids, mask = batch(prompts)
+    out = dense.generate(ids, attention_mask=mask, generation_config=config, custom_generate=hf_bole.generate)
+    assert torch.equal(out, plain(dense, prompts, max_new_tokens=5, do_sample=False))
+    with pytest.raises(ValueError, match="Did you mean `bole_depth`"):
+        bole(dense, prompts, max_new_tokens=3, bole_detph=2)
+
+
+class Recorder:
+    """A streamer that keeps every `put`."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("entry", ["name", "callable"])
+def test_stopping_eos_inside_path_and_streamer(dense, entry):
+    prompts = PROMPTS[:3]
+    greedy = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    P = greedy.shape[1] - NEW
+    eos = int(greedy[0, P + 4])  # row 0 stops at its 5th token, inside an accepted oracle path
+    unused = next(t for t in range(1, tiny.VOCAB) if t not in greedy[:, P:])  # a second EOS id, never produced
+    custom = "hf_bole" if entry == "name" else hf_bole.generate
+    rec_plain, rec_bole = Recorder(), Recorder()
+    ref = plain(dense, prompts, max_new_tokens=NEW, do_sample=False, eos_token_id=[eos, unused], streamer=rec_plain)
+    out = bole(
+        dense, prompts, max_new_tokens=NEW, do_sample=False, eos_token_id=[eos, unused], streamer=rec_bole,
+        bole_drafter=oracle_for(dense, prompts), bole_budget=64, custom_generate=custom,
+    )  # fmt: skip
+    assert torch.equal(out, ref)
+    k = greedy[0, P:].tolist().index(eos)  # row 0 stops at its first `eos`, then holds padding
+    assert out[0, P + k] == eos and (out[0, P + k + 1 :] == 0).all()
+    assert len(rec_bole.puts) == len(rec_plain.puts) and rec_bole.ended and rec_plain.ended
+    for a, b in zip(rec_plain.puts, rec_bole.puts):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("new", [1, 2, 7])
+def test_stopping_max_new_tokens_and_min_new_tokens(dense, new):
+    prompts = PROMPTS[:2]
+    drafter = oracle_for(dense, prompts)
+    ref = plain(dense, prompts, max_new_tokens=new, do_sample=False)
+    assert torch.equal(bole(dense, prompts, max_new_tokens=new, do_sample=False, bole_drafter=drafter), ref)
+    # min_new_tokens masks EOS for a while: a context-dependent logits processor
+    greedy = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    eos = int(greedy[1, -NEW + 1])
+    ref = plain(dense, prompts, max_new_tokens=NEW, min_new_tokens=new + 2, eos_token_id=eos, do_sample=False)
+    out = bole(dense, prompts, max_new_tokens=NEW, min_new_tokens=new + 2, eos_token_id=eos, do_sample=False,
+               bole_drafter=drafter)  # fmt: skip
+    assert torch.equal(out, ref)
+
+
+def test_repetition_penalty_matches_plain(dense):
+    """A processor that reads every node's whole sequence."""
+    ref = plain(dense, PROMPTS, max_new_tokens=NEW, repetition_penalty=1.5, do_sample=False)
+    out = bole(dense, PROMPTS, max_new_tokens=NEW, repetition_penalty=1.5, do_sample=False, bole_drafter="ngram")
+    assert torch.equal(out, ref)
+
+
+def _tokenizer():
+    """A word-level tokenizer over the tiny vocabulary, one distinct character per token."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    tokenizer = Tokenizer(WordLevel({_char(i): i for i in range(tiny.VOCAB)}, unk_token=_char(0)))
+    # One character per token, joined without spaces: what stop-string matching expects of a vocabulary.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def _char(i: int) -> str:
+    return chr(ord("a") + i) if i < 26 else chr(0x4E00 + i)
+
+
+def test_stopping_stop_strings(dense):
+    """Without an EOS criterion plain decoding keeps a stopped row going until every row stops."""
+    prompts = PROMPTS[:3]
+    greedy = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    P = greedy.shape[1] - NEW
+    stops = [_char(int(greedy[0, P + 3])), _char(int(greedy[2, P + 6]))]
+    tok = _tokenizer()
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, stop_strings=stops, tokenizer=tok)
+    ref = plain(dense, prompts, **kwargs)
+    out = bole(dense, prompts, bole_drafter=oracle_for(dense, prompts), bole_budget=64, **kwargs)
+    assert torch.equal(out, ref)
+
+
+def _samples(model, prompt, n, **kwargs):
+    out = model.generate(
+        torch.tensor([prompt] * n), max_new_tokens=3, do_sample=True, top_k=0, pad_token_id=0, **kwargs
+    )
+    return out[:, -3:]
+
+
+class RandomDrafter:
+    """A bad drafter: the same tree shape every round (depth 3), random distinct sibling tokens, random draft
+    probabilities."""
+
+    parents = torch.tensor([-1, -1, -1, 0, 0, 1, 3, 3, 5])
+
+    def __init__(self, vocab):
+        self.vocab, self.gen = vocab, torch.Generator().manual_seed(1)
+
+    def propose(self, ctx):
+        B = len(ctx.sequences)
+        distinct = lambda n: torch.stack([torch.randperm(self.vocab, generator=self.gen)[:n] for _ in range(B)])  # noqa: E731
+        tokens = torch.cat([distinct(3), distinct(2), distinct(1), distinct(2), distinct(1)], dim=1)
+        logp = torch.log_softmax(torch.randn(B, 9, generator=self.gen), -1)
+        return DraftTree(tokens=tokens, parents=self.parents.expand(B, 9), draft_logprobs=logp)
+
+
+class ModalDrafter:
+    """A good drafter: for every prefix of up to two generated tokens, the target's own three most likely next
+    tokens and their probabilities (looked up in a table built once), as a depth-2 tree."""
+
+    def __init__(self, model, prompt):
+        self.prompt_len, self.table = len(prompt), {}
+        for prefix in [()] + [(a,) for a in range(6)] + [(a, b) for a in range(6) for b in range(6)]:
+            probs = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].softmax(-1)
+            self.table[prefix] = probs.topk(3)
+
+    def propose(self, ctx):
+        rows = []
+        for seq in ctx.sequences:
+            prefix = tuple(seq[self.prompt_len :].tolist())[:2]
+            top = self.table.get(prefix)
+            if top is None:  # past the tokens under test: no draft
+                rows.append(([0], [-1], [float("-inf")]))
+                continue
+            tokens, parents, logp = top.indices.tolist(), [-1, -1, -1], top.values.log().tolist()
+            for i, t in enumerate(top.indices.tolist()):
+                child = self.table.get(prefix + (t,))
+                if child is not None:
+                    tokens += child.indices.tolist()
+                    parents += [i] * 3
+                    logp += child.values.log().tolist()
+            rows.append((tokens, parents, logp))
+        N = max(len(r[0]) for r in rows)
+        pad = lambda x, v: x + [v] * (N - len(x))  # noqa: E731
+        return DraftTree(
+            tokens=torch.tensor([pad(r[0], 0) for r in rows]),
+            parents=torch.tensor([pad(r[1], -1) for r in rows]),
+            draft_logprobs=torch.tensor([pad(r[2], float("-inf")) for r in rows]),
+        )
+
+
+@pytest.mark.parametrize("drafter", ["modal", "random"])
+def test_sampling_keeps_the_distribution(drafter):
+    """Chi-square: the joint law of the first three tokens equals plain sampling's (4000 samples each)."""
+    torch.manual_seed(0)
+    model = tiny.build_model("dense", vocab_size=6)
+    prompt = [1, 2, 3, 4]
+    d = ModalDrafter(model, prompt) if drafter == "modal" else RandomDrafter(6)
+    ref = _samples(model, prompt, 4000)
+    ours = _samples(model, prompt, 4000, custom_generate="hf_bole", bole_drafter=d, bole_budget=4000 * 12)
+    codes = [(x[:, 0] * 36 + x[:, 1] * 6 + x[:, 2]).bincount(minlength=216) for x in (ref, ours)]
+    table = torch.stack(codes)
+    frequent = table.sum(0) >= 20  # pool rare outcomes so that every cell's expected count is large
+    table = torch.cat([table[:, frequent], table[:, ~frequent].sum(1, keepdim=True)], dim=1)
+    p_value = chi2_contingency(table.numpy()).pvalue
+    assert p_value > 1e-3, f"sampling with the {drafter} drafter differs from plain sampling (p = {p_value:.2e})"
+
+
+def test_errors(dense):
+    prompts = PROMPTS[:1]
+    with pytest.raises(ValueError, match="MTP head.*bole_drafter=.ngram."):
+        bole(dense, prompts, max_new_tokens=3)  # built in code: no checkpoint, hence no MTP head
+    with pytest.raises(ValueError, match="num_beams=2"):
+        bole(dense, prompts, max_new_tokens=3, num_beams=2, bole_drafter="ngram")
+    with pytest.raises(ValueError, match="assistant_model"):
+        bole(dense, prompts, max_new_tokens=3, assistant_model=dense, bole_drafter="ngram")
+
+    class Broken:
+        def propose(self, ctx):
+            return DraftTree(tokens=torch.tensor([[1, 2]]), parents=torch.tensor([[1, -1]]),
+                             draft_logprobs=torch.zeros(1, 2))  # fmt: skip
+
+    with pytest.raises(ValueError, match="Broken.propose returned an invalid DraftTree"):
+        bole(dense, prompts, max_new_tokens=3, bole_drafter=Broken())
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32)).eval()  # fmt: skip
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
+        bole(llama, prompts, max_new_tokens=3, bole_drafter="ngram")
