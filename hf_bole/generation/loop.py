@@ -44,7 +44,7 @@ from hf_bole.generation.drafters import DraftContext, NgramDrafter
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import check_supported_model, tree_forward
+from hf_bole.models import cache_argument, check_supported_model, tree_forward
 
 CUSTOM_GENERATE_NAME = "hf_bole"
 # Arguments of `GenerationMixin.generate` that transformers (5.17-5.24) does not forward to a `custom_generate`
@@ -79,7 +79,9 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
 def _caller_generate_frame():
     """The frame of transformers' `GenerationMixin.generate` that called `generate`, if it did."""
     frame = sys._getframe(2)
-    if frame.f_code is GenerationMixin.generate.__wrapped__.__code__:
+    # `generate` sits under decorators (no_grad; deprecation shims from transformers 5.24): compare with the
+    # innermost function's code.
+    if frame.f_code is inspect.unwrap(GenerationMixin.generate).__code__:
         return frame
     return None
 
@@ -289,8 +291,8 @@ def _decode(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
+        **{cache_argument(type(decoder).forward): cache},
     )
     hidden = prefill.last_hidden_state  # [B, P, hidden]
     logits = model.get_output_embeddings()(hidden[:, -1]).float()  # [B, V]

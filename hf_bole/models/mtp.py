@@ -35,6 +35,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
+from hf_bole.models.qwen3_5 import cache_argument
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MTP_PREFIX = "mtp."
 MTP_SHARD_NAME = "model-mtp.safetensors"
@@ -203,7 +205,7 @@ class Qwen3_5MTP(nn.Module):
             self.fc(x),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            **{cache_argument(type(self.layers[0]).forward): past_key_values},
         )
         return self.norm(x)
 

@@ -22,6 +22,7 @@ position ids, and `BoleCache.update` writes the tree's KV and returns the storag
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -179,12 +180,19 @@ def tree_forward(
             input_ids=input_ids,
             attention_mask={"full_attention": mask, "linear_attention": None},
             position_ids=position_ids[None].expand(4, -1, -1),
-            past_key_values=cache,
+            **{cache_argument(type(decoder).forward): cache},
             use_cache=True,
             bole_tree=TreeBatch(parents=parents, verify=verify, ancestors=ancestors),
         )
     hidden_states = outputs.last_hidden_state
     return TreeForwardOutput(logits=model.get_output_embeddings()(hidden_states), hidden_states=hidden_states)
+
+
+@functools.cache
+def cache_argument(forward) -> str:
+    """The keyword a transformers forward takes its cache by: `cache` from transformers 5.24 on, `past_key_values`
+    before (5.24 still accepts the old name, with a FutureWarning)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _wrap(module: ModuleType, name: str, make_wrapper) -> None:
@@ -240,9 +248,11 @@ def _tree_gated_delta_rule(original):
 
 def _observed_recurrent_attention_mask(original):
     @functools.wraps(original)
-    def create_recurrent_attention_mask(config, inputs_embeds, attention_mask, past_key_values=None, **kwargs):
-        if isinstance(past_key_values, BoleCache):
-            past_key_values.record_plain_inputs(attention_mask, kwargs.get("position_ids"), inputs_embeds.shape[1])
-        return original(config, inputs_embeds, attention_mask, past_key_values, **kwargs)
+    def create_recurrent_attention_mask(config, inputs_embeds, attention_mask, *args, **kwargs):
+        # The cache comes fourth, named `past_key_values` up to transformers 5.23 and `cache` from 5.24.
+        cache = args[0] if args else kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, BoleCache):
+            cache.record_plain_inputs(attention_mask, kwargs.get("position_ids"), inputs_embeds.shape[1])
+        return original(config, inputs_embeds, attention_mask, *args, **kwargs)
 
     return create_recurrent_attention_mask

@@ -333,7 +333,7 @@ class _MTPKVCache:
         self.capacity = capacity
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         index = self.write_slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
         self.key.scatter_(2, index, key_states)
