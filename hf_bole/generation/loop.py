@@ -227,8 +227,7 @@ class _Stopping:
     strings, user criteria) is called exactly as plain decoding calls it, with the row's full `input_ids`.
     """
 
-    def __init__(self, criteria: StoppingCriteriaList, prompt_len: int):
-        self.prompt_len = prompt_len
+    def __init__(self, criteria: StoppingCriteriaList):
         self.max_lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
         self.eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten()}
         self.others = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
@@ -260,7 +259,7 @@ def _decode(
     )
     _check_request(model, generation_config, model_kwargs, {"assistant_model": assistant_model, "synced_gpus": synced_gpus})
     check_logits_processor(logits_processor)
-    stopping = _Stopping(stopping_criteria or StoppingCriteriaList(), input_ids.shape[1])
+    stopping = _Stopping(stopping_criteria or StoppingCriteriaList())
     do_sample = bool(generation_config.do_sample)
     pad_token = generation_config._pad_token_tensor
     pad_token = int(pad_token) if pad_token is not None else 0
@@ -279,7 +278,7 @@ def _decode(
     row_cap = MAX_NODES - 1  # the kernels verify at most MAX_NODES nodes per tree, the root included
     per_row = min(row_cap, bole.budget)
     drafter = _make_drafter(model, bole)
-    builtin_drafter = isinstance(drafter, NgramDrafter) or type(drafter).__name__ == "MTPDrafter"
+    builtin_drafter = isinstance(bole.drafter, str)  # a user's drafter gets its trees checked every round
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
     # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
