@@ -304,7 +304,7 @@ def _decode(
     seq[:, :P] = input_ids
     left_pad = (P - mask.sum(-1)).tolist()
     state = _Rows(B, P, max_new, stopping, seq, pad_token)
-    state.emit(first[:, None], torch.ones(B, dtype=torch.long))
+    state.emit(first[:, None], torch.ones(B, dtype=torch.long, device=device))
     streamed = _Streamer(streamer, state)
     streamed.flush()
 
@@ -344,9 +344,8 @@ def _decode(
         positions = cache.positions.clone()
         cache.commit(path)
 
-        # The one host synchronisation of the round: how many tokens each row emitted, for the stopping rules.
         lengths = torch.where(active_t, accepted.accept_lengths, 0)
-        state.emit(accepted.tokens, lengths.cpu())
+        state.emit(accepted.tokens, lengths)
         rounds.append(lengths)
         streamed.flush()
 
@@ -401,25 +400,27 @@ class _Rows:
         return [not self.frozen[b] and self.n_gen[b] < limit for b in range(self.B)]
 
     def emit(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Appends `tokens[b, :lengths[b]]` (`[B, L]` on the device, `lengths` on the host) to every row, token by
-        token through the stopping rules."""
+        """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row, token by token through
+        the stopping rules."""
         B, L = tokens.shape
+        # The one host synchronisation of a round: the stopping rules run on the host.
+        host = torch.cat([lengths[:, None], tokens], dim=1).cpu().tolist()
         start = torch.tensor(self.n_gen, device=tokens.device)
         steps = torch.arange(L, device=tokens.device)
-        keep = steps[None, :] < lengths.to(tokens.device)[:, None]
-        # Write first: criteria other than EOS/length read the row's ids; entries past a stop are overwritten later.
-        col = torch.where(keep, self.P + start[:, None] + steps, self.seq.shape[1] - 1)
-        self.seq.scatter_(1, col, torch.where(keep, tokens, self.seq.gather(1, col)))
-        host = tokens.cpu().tolist()
+        # Write first: criteria other than EOS/length read the row's ids. Entries past a row's length go to the
+        # spare last column, never read; entries past a stop are overwritten or padded later.
+        col = torch.where(steps[None, :] < lengths[:, None], self.P + start[:, None] + steps, self.seq.shape[1] - 1)
+        self.seq.scatter_(1, col, tokens)
         for b in range(B):
-            for j in range(int(lengths[b])):
+            for j in range(host[b][0]):
                 if self.frozen[b] or self.n_gen[b] >= self.limit():
                     break
-                self.tokens[b].append(host[b][j])
+                token = host[b][1 + j]
+                self.tokens[b].append(token)
                 self.n_gen[b] += 1
                 length = self.P + self.n_gen[b]
                 if self.finished_at[b] is None and self.stopping(
-                    host[b][j], length, lambda b=b, length=length: self.seq[b : b + 1, :length]
+                    token, length, lambda b=b, length=length: self.seq[b : b + 1, :length]
                 ):
                     self.finished_at[b] = self.n_gen[b]
                     self.frozen[b] = self.stopping.pads_finished
