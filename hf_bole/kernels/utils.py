@@ -30,6 +30,12 @@ def is_capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """L2-normalises the last dim with transformers' and fla's formula (eps inside the root), as the GDN kernels
+    do to q and k."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
 def check_dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if x.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

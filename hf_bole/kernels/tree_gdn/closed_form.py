@@ -27,6 +27,7 @@ from hf_bole.kernels.utils import (
     check_same_device,
     check_shape,
     is_interpreter,
+    l2norm,
     use_triton,
 )
 
@@ -233,8 +234,7 @@ def torch_tree_gdn_verify(q, k, v, g, beta, ancestors, initial_state, scale, use
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     q, k = (x.to(dtype).repeat_interleave(H // HK, dim=2).transpose(1, 2) for x in (q, k))  # [B, H, T, K]
     if use_qk_l2norm:
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = l2norm(q), l2norm(k)
     vv = v.to(dtype).transpose(1, 2)  # [B, H, T, V]
     gg, bb = (x.to(dtype).transpose(1, 2) for x in (g, beta))  # [B, H, T]
     anc = ancestors[:, None]  # [B, 1, T, T]

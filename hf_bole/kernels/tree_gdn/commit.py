@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_path, check_same_device, check_shape, use_triton
+from hf_bole.kernels.utils import check_dtype, check_path, check_same_device, check_shape, l2norm, use_triton
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def torch_tree_gdn_commit(initial_state, k, u, log_decay, path, out, use_qk_l2no
     w = torch.where(valid[None, :, :, None], torch.exp(lp_leaf[:, :, None] - lp_path), 0.0)
     kp = k.float().gather(2, idx[None, :, :, None, None].expand(NL, B, -1, HK, K)).repeat_interleave(H // HK, dim=3)
     if use_qk_l2norm:
-        kp = kp * torch.rsqrt((kp * kp).sum(-1, keepdim=True) + 1e-6)
+        kp = l2norm(kp)
     up = u.float().gather(2, idx[None, :, :, None, None].expand(NL, B, -1, H, u.shape[-1]))
     new = lp_leaf.exp()[..., None, None] * initial_state + torch.einsum("nblh,nblhk,nblhv->nbhkv", w, kp, up)
     out.copy_(new)

@@ -10,10 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    # The same formula as transformers' and fla's l2norm.
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+from hf_bole.kernels.utils import l2norm
 
 
 def naive_tree_gdn_verify(
@@ -42,7 +39,7 @@ def naive_tree_gdn_verify(
     scale = K**-0.5 if scale is None else scale
     q, k = (x.to(dtype).repeat_interleave(H // Hk, dim=2) for x in (q, k))
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     v, g, beta = (x.to(dtype) for x in (v, g, beta))
     s0 = torch.zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype).cpu()
     q, k, v, g, beta = (x.cpu() for x in (q, k, v, g, beta))
@@ -83,7 +80,7 @@ def naive_tree_gdn_commit(
     dtype = initial_state.dtype
     k = k.to(dtype).repeat_interleave(H // Hk, dim=2)
     if use_qk_l2norm_in_kernel:
-        k = _l2norm(k)
+        k = l2norm(k)
     u, log_decay = u.to(dtype), log_decay.to(dtype)
     new_state = initial_state.clone()
     for b in range(B):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_path, check_shape, use_triton
+from hf_bole.kernels.utils import check_path, check_shape, l2norm, use_triton
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
@@ -77,8 +77,7 @@ def torch_tree_gdn_serial(q, k, v, g, beta, parents, initial_state, scale, use_q
     H, V = v.shape[-2:]
     q, k = (x.float().repeat_interleave(H // HK, dim=2) for x in (q, k))
     if use_qk_l2norm:
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = l2norm(q), l2norm(k)
     s0 = torch.zeros(B, H, K, V, device=v.device) if initial_state is None else initial_state.float()
     states = torch.empty(B, T, H, K, V, device=v.device)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
