@@ -17,6 +17,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `HF_BOLE_TEST_DEVICE=cuda python -m pytest tests/models tests/cache tests/generation` runs the model-level tests
+# with every tensor and model made on the GPU (the kernel tests pick their device through the `device` fixture).
+if os.environ.get("HF_BOLE_TEST_DEVICE"):
+    torch.set_default_device(os.environ["HF_BOLE_TEST_DEVICE"])
+
 _empty, _empty_like = torch.empty, torch.empty_like
 
 

@@ -180,8 +180,8 @@ class BoleCache(Cache):
         max_cache_len (`int`, *optional*):
             KV slots per row, allocated once (the addresses then never change, as CUDA graphs need). A tree
             round needs `N` free slots after the longest row. `None` grows the storage on demand instead.
-        device (`torch.device` or `str`, *optional*, defaults to `"cpu"`):
-            Where the cache lives (the model's device).
+        device (`torch.device` or `str`, *optional*):
+            Where the cache lives: the model's device. Defaults to torch's default device, as tensor factories do.
         dtype (`torch.dtype`, *optional*):
             Dtype of the KV and conv windows, which must be the model's dtype; defaults to `config.dtype`.
             Recurrent states are always float32.
@@ -232,14 +232,14 @@ class BoleCache(Cache):
             raise ValueError(f"max_cache_len must be positive or None, got {max_cache_len}")
         if dtype is None:
             dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
-        device = torch.device("cpu" if device is None else device)
+        device = torch.get_default_device() if device is None else torch.device(device)
 
         layers = [
             BoleAttentionLayer(self, i) if t == "full_attention" else BoleLinearAttentionLayer(self, i)
             for i, t in enumerate(layer_types)
         ]
         super().__init__(layers=layers)
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self.dtype, self.device = dtype, device
         self._batch_size = batch_size
         self._attn_index = {layer: a for a, layer in enumerate(attn_layers)}
@@ -354,6 +354,12 @@ class BoleCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self._plain_length() + query_length, 0
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """The slot limit given at construction (None: grown as needed). A property because transformers 5.17's
+        `Cache` declares a read-only one."""
+        return self._max_cache_len
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1 if self.max_cache_len is None else self.max_cache_len

@@ -47,7 +47,7 @@ def assert_rows_match_reference(model, cache, committed):
 def test_commit(verify):
     """Ten rounds of random trees and accepted paths (rows of their own sizes, sometimes a row that accepts
     nothing): after each commit the cache equals a plain forward over each row's accepted tokens."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     model = build_model()
     cache = BoleCache(model.config, batch_size=3)
     roots = prefill(model, cache, PROMPTS)

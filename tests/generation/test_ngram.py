@@ -99,7 +99,7 @@ def test_ngram_follows_a_repeated_passage():
 
 
 def test_ngram_deterministic_and_valid_on_random_sequences():
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(torch.get_default_device()).manual_seed(3)
     seqs = [torch.randint(0, 6, (int(n),), generator=g).tolist() for n in torch.randint(1, 300, (8,), generator=g)]
     first = _propose(seqs, max_nodes=20, depth=4, topk=3)
     second = _propose(seqs, max_nodes=20, depth=4, topk=3)

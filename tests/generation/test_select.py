@@ -177,7 +177,7 @@ def _reference(tree: DraftTree, budget: int, cap: int) -> list[set[int]]:
     ],
 )
 def test_select_matches_reference_on_random_trees(B, N, budget, cap):
-    g = torch.Generator().manual_seed(N)
+    g = torch.Generator(torch.get_default_device()).manual_seed(N)
     # random topological parents, coarse probabilities (many ties), ragged rows
     parents = torch.stack([torch.randint(-1, i, (B,), generator=g) for i in range(N)], dim=1)  # parent < own index
     probs = torch.tensor([0.25, 0.5, 1.0])[torch.randint(0, 3, (B, N), generator=g)]

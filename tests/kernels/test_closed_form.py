@@ -140,9 +140,11 @@ def test_closed_form_chain_equals_linear_recurrence(backend):
     q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, device=device, seed=5)
     parents = make_parents("chain", T, B).to(device)
     o, _, _ = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
-    # With fla-core installed, transformers routes this to fla's kernel, which needs the tensors' device.
+    # With fla-core installed, transformers routes this function to fla's kernel, which needs CUDA tensors.
+    ref_device = "cuda" if torch.cuda.is_available() else device
+    q, k, v, g, beta, h0 = (x.to(ref_device) for x in (q, k, v, g, beta, h0))
     ref, _ = torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, use_qk_l2norm_in_kernel=True)
-    assert rel_err(o, ref) <= 1e-5
+    assert rel_err(o.to(ref_device), ref) <= 1e-5
     if device == "cuda":
         fla = pytest.importorskip("fla.ops.gated_delta_rule")
         ref_fla, _ = fla.fused_recurrent_gated_delta_rule(

@@ -65,7 +65,7 @@ def check_tree_logits(model, cache, committed, roots, trees, gen, verify="closed
 )
 def test_tree_forward(kind, shape, attn):
     """Two rounds, so that the second starts from rows of different committed lengths."""
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     model = build_model(kind, attn)
     cache = BoleCache(model.config, batch_size=3)
     roots = prefill(model, cache, PROMPTS)
@@ -81,7 +81,7 @@ def test_tree_forward(kind, shape, attn):
 
 
 def test_tree_forward_leaves_committed_state():
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(2)
     model = build_model()
     cache = BoleCache(model.config, batch_size=3)
     prefill(model, cache, PROMPTS)
@@ -102,7 +102,7 @@ def test_serial_matches_closed_form():
     """Same logits and the same committed cache from both verification schemes."""
     model = build_model("moe")
     caches = {v: BoleCache(model.config, batch_size=3) for v in ("closed_form", "serial")}
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(3)
     trees = make_trees("ragged", gen)
     parents = batch_trees(trees)
     tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
