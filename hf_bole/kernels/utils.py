@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -54,11 +55,27 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
         raise ValueError(f"all inputs must be on one device, got {listing}")
 
 
+# parents tensors whose values passed `check_parents`, with their version counter then: a model's forward hands
+# one tree to every GDN layer, and reading it back on the host for each layer would stall the GPU every time.
+_CHECKED_PARENTS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _checked_before(parents: torch.Tensor) -> bool:
+    ref, version = _CHECKED_PARENTS.get(id(parents), (None, None))
+    return ref is not None and ref() is parents and version == parents._version
+
+
+def _remember_checked(parents: torch.Tensor) -> None:
+    key = id(parents)
+    _CHECKED_PARENTS[key] = (weakref.ref(parents, lambda _: _CHECKED_PARENTS.pop(key, None)), parents._version)
+
+
 def check_parents(parents: torch.Tensor, batch: int, num_nodes: int) -> None:
-    """`parents [B, T]` int64 with `-1 <= parents[b, i] < i`: every node comes after its parent."""
+    """`parents [B, T]` int64 with `-1 <= parents[b, i] < i`: every node comes after its parent. The values are
+    read (one host synchronisation) once per tensor and again only after it is modified in place."""
     check_dtype("parents", parents, (torch.int64,))
     check_shape("parents", parents, (batch, num_nodes), "[B, T]")
-    if is_capturing(parents) or parents.numel() == 0:
+    if is_capturing(parents) or parents.numel() == 0 or _checked_before(parents):
         return
     node = torch.arange(num_nodes, device=parents.device)
     bad = (parents < -1) | (parents >= node)
@@ -69,6 +86,7 @@ def check_parents(parents: torch.Tensor, batch: int, num_nodes: int) -> None:
             f"committed state), but parents[{b}, {i}] = {int(parents[b, i])}; reorder the nodes so that every "
             f"parent comes before its children"
         )
+    _remember_checked(parents)
 
 
 def check_path(path: torch.Tensor, batch: int, num_nodes: int) -> None:

@@ -1,0 +1,25 @@
+"""Input checks shared by the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_bole.kernels import utils
+
+
+def test_check_parents_reads_a_tree_once_until_it_changes(monkeypatch):
+    parents = torch.tensor([[-1, 0, 1, 1]])
+    reads = []
+    original = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any", lambda self, *a, **k: reads.append(1) or original(self, *a, **k))
+    for _ in range(3):  # one forward hands the same tree to every layer
+        utils.check_parents(parents, 1, 4)
+    assert len(reads) == 1
+    parents[0, 3] = 3  # modified in place: checked again
+    with pytest.raises(ValueError, match=r"parents\[0, 3\] = 3"):
+        utils.check_parents(parents, 1, 4)
+    assert len(reads) == 2
+    key = id(parents)
+    del parents
+    assert key not in utils._CHECKED_PARENTS
