@@ -10,6 +10,12 @@ from typing import Any
 VERIFY_MODES = ("closed_form", "serial")
 BUILTIN_DRAFTERS = ("mtp", "ngram")
 KWARG_PREFIX = "bole_"
+AUTO_BUDGET = "auto"
+# What `budget="auto"` verifies per round where no calibration table applies (no table for this model, GPU, dtype
+# and verify mode; or not a CUDA device): this many draft nodes per active request, at most FALLBACK_BUDGET_MAX
+# across the batch (a forward of a few hundred tokens is compute-bound on current GPUs at every model size).
+FALLBACK_BUDGET_PER_REQUEST = 32
+FALLBACK_BUDGET_MAX = 128
 
 
 @dataclass
@@ -24,9 +30,20 @@ class BoleConfig:
         topk (`int`, *optional*, defaults to 4):
             Children a drafter considers per expanded node (MTP: tokens per expansion; n-gram: continuations per
             branch point).
-        budget (`int`, *optional*, defaults to 32):
-            Draft nodes verified per round across the whole batch, the roots not counted (DESIGN.md §5). Every
-            request with a draft still keeps its best root child when the budget is smaller than the batch.
+        budget (`int` or `"auto"`, *optional*, defaults to `"auto"`):
+            Draft nodes verified per round across the whole batch, the roots not counted (DESIGN.md §5), shared by
+            cumulative draft probability. Every request with a draft still keeps its best root child when the
+            budget is smaller than the batch. An int is a fixed budget. `"auto"` looks the budget up every round in
+            the calibration table of this model, GPU, dtype and verify mode (`python -m hf_bole.calibrate`; see
+            `hf_bole.generation.budget`), at the table's batch-size bucket at or below the number of active
+            requests and its KV-length bucket at or below the longest active request. Without a table, or off
+            CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * active requests, FALLBACK_BUDGET_MAX)` (32 per request,
+            at most 128) and says so once in a log line.
+        epsilon (`float`, *optional*, defaults to 0.1):
+            The slack of `budget="auto"`: the budget is the most nodes whose verify forward costs at most
+            `(1 + epsilon)` times a plain one-token decode step, `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}`
+            (0 when none does: each request then verifies its best root child). Tables store the raw timings, so any
+            epsilon applies without measuring again.
         verify (`str`, *optional*, defaults to `"closed_form"`):
             How GDN layers verify the tree: `"closed_form"` (one solve over all nodes, state factors) or
             `"serial"` (node by node with a state snapshot per node, the SGLang-Tree baseline).
@@ -50,18 +67,22 @@ class BoleConfig:
 
     depth: int = 5
     topk: int = 4
-    budget: int = 32
+    budget: int | str = AUTO_BUDGET
+    epsilon: float = 0.1
     verify: str = "closed_form"
     drafter: Any = "mtp"
     ngram_max_size: int = 3
     ngram_min_size: int = 1
 
     def __post_init__(self):
-        for name in ("depth", "topk", "budget", "ngram_max_size", "ngram_min_size"):
-            value = getattr(self, name)
-            # bool is an int subclass: `bole_depth=True` is a mistake, not 1.
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BoleConfig.{name} must be a positive int, got {value!r}")
+        for name in ("depth", "topk", "ngram_max_size", "ngram_min_size"):
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"BoleConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.budget != AUTO_BUDGET and not _is_positive_int(self.budget):
+            raise ValueError(f"BoleConfig.budget must be a positive int or {AUTO_BUDGET!r}, got {self.budget!r}")
+        epsilon = self.epsilon
+        if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
+            raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"BoleConfig.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if isinstance(self.drafter, str):
@@ -129,3 +150,8 @@ class BoleConfig:
             )
         rest = {k: v for k, v in kwargs.items() if not k.startswith(KWARG_PREFIX)}
         return cls(**settings), rest
+
+
+def _is_positive_int(value: Any) -> bool:
+    # bool is an int subclass: `bole_depth=True` is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -40,6 +40,7 @@ from hf_bole.generation.acceptance import (
     process_logits,
     sample_tokens,
 )
+from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
@@ -276,7 +277,9 @@ def _decode(
     text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
 
     row_cap = MAX_NODES - 1  # the kernels verify at most MAX_NODES nodes per tree, the root included
-    per_row = min(row_cap, bole.budget)
+    # The budget of each round: fixed, or looked up by active rows and KV length ("auto", generation/budget.py).
+    budget_for = BudgetResolver.for_model(model, bole, B)
+    per_row = max(1, min(row_cap, budget_for.max_budget))
     drafter = _make_drafter(model, bole)
     builtin_drafter = isinstance(bole.drafter, str)  # a user's drafter gets its trees checked every round
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -333,7 +336,12 @@ def _decode(
         # Rows that are done verify their root only (their draft gets no budget) and commit nothing.
         logprobs = torch.where(active_t[:, None], tree.draft_logprobs.to(device), float("-inf"))
         tree = DraftTree(tokens=tree.tokens.to(device), parents=tree.parents.to(device), draft_logprobs=logprobs)
-        verify = select_nodes(tree, root, bole.budget, per_row)
+        # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
+        kv_length = P - 1 + max(n for n, a in zip(state.n_gen, active) if a)
+        verify = select_nodes(tree, root, budget_for(sum(active), kv_length), per_row)
+        # Selection pads every row to the most a row could get; the forward costs by its width, so cut it to the
+        # widest row actually kept (a host read: it waits for drafting and selection, not for a forward).
+        verify = verify.narrowed(int(verify.num_nodes.max()))
         out = tree_forward(model, cache, verify.input_ids, verify.parents, verify=bole.verify)
         contexts = None
         if not is_context_free(logits_processor):

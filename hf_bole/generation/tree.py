@@ -188,6 +188,12 @@ class VerifyTree:
         mask of the verify forward over the tree part (padding nodes see only themselves)."""
         return tree_ancestor_mask(self.parents)
 
+    def narrowed(self, width: int) -> VerifyTree:
+        """The same trees in the first `width` columns, which must hold every row's real nodes
+        (`width >= num_nodes.max()`): real nodes come first, so only padding is dropped."""
+        return VerifyTree(*(x[:, :width] for x in (self.input_ids, self.parents, self.depths, self.draft_index,
+                                                    self.node_mask)), num_nodes=self.num_nodes)
+
     def position_ids(self, past_lengths: torch.LongTensor) -> torch.LongTensor:
         """`[B, T]` position ids of the nodes, given `past_lengths [B]`, the number of committed tokens before the
         root (the root sits at position `past_lengths`, a node at depth d at `past_lengths + d`)."""

@@ -15,7 +15,8 @@ class _Drafter:
 
 def test_defaults_are_valid():
     config = BoleConfig()
-    assert (config.depth, config.topk, config.budget, config.verify, config.drafter) == (5, 4, 32, "closed_form", "mtp")
+    settings = (config.depth, config.topk, config.budget, config.epsilon, config.verify, config.drafter)
+    assert settings == (5, 4, "auto", 0.1, "closed_form", "mtp")
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,12 @@ def test_defaults_are_valid():
     [
         pytest.param({"depth": 0}, "BoleConfig.depth must be a positive int, got 0", id="depth-0"),
         pytest.param({"topk": -1}, "BoleConfig.topk", id="topk-negative"),
-        pytest.param({"budget": "auto"}, "BoleConfig.budget must be a positive int, got 'auto'", id="budget-str"),
+        pytest.param({"budget": "fast"}, "positive int or 'auto', got 'fast'", id="budget-str"),
+        pytest.param({"budget": 0}, "BoleConfig.budget must be a positive int or 'auto'", id="budget-0"),
+        pytest.param({"epsilon": -0.1}, "BoleConfig.epsilon must be a finite number >= 0, got -0.1", id="epsilon-neg"),
+        pytest.param({"epsilon": float("nan")}, "BoleConfig.epsilon", id="epsilon-nan"),
+        pytest.param({"epsilon": "0.1"}, "BoleConfig.epsilon", id="epsilon-str"),
+        pytest.param({"epsilon": True}, "BoleConfig.epsilon", id="epsilon-bool"),
         pytest.param({"depth": True}, "BoleConfig.depth", id="depth-bool"),
         pytest.param({"budget": 2.0}, "BoleConfig.budget", id="budget-float"),
         pytest.param({"verify": "fast"}, "BoleConfig.verify must be one of", id="verify"),
@@ -91,4 +97,10 @@ def test_from_generate_kwargs_rejects(kwargs, generation_config, message):
 def test_kwarg_names():
     names = BoleConfig.kwarg_names()
     assert names[0] == "bole_config"
-    assert {"bole_depth", "bole_topk", "bole_budget", "bole_verify", "bole_drafter"} <= set(names)
+    assert {"bole_depth", "bole_topk", "bole_budget", "bole_epsilon", "bole_verify", "bole_drafter"} <= set(names)
+
+
+def test_budget_auto_and_epsilon():
+    config, _ = BoleConfig.from_generate_kwargs({"bole_budget": 48, "bole_epsilon": 0.25})
+    assert (config.budget, config.epsilon) == (48, 0.25)
+    assert BoleConfig(budget="auto", epsilon=0).epsilon == 0

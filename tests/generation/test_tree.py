@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_bole.generation import DraftTree, VerifyTree
+from hf_bole.generation import DraftTree, VerifyTree, select_nodes
 
 INF = float("-inf")
 
@@ -82,3 +82,22 @@ def test_verify_tree_position_ids():
     # 10 committed tokens before the root: root at 10, its child at 11, grandchild at 12
     assert tree.position_ids(torch.tensor([10])).tolist() == [[10, 11, 12, 10]]
     assert tree.ancestor_mask()[0, 2].tolist() == [True, True, True, False]
+
+
+def test_verify_tree_narrowed_drops_only_padding():
+    tree = select_nodes(
+        DraftTree(
+            tokens=torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]),
+            parents=torch.tensor([[-1, 0, 1, -1], [-1, 0, 0, 0]]),
+            draft_logprobs=torch.tensor([[-0.1, -0.2, -0.3, -5.0], [-3.0, -4.0, -4.5, -6.0]]),
+        ),
+        root_tokens=torch.tensor([9, 9]),
+        budget=4,
+        max_nodes_per_row=4,
+    )
+    assert tree.input_ids.shape[1] == 5 and tree.num_nodes.tolist() == [4, 2]
+    narrow = tree.narrowed(int(tree.num_nodes.max()))
+    assert narrow.input_ids.shape == (2, 4)
+    for name in ("input_ids", "parents", "depths", "draft_index", "node_mask"):
+        assert torch.equal(getattr(narrow, name), getattr(tree, name)[:, :4]), name
+    assert not tree.node_mask[:, 4:].any() and torch.equal(narrow.num_nodes, tree.num_nodes)

@@ -1,0 +1,115 @@
+"""Measures the verification budget table of a model on this GPU (DESIGN.md §5; the logic is in
+`hf_bole.generation.budget`), so that `generate(..., bole_budget="auto")` finds it.
+
+    python -m hf_bole.calibrate --model Qwen/Qwen3.5-9B --dtype bf16
+    python -m hf_bole.calibrate --shape 9B --batch-sizes 1 4 8 16 --kv-lengths 512 2048 8192 --out budget_9b.json
+
+Writes the table to `$HF_BOLE_CACHE/budgets/<key>.json` (default `~/.cache/hf_bole/budgets/`), where "auto" looks,
+and to `--out` if given, plus a PNG of T_ver(N) / T_dec against N (`--plot`, default: beside the JSON; needs
+matplotlib). `--shape` builds a random-weight model of a published shape with the repository's `eval/shapes.py`
+(run from the repository root): timings do not depend on the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from hf_bole.config import VERIFY_MODES, BoleConfig
+from hf_bole.generation.budget import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_KV_LENGTHS,
+    DEFAULT_NODES,
+    calibrate,
+    plot_table,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = BoleConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="checkpoint folder or Hub id (loaded with AutoModelForCausalLM)")
+    source.add_argument("--shape", help="a random-weight model of eval/shapes.py: 4B, 9B, 27B, 35B-A3B, 122B-A10B, "
+                        "house, or a folder with a config.json")  # fmt: skip
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=list(DEFAULT_BATCH_SIZES))
+    ap.add_argument("--kv-lengths", nargs="+", type=int, default=list(DEFAULT_KV_LENGTHS))
+    ap.add_argument("--nodes", nargs="+", type=int, default=list(DEFAULT_NODES),
+                    help="total draft nodes per verify forward (0: roots only)")  # fmt: skip
+    ap.add_argument(
+        "--epsilon", type=float, default=defaults.epsilon, help="B_ver = max{N : T_ver(N) <= (1+eps) T_dec}"
+    )
+    ap.add_argument("--verify", choices=VERIFY_MODES, default=defaults.verify)
+    ap.add_argument("--topk", type=int, default=defaults.topk, help="shape of the synthetic draft trees")
+    ap.add_argument("--depth", type=int, default=defaults.depth, help="shape of the synthetic draft trees")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per median")
+    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, help="also write the table here")
+    ap.add_argument("--plot", type=Path, help="the PNG (default: the JSON's path with .png)")
+    ap.add_argument("--no-save", action="store_true", help="do not write into the cache folder")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    for name in ("batch_sizes", "kv_lengths", "warmup", "reps", "prefill_chunk", "topk", "depth"):
+        values = getattr(args, name)
+        if any(v < 1 for v in (values if isinstance(values, list) else [values])):
+            ap.error(f"--{name.replace('_', '-')} must be positive, got {values}")
+    if any(n < 0 for n in args.nodes):
+        ap.error(f"--nodes must be >= 0, got {args.nodes}")
+    if not args.epsilon >= 0:
+        ap.error(f"--epsilon must be >= 0, got {args.epsilon}")
+    if args.no_save and args.out is None:
+        ap.error("--no-save needs --out: the table would be written nowhere")
+    return args
+
+
+def load_model(args: argparse.Namespace):
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    if args.shape is not None:
+        try:
+            from eval.shapes import build_model, shape_config
+        except ImportError as e:
+            raise SystemExit(f"--shape needs the repository's eval/shapes.py: run from the repository root ({e})")
+        return build_model(shape_config(args.shape), device, dtype)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model = load_model(args)
+    table = calibrate(
+        model, args.batch_sizes, args.kv_lengths, args.nodes, epsilon=args.epsilon, verify=args.verify,
+        topk=args.topk, depth=args.depth, warmup=args.warmup, reps=args.reps, prefill_chunk=args.prefill_chunk,
+        seed=args.seed,
+    )  # fmt: skip
+    written = [] if args.no_save else [table.save(table.default_path())]
+    if args.out is not None:
+        written.append(table.save(args.out))
+    print(f"{table.key.model} on {table.key.device}, {table.key.dtype}, {table.key.verify}, epsilon {table.epsilon}:")
+    print(f"{'batch':>6} {'KV':>7} {'T_dec ms':>9} {'B_ver':>6}  T_ver(N)/T_dec")
+    for e in table.entries:
+        ratios = " ".join(f"{n}:{t / e.t_dec:.2f}" for n, t in zip(e.nodes, e.t_ver))
+        print(f"{e.batch_size:>6} {e.kv_length:>7} {e.t_dec:>9.2f} {e.budget:>6}  {ratios}")
+    for path in written:
+        print(f"wrote {path}")
+    plot = args.plot or written[-1].with_suffix(".png")
+    try:
+        print(f"wrote {plot_table(table, plot)}")
+    except ImportError as e:
+        print(f"no plot: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

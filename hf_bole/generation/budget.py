@@ -1,0 +1,603 @@
+"""The verification budget (DESIGN.md §5): how many draft nodes one verify forward takes while it still costs about
+a plain decode step. Calibrated once per (model, GPU, dtype, verify mode), stored as a table, looked up every round.
+
+    B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}
+
+`T_ver(N)` is the complete verify forward (`tree_forward`: every layer, the LM head over every node) of a batch of
+draft trees holding `N` draft nodes in all, plus one root per request, from a cache prefilled to the KV-length
+bucket; `T_dec` is a plain one-token decode step of the same batch from the same cache. `N = 0` (roots only, the
+tree forward's fixed cost) is measured too: when no tree fits in `(1 + epsilon) T_dec` the budget is 0, and
+selection's floor then verifies each request's best root child only. The trees are MTP/EAGLE-2-shaped (`topk`
+children of the `topk` best nodes per level, random draft probabilities, confidence differing by request) and the
+batch-shared selection splits `N` across requests, so the padded forward has the width the decoding loop gives it.
+
+A table is keyed by the model's text config (`model_key`), the device name, the dtype and the verify mode, and
+holds one entry per (batch size, KV length) bucket with the raw timings, so a different epsilon applies at look-up
+without measuring again. Tables live in `$HF_BOLE_CACHE/budgets/` (default `~/.cache/hf_bole/budgets/`), one JSON
+file per key (`TableKey.filename`). Look-up takes the batch bucket at or below the number of active requests and,
+within it, the KV bucket at or below the longest active request's committed length (the smallest bucket when
+below all of them): bucket i covers the range up to the next bucket. That is optimistic between buckets (a larger
+batch or a longer context turns compute-bound a little sooner), so put buckets where the budget changes fast.
+
+Example:
+
+```python
+>>> from hf_bole.generation.budget import calibrate, BudgetResolver
+>>> table = calibrate(model, batch_sizes=(1, 8), kv_lengths=(1024,))  # minutes on a GPU
+>>> table.save(table.default_path())
+>>> BudgetResolver.from_table(table, epsilon=0.1)(active_rows=8, kv_length=1500)
+96
+```
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from hf_bole.config import (
+    AUTO_BUDGET,
+    FALLBACK_BUDGET_MAX,
+    FALLBACK_BUDGET_PER_REQUEST,
+    BoleConfig,
+)
+from hf_bole.generation.select import select_nodes
+from hf_bole.generation.tree import DraftTree
+from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# Total draft nodes per verify forward: powers of two and the points halfway between them (in log scale, about).
+DEFAULT_NODES = (0, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_BATCH_SIZES = (1, 4, 8, 16)
+DEFAULT_KV_LENGTHS = (512, 2048, 8192)
+ROW_CAP = MAX_NODES - 1  # draft nodes one request's tree can hold in the verify kernels (the root not counted)
+# Fields of a text config that set the cost of a forward; the model key hashes them.
+_SHAPE_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "intermediate_size", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size",
+)  # fmt: skip
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
+def choose_budget(nodes: Sequence[int], t_ver: Sequence[float], t_dec: float, epsilon: float) -> int:
+    """`B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}` over the measured sizes, or 0 when none qualifies.
+
+    Every measured size counts, not only a prefix of them: when timings are not monotone in `N` (a wider forward
+    that happens to tile better), a larger qualifying `N` wins over a smaller one that did not qualify.
+
+    Args:
+        nodes (`Sequence[int]`): total draft nodes per forward, one per timing.
+        t_ver (`Sequence[float]`): the verify forward's time at each of them.
+        t_dec (`float`): a plain one-token decode step, in the unit of `t_ver`.
+        epsilon (`float`): the slack, >= 0.
+
+    Returns:
+        `int`: the budget.
+
+    Example:
+
+    ```python
+    >>> choose_budget([0, 16, 32, 64], [1.05, 1.08, 1.12, 1.5], t_dec=1.0, epsilon=0.1)
+    16
+    ```
+    """
+    if len(nodes) != len(t_ver):
+        raise ValueError(f"{len(nodes)} node counts but {len(t_ver)} timings")
+    if epsilon < 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    limit = (1 + epsilon) * t_dec
+    return max((n for n, t in zip(nodes, t_ver) if t <= limit), default=0)
+
+
+def fallback_budget(active_rows: int) -> int:
+    """The documented budget of `budget="auto"` without a table: 32 per active request, at most 128
+    (`hf_bole.config.FALLBACK_BUDGET_PER_REQUEST`, `FALLBACK_BUDGET_MAX`)."""
+    return max(1, min(FALLBACK_BUDGET_PER_REQUEST * active_rows, FALLBACK_BUDGET_MAX))
+
+
+def cache_dir() -> Path:
+    """Where tables live: `$HF_BOLE_CACHE/budgets`, by default `~/.cache/hf_bole/budgets`."""
+    return Path(os.environ.get("HF_BOLE_CACHE") or Path.home() / ".cache" / "hf_bole").expanduser() / "budgets"
+
+
+def model_key(config) -> str:
+    """A name for the cost-relevant shape of a model: `<model_type>-h<hidden>-l<layers>-<hash of the shape fields>`.
+    Takes a model or its config (composite configs use their text config)."""
+    config = getattr(config, "config", config).get_text_config(decoder=True)
+    shape = {name: getattr(config, name, None) for name in _SHAPE_FIELDS}
+    digest = hashlib.sha1(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"{config.model_type}-h{config.hidden_size}-l{config.num_hidden_layers}-{digest}"
+
+
+def device_name(device: torch.device | str) -> str:
+    """The GPU's name (`torch.cuda.get_device_name`), or the device type elsewhere ("cpu")."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """What a calibration table is valid for."""
+
+    model: str  # `model_key`
+    device: str  # `device_name`
+    dtype: str  # e.g. "bfloat16"
+    verify: str  # "closed_form" or "serial"
+
+    @classmethod
+    def for_model(cls, model, verify: str = "closed_form") -> TableKey:
+        return cls(model_key(model), device_name(model.device), dtype_name(model.dtype), verify)
+
+    @property
+    def filename(self) -> str:
+        device = re.sub(r"[^A-Za-z0-9.]+", "-", self.device).strip("-")
+        return f"{self.model}__{device}__{self.dtype}__{self.verify}.json"
+
+
+@dataclass
+class BudgetEntry:
+    """The timings of one (batch size, KV length) bucket, in milliseconds. `budget` is `choose_budget` at the
+    table's epsilon; look-ups with another epsilon choose again from the timings."""
+
+    batch_size: int
+    kv_length: int
+    t_dec: float
+    nodes: list[int]
+    t_ver: list[float]
+    budget: int
+
+    def choose(self, epsilon: float) -> int:
+        return choose_budget(self.nodes, self.t_ver, self.t_dec, epsilon)
+
+
+@dataclass
+class BudgetTable:
+    """A calibration table: timings per (batch size, KV length) bucket for one `TableKey`.
+
+    Args:
+        key (`TableKey`): model, device, dtype and verify mode the timings hold for.
+        epsilon (`float`): the epsilon the entries' `budget` fields were chosen with.
+        entries (`list[BudgetEntry]`): one per measured bucket.
+        meta (`dict`): how it was measured (tree shape, repetitions, library versions, model class).
+    """
+
+    key: TableKey
+    epsilon: float
+    entries: list[BudgetEntry]
+    meta: dict = field(default_factory=dict)
+
+    def default_path(self) -> Path:
+        return cache_dir() / self.key.filename
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT_VERSION, "key": asdict(self.key), "epsilon": self.epsilon, "meta": self.meta,
+                "entries": [asdict(e) for e in self.entries]}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BudgetTable:
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError(f"budget table format {data.get('format')!r} is not {FORMAT_VERSION}: calibrate again")
+        return cls(
+            key=TableKey(**data["key"]),
+            epsilon=data["epsilon"],
+            entries=[BudgetEntry(**e) for e in data["entries"]],
+            meta=data.get("meta", {}),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)  # readers never see half a table
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> BudgetTable:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def find_table(key: TableKey, folder: str | Path | None = None) -> BudgetTable | None:
+    """The stored table for `key` in `folder` (default `cache_dir()`), or None. Read once per file version."""
+    path = Path(folder) / key.filename if folder is not None else cache_dir() / key.filename
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+    return _load_cached(path, mtime)
+
+
+_TABLES: dict[tuple[Path, int], BudgetTable] = {}
+
+
+def _load_cached(path: Path, mtime: int) -> BudgetTable:
+    if (path, mtime) not in _TABLES:
+        _TABLES[(path, mtime)] = BudgetTable.load(path)
+    return _TABLES[(path, mtime)]
+
+
+def _bucket_index(buckets: Sequence[int], value: int) -> int:
+    """The index of the largest bucket <= value, or 0 when value is below all (buckets sorted ascending)."""
+    return max(bisect.bisect_right(buckets, value) - 1, 0)
+
+
+def _bucket(buckets: Sequence[int], value: int) -> int:
+    return buckets[_bucket_index(buckets, value)]
+
+
+class BudgetResolver:
+    """The budget of every round: `resolver(active_rows, kv_length) -> int`, from a fixed number, a calibration
+    table, or the fallback. Host-side only (dict and bisect look-ups); `max_budget` bounds every answer, so the
+    decoding loop can size its buffers once.
+
+    Build with `for_model` (what `generate` does), `from_table`, `fixed` or `fallback`.
+    """
+
+    def __init__(self, rule: Callable[[int, int], int], max_budget: int, source: str):
+        self._rule, self.max_budget, self.source = rule, max_budget, source
+
+    def __call__(self, active_rows: int, kv_length: int) -> int:
+        """The budget for a round with `active_rows` requests still decoding, the longest of which has committed
+        `kv_length` tokens (left padding included)."""
+        return self._rule(active_rows, kv_length)
+
+    def __repr__(self) -> str:
+        return f"BudgetResolver({self.source}, max_budget={self.max_budget})"
+
+    @classmethod
+    def fixed(cls, budget: int) -> BudgetResolver:
+        return cls(lambda active_rows, kv_length: budget, budget, f"fixed {budget}")
+
+    @classmethod
+    def fallback(cls, batch_size: int) -> BudgetResolver:
+        return cls(lambda active_rows, kv_length: fallback_budget(active_rows), fallback_budget(batch_size), "fallback")
+
+    @classmethod
+    def from_table(cls, table: BudgetTable, epsilon: float) -> BudgetResolver:
+        """Looks budgets up in `table`, chosen from its timings at `epsilon`."""
+        if not table.entries:
+            raise ValueError(f"the budget table for {table.key} has no entries")
+        chosen: dict[int, tuple[list[int], list[int]]] = {}  # batch bucket -> (kv buckets, budgets)
+        for entry in sorted(table.entries, key=lambda e: (e.batch_size, e.kv_length)):
+            kvs, budgets = chosen.setdefault(entry.batch_size, ([], []))
+            kvs.append(entry.kv_length)
+            budgets.append(entry.choose(epsilon))
+        batch_buckets = sorted(chosen)
+
+        def rule(active_rows: int, kv_length: int) -> int:
+            kvs, budgets = chosen[_bucket(batch_buckets, active_rows)]
+            return budgets[_bucket_index(kvs, kv_length)]
+
+        max_budget = max(b for _, budgets in chosen.values() for b in budgets)
+        return cls(rule, max_budget, f"table {table.key.filename} at epsilon {epsilon}")
+
+    @classmethod
+    def for_model(cls, model, config: BoleConfig, batch_size: int) -> BudgetResolver:
+        """What `generate` uses: a fixed budget for an int `config.budget`; for `"auto"` the stored table of this
+        model, device, dtype and verify mode at `config.epsilon`, or the fallback, said once in a log line."""
+        if config.budget != AUTO_BUDGET:
+            return cls.fixed(config.budget)
+        device = model.device
+        fallback = (
+            f"budget='auto' uses the fallback of {FALLBACK_BUDGET_PER_REQUEST} draft nodes per active request, at "
+            f"most {FALLBACK_BUDGET_MAX} per round (pass bole_budget=<int> to fix it)"
+        )
+        if device.type != "cuda":
+            _warn_once(f"hf_bole: no calibrated verification budget on {device.type}: {fallback}")
+            return cls.fallback(batch_size)
+        key = TableKey.for_model(model, config.verify)
+        table = find_table(key)
+        if table is None:
+            _warn_once(
+                f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
+                f"({key.device}), dtype and verify mode; {fallback}. Measure one with `python -m hf_bole.calibrate "
+                f"--model <checkpoint> --dtype {key.dtype} --verify {key.verify}`."
+            )
+            return cls.fallback(batch_size)
+        return cls.from_table(table, config.epsilon)
+
+
+def synthetic_draft_tree(
+    batch_size: int, topk: int, depth: int, generator: torch.Generator, device: torch.device | str = "cpu"
+) -> DraftTree:
+    """Draft trees shaped like the MTP drafter's (EAGLE-2): the root's `topk` best children, then at every further
+    level the `topk` best nodes of the level before (by cumulative draft probability) each get `topk` children;
+    `topk + (depth - 1) * topk**2` nodes per request. Draft probabilities are the top-k of a softmax over random
+    logits whose sharpness differs by request, so the batch-shared selection splits a budget unevenly, as it does
+    on real drafts. Tokens are node indices (siblings stay distinct); only the shape matters for timing."""
+    B, K = batch_size, topk
+    sharpness = 1.0 + 3.0 * torch.rand(B, 1, 1, generator=generator)  # per request: a confident or a doubtful drafter
+
+    def children(count: int) -> torch.Tensor:  # [B, count, K] log p_draft of the K best children of `count` nodes
+        logits = torch.randn(B, count, 4 * K, generator=generator) * sharpness
+        return logits.log_softmax(-1).topk(K, dim=-1).values
+
+    logp, parents = [children(1).reshape(B, K)], [torch.full((B, K), -1)]
+    cum, level = logp[0], torch.arange(K).expand(B, K)  # frontier: cumulative log p and node index
+    first = K
+    for _ in range(1, depth):
+        best_cum, best = cum.topk(min(K, cum.shape[1]), dim=-1)  # [B, K']
+        child = children(best.shape[1])  # [B, K', K]
+        logp.append(child.reshape(B, -1))
+        parents.append(level.gather(1, best)[..., None].expand(-1, -1, K).reshape(B, -1))
+        cum = (best_cum[..., None] + child).reshape(B, -1)
+        level = first + torch.arange(cum.shape[1]).expand(B, -1)
+        first += cum.shape[1]
+    logp, parents = torch.cat(logp, 1), torch.cat(parents, 1)
+    tokens = torch.arange(logp.shape[1]).expand(B, -1)
+    return DraftTree(tokens=tokens.to(device), parents=parents.to(device), draft_logprobs=logp.to(device))
+
+
+class _Timer:
+    """Median wall time of a callable in ms: CUDA events on a GPU, `time.perf_counter` elsewhere."""
+
+    def __init__(self, device: torch.device, warmup: int, reps: int):
+        self.device, self.warmup, self.reps = device, warmup, reps
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.reps)
+            ]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize(self.device)
+            return statistics.median(start.elapsed_time(end) for start, end in events)
+        times = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+@torch.no_grad()
+def calibrate(
+    model,
+    batch_sizes: Iterable[int] = DEFAULT_BATCH_SIZES,
+    kv_lengths: Iterable[int] = DEFAULT_KV_LENGTHS,
+    nodes: Iterable[int] = DEFAULT_NODES,
+    *,
+    epsilon: float | None = None,
+    verify: str = "closed_form",
+    topk: int | None = None,
+    depth: int | None = None,
+    warmup: int = 3,
+    reps: int = 10,
+    prefill_chunk: int = 2048,
+    seed: int = 0,
+    progress: bool = True,
+) -> BudgetTable:
+    """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
+
+    For each bucket a `BoleCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`),
+    a plain one-token decode step is timed, then the verify forward of synthetic draft trees (`synthetic_draft_tree`
+    with `topk`/`depth`, split across the batch by `select_nodes`) for every `N` in `nodes` that the batch can hold:
+    `N = 0` (roots only) and `batch_size <= N <= batch_size * min(127, tree size)`. Each timing is the median of
+    `reps` after `warmup` calls. A bucket that runs out of GPU memory keeps what it measured and is logged.
+
+    Args:
+        model: a Qwen3.5 model hf_bole supports, on its device, in the dtype to calibrate.
+        batch_sizes, kv_lengths, nodes (`Iterable[int]`): the grid.
+        epsilon (`float`, *optional*): stored with the table and used for its `budget` fields (default:
+            `BoleConfig().epsilon`); look-ups may use another.
+        verify (`str`): the verify mode to time, "closed_form" or "serial".
+        topk, depth (`int`, *optional*): the synthetic trees' shape (default: `BoleConfig`'s).
+        warmup, reps (`int`): calls before timing, and timed calls per median.
+        prefill_chunk (`int`): tokens per row per prefill forward.
+        seed (`int`): seeds the prompts and the trees.
+        progress (`bool`): show a tqdm bar.
+
+    Returns:
+        `BudgetTable` keyed by `TableKey.for_model(model, verify)`.
+    """
+    from hf_bole.models import check_supported_model
+
+    check_supported_model(model)
+    defaults = BoleConfig()
+    epsilon = defaults.epsilon if epsilon is None else epsilon
+    topk, depth = topk or defaults.topk, depth or defaults.depth
+    BoleConfig(epsilon=epsilon, topk=topk, depth=depth, verify=verify)  # validates them
+    batch_sizes, kv_lengths, nodes = sorted(set(batch_sizes)), sorted(set(kv_lengths)), sorted(set(nodes))
+    if not batch_sizes or batch_sizes[0] < 1 or not kv_lengths or kv_lengths[0] < 1 or not nodes or nodes[0] < 0:
+        raise ValueError(
+            f"calibration needs batch sizes >= 1, KV lengths >= 1 and node counts >= 0, got {batch_sizes}, "
+            f"{kv_lengths}, {nodes}"
+        )
+    device = model.device
+    tree_nodes = min(ROW_CAP, topk + (depth - 1) * topk**2)
+    grid = {b: [n for n in nodes if n == 0 or b <= n <= b * tree_nodes] for b in batch_sizes}
+    timer = _Timer(device, warmup, reps)
+    generator = torch.Generator().manual_seed(seed)
+
+    total = sum(len(kv_lengths) * (1 + len(grid[b])) for b in batch_sizes)
+    bar = _progress(total, progress)
+    entries = []
+    for b in batch_sizes:
+        for kv in kv_lengths:
+            bar.set_description(f"batch {b}, KV {kv}")
+            timings: dict[int | None, float] = {}  # None: the decode step; N: the verify forward
+            try:
+                _measure_bucket(
+                    model, b, kv, grid[b], timings, timer, topk, depth, verify, prefill_chunk, generator, bar
+                )
+            except torch.OutOfMemoryError:
+                logger.warning(f"hf_bole calibrate: out of memory at batch {b}, KV {kv}; kept {len(timings)} timings")
+                bar.update(1 + len(grid[b]) - len(timings))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            t_dec = timings.pop(None, None)
+            if t_dec is None or not timings:
+                continue
+            ns = sorted(timings)
+            t_ver = [timings[n] for n in ns]
+            entry = BudgetEntry(b, kv, t_dec, ns, t_ver, choose_budget(ns, t_ver, t_dec, epsilon))
+            if entry.budget == 0:
+                logger.warning(
+                    f"hf_bole calibrate: at batch {b}, KV {kv} no tree verifies within (1 + {epsilon}) x a decode step "
+                    f"({t_dec:.2f} ms; N={ns[0]}: {t_ver[0] / t_dec:.2f}x, N={ns[-1]}: {t_ver[-1] / t_dec:.2f}x): "
+                    f"budget 0 (each request verifies its best root child); a larger epsilon chooses from the same "
+                    f"timings"
+                )
+            entries.append(entry)
+    bar.close()
+    meta = {
+        "model_class": type(model).__name__,
+        "attn_implementation": model.config.get_text_config(decoder=True)._attn_implementation,
+        "topk": topk,
+        "depth": depth,
+        "warmup": warmup,
+        "reps": reps,
+        "seed": seed,
+        "timer": "cuda events" if device.type == "cuda" else "perf_counter",
+        "unit": "ms",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": _versions(),
+    }
+    return BudgetTable(TableKey.for_model(model, verify), epsilon, entries, meta)
+
+
+def _measure_bucket(
+    model, b: int, kv: int, grid: list[int], timings: dict, timer: _Timer, topk: int, depth: int, verify: str,
+    prefill_chunk: int, generator: torch.Generator, bar,
+) -> None:  # fmt: skip
+    """Fills `timings[None]` (decode step) and `timings[N]` (verify forward) for one bucket, as they come."""
+    from hf_bole.cache import BoleCache
+    from hf_bole.models import cache_argument, tree_forward
+
+    device, vocab = model.device, model.get_output_embeddings().weight.shape[0]
+    decoder = model.get_decoder()
+    steps = timer.warmup + timer.reps  # every timed decode step appends a token
+    cache = BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
+    prompt = torch.randint(0, vocab, (b, kv), generator=generator).to(device)
+    for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
+        chunk = prompt[:, start : start + prefill_chunk]
+        decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
+    step = functools.partial(
+        model, input_ids=prompt[:, -1:], use_cache=True, **{cache_argument(type(model).forward): cache}
+    )
+    timings[None] = timer(step)
+    bar.update(1)
+    roots = prompt[:, -1]
+    for n in grid:
+        if n == 0:
+            ids, parents = roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device)
+        else:
+            vt = select_nodes(synthetic_draft_tree(b, topk, depth, generator, device), roots, n, ROW_CAP)
+            ids, parents = vt.input_ids, vt.parents
+        timings[n] = timer(functools.partial(tree_forward, model, cache, ids, parents, verify=verify))
+        bar.update(1)
+
+
+def plot_table(table: BudgetTable, path: str | Path, epsilon: float | None = None) -> Path:
+    """`T_ver(N) / T_dec` against `N`, one panel per batch size and one line per KV length, the threshold
+    `1 + epsilon` dashed and every chosen budget circled. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("plotting the budget table needs matplotlib: pip install matplotlib") from e
+    epsilon = table.epsilon if epsilon is None else epsilon
+    batches = sorted({e.batch_size for e in table.entries})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False, sharey=True)
+    for ax, b in zip(axes[0], batches):
+        for e in (e for e in table.entries if e.batch_size == b):
+            ratio = [t / e.t_dec for t in e.t_ver]
+            x = [max(n, 1) for n in e.nodes]  # N = 0 (roots only) drawn at 1 on the log axis
+            (line,) = ax.plot(x, ratio, marker=".", label=f"KV {e.kv_length}")
+            chosen = e.choose(epsilon)
+            i = e.nodes.index(chosen) if chosen in e.nodes else None
+            if i is not None and ratio[i] <= 1 + epsilon:  # budget 0 is also the answer when nothing qualifies
+                ax.plot([x[i]], [ratio[i]], "o", ms=11, mfc="none", color=line.get_color())
+        ax.axhline(1 + epsilon, ls="--", color="grey", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("draft nodes N per forward (1 = roots only)")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("T_ver(N) / T_dec")
+    fig.suptitle(f"{table.key.model}, {table.key.device}, {table.key.dtype}, {table.key.verify}: circled = "
+                 f"B_ver at epsilon {epsilon}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        enabled = False
+    if not enabled:
+        return _NoBar()
+    return tqdm(total=total, unit="timing")
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+    def set_description(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def _versions() -> dict:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+__all__ = [
+    "BudgetEntry",
+    "BudgetResolver",
+    "BudgetTable",
+    "TableKey",
+    "cache_dir",
+    "calibrate",
+    "choose_budget",
+    "fallback_budget",
+    "find_table",
+    "model_key",
+    "plot_table",
+    "synthetic_draft_tree",
+]

@@ -1,0 +1,291 @@
+"""The verification budget: B_ver from timings, tables (keys, storage, look-up), "auto" in generate, the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen3_5Config
+
+import hf_bole
+from hf_bole.calibrate import main as calibrate_main
+from hf_bole.config import BoleConfig
+from hf_bole.generation import budget as budget_module
+from hf_bole.generation import loop
+from hf_bole.generation.budget import (
+    BudgetEntry,
+    BudgetResolver,
+    BudgetTable,
+    TableKey,
+    cache_dir,
+    choose_budget,
+    fallback_budget,
+    find_table,
+    model_key,
+    synthetic_draft_tree,
+)
+from tests.models import tiny
+
+NODES = [0, 16, 32, 64]
+
+
+@pytest.fixture(autouse=True)
+def budget_cache(tmp_path, monkeypatch):
+    """Every test gets an empty table folder and forgets the warnings already given."""
+    monkeypatch.setenv("HF_BOLE_CACHE", str(tmp_path / "hf_bole_cache"))
+    monkeypatch.setattr(budget_module, "_WARNED", set())
+    return tmp_path / "hf_bole_cache" / "budgets"
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return tiny.build_model("dense")
+
+
+@pytest.mark.parametrize(
+    "t_ver, epsilon, expected",
+    [
+        # ratios 1.05, 1.08, 1.12, 1.5 against a limit of 1.1: 32 is just over, 16 the last within
+        pytest.param([1.05, 1.08, 1.12, 1.5], 0.1, 16, id="monotone"),
+        pytest.param([1.05, 1.08, 1.12, 1.5], 0.5, 64, id="large-epsilon-takes-all"),
+        pytest.param([1.0, 1.0, 1.0, 1.01], 0.0, 32, id="epsilon-0-equality-counts"),
+        pytest.param([1.0, 1.1, 1.2, 1.3], 0.1, 16, id="boundary-inclusive"),
+        # nothing within 1.1, not even the roots alone: 0, the floor of one root child per request
+        pytest.param([1.3, 1.4, 1.5, 1.6], 0.1, 0, id="none-qualifies"),
+        pytest.param([1.0, 1.4, 1.5, 1.6], 0.1, 0, id="only-roots"),
+        # 16 is over the limit but 32 is under (it tiles better): the largest qualifying N wins
+        pytest.param([1.0, 1.2, 1.05, 1.3], 0.1, 32, id="non-monotone"),
+        pytest.param([1.2, 1.3, 1.4, 1.09], 0.1, 64, id="non-monotone-last"),
+    ],
+)
+def test_choose_budget(t_ver, epsilon, expected):
+    assert choose_budget(NODES, t_ver, t_dec=1.0, epsilon=epsilon) == expected
+    # scale-free: milliseconds or seconds give the same choice
+    assert choose_budget(NODES, [7.5 * t for t in t_ver], t_dec=7.5, epsilon=epsilon) == expected
+
+
+def test_choose_budget_rejects():
+    with pytest.raises(ValueError, match="epsilon must be >= 0"):
+        choose_budget(NODES, [1.0] * 4, 1.0, -0.1)
+    with pytest.raises(ValueError, match="4 node counts but 3 timings"):
+        choose_budget(NODES, [1.0] * 3, 1.0, 0.1)
+
+
+def _table(key: TableKey | None = None) -> BudgetTable:
+    """Batch buckets 1 and 4, KV buckets 512 and 2048; ratios chosen so each bucket picks a different budget."""
+    ratios = {
+        (1, 512): [1.0, 1.02, 1.05, 1.3],  # eps 0.1: 32; eps 0.3: 64
+        (1, 2048): [1.0, 1.05, 1.2, 1.4],  # 16; 32
+        (4, 512): [1.0, 1.08, 1.5, 2.0],  # 16; 16
+        (4, 2048): [1.0, 1.2, 1.6, 2.4],  # 0; 16
+    }
+    entries = [
+        BudgetEntry(b, kv, 2.0, NODES, [2.0 * r for r in rs], choose_budget(NODES, rs, 1.0, 0.1))
+        for (b, kv), rs in ratios.items()
+    ]
+    key = key or TableKey("qwen3_5_text-h64-l4-0123456789", "NVIDIA H200", "bfloat16", "closed_form")
+    return BudgetTable(key, 0.1, entries, meta={"topk": 4})
+
+
+@pytest.mark.parametrize(
+    "active, kv, epsilon, expected",
+    [
+        pytest.param(1, 512, 0.1, 32, id="exact-bucket"),
+        pytest.param(1, 2047, 0.1, 32, id="kv-rounds-down"),
+        pytest.param(1, 100, 0.1, 32, id="kv-below-all"),
+        pytest.param(1, 10**6, 0.1, 16, id="kv-above-all"),
+        pytest.param(3, 600, 0.1, 32, id="batch-rounds-down"),
+        pytest.param(4, 512, 0.1, 16, id="batch-bucket"),
+        pytest.param(64, 4096, 0.1, 0, id="batch-above-all"),
+        pytest.param(1, 512, 0.3, 64, id="epsilon-chooses-again"),
+        pytest.param(4, 2048, 0.3, 16, id="epsilon-chooses-again-large-batch"),
+    ],
+)
+def test_resolver_looks_up_buckets(active, kv, epsilon, expected):
+    resolver = BudgetResolver.from_table(_table(), epsilon)
+    assert resolver(active, kv) == expected
+    assert resolver.max_budget == (32 if epsilon == 0.1 else 64)
+
+
+def test_resolver_fixed_and_fallback(dense):
+    assert BudgetResolver.for_model(dense, BoleConfig(budget=7), batch_size=4)(3, 100) == 7
+    fallback = BudgetResolver.fallback(batch_size=8)
+    assert [fallback(a, 10) for a in (1, 2, 4, 8)] == [32, 64, 128, 128]  # 32 per request, at most 128
+    assert fallback.max_budget == 128 == fallback_budget(8)
+    assert fallback_budget(1) == BudgetResolver.fallback(batch_size=1).max_budget == 32
+
+
+def test_table_round_trip(budget_cache):
+    table = _table()
+    path = table.save(table.default_path())
+    assert path == budget_cache / "qwen3_5_text-h64-l4-0123456789__NVIDIA-H200__bfloat16__closed_form.json"
+    assert cache_dir() == budget_cache
+    data = json.loads(path.read_text())
+    assert data["format"] == 1 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
+    key = {"model": table.key.model, "device": "NVIDIA H200", "dtype": "bfloat16", "verify": "closed_form"}
+    assert data["key"] == key
+    assert data["entries"][0] == {"batch_size": 1, "kv_length": 512, "t_dec": 2.0, "nodes": NODES,
+                                  "t_ver": [2.0, 2.04, 2.1, 2.6], "budget": 32}  # fmt: skip
+    assert BudgetTable.load(path) == table
+    assert find_table(table.key) == table
+    assert find_table(TableKey(table.key.model, "NVIDIA H100", "bfloat16", "closed_form")) is None
+    assert find_table(TableKey(table.key.model, "NVIDIA H200", "bfloat16", "serial")) is None
+    data["format"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="format 0 is not 1: calibrate again"):
+        find_table(table.key)  # a rewritten file is read again
+
+
+def test_model_key():
+    key = model_key(tiny.text_config())
+    assert key.startswith("qwen3_5_text-h64-l4-")
+    assert model_key(tiny.text_config()) == key  # stable
+    # the text config of a composite (vision-language) config is what counts
+    composite = Qwen3_5Config(text_config=tiny.text_config().to_dict(), vision_config={"depth": 1})
+    assert model_key(composite) == key
+    assert model_key(tiny.text_config(hidden_size=96)) != key
+    assert model_key(tiny.text_config(num_key_value_heads=2)) != key
+    assert model_key(tiny.text_config("moe")).startswith("qwen3_5_moe_text-h64-l4-")
+
+
+def _fake_gpu_model(monkeypatch):
+    monkeypatch.setattr(budget_module, "device_name", lambda device: "NVIDIA Test GPU")
+    return SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config())
+
+
+def test_auto_without_table_warns_once(monkeypatch, caplog):
+    model = _fake_gpu_model(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        resolvers = [BudgetResolver.for_model(model, BoleConfig(), batch_size=4) for _ in range(3)]
+    assert len(caplog.records) == 1  # once, however often generate is called
+    message = caplog.records[0].getMessage()
+    assert "no verification budget table" in message and "NVIDIA Test GPU" in message
+    assert "NVIDIA-Test-GPU__bfloat16__closed_form.json" in message and "python -m hf_bole.calibrate" in message
+    assert "32 draft nodes per active request, at most 128" in message
+    for resolver in resolvers:
+        assert resolver.source == "fallback" and resolver(2, 1000) == 64 and resolver.max_budget == 128
+    # another verify mode is another table, hence another warning
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        BudgetResolver.for_model(model, BoleConfig(verify="serial"), batch_size=4)
+    assert len(caplog.records) == 2 and "serial.json" in caplog.records[1].getMessage()
+
+
+def test_auto_finds_stored_table(monkeypatch, caplog):
+    model = _fake_gpu_model(monkeypatch)
+    key = TableKey.for_model(model)
+    assert key == TableKey(model_key(model.config), "NVIDIA Test GPU", "bfloat16", "closed_form")
+    _table(key).save(_table(key).default_path())
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
+    assert not caplog.records
+    assert resolver(1, 512) == 64 and resolver(4, 4096) == 16  # chosen again at epsilon 0.3
+
+
+def test_auto_on_cpu_uses_fallback(dense, caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        for _ in range(2):
+            resolver = BudgetResolver.for_model(dense, BoleConfig(), batch_size=2)
+    expected = (
+        "hf_bole: no calibrated verification budget on cpu: budget='auto' uses the fallback of 32 draft nodes per "
+        "active request, at most 128 per round (pass bole_budget=<int> to fix it)"
+    )
+    assert [r.getMessage() for r in caplog.records] == [expected]
+    assert resolver.source == "fallback" and resolver(1, 10) == 32
+
+
+def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
+    """(budget, kept draft nodes) of every round `generate` selects."""
+    rounds = []
+
+    def select_nodes(tree, root_tokens, budget, max_nodes_per_row):
+        vt = budget_module.select_nodes(tree, root_tokens, budget, max_nodes_per_row)
+        rounds.append((budget, int(vt.num_nodes.sum()) - len(root_tokens)))
+        return vt
+
+    monkeypatch.setattr(loop, "select_nodes", select_nodes)
+    return rounds
+
+
+def _generate(model, prompts, **kwargs):
+    ids, mask = tiny.left_pad(prompts)
+    return model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False, **kwargs)
+
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3, 4]]
+
+
+def test_generate_auto_matches_plain(dense, monkeypatch):
+    ref = _generate(dense, PROMPTS)
+    rounds = _record_rounds(monkeypatch)
+    out = _generate(dense, PROMPTS, custom_generate="hf_bole", bole_drafter="ngram")  # budget "auto" by default
+    assert torch.equal(out, ref)
+    assert rounds and all(budget == fallback_budget(2) for budget, _ in rounds)  # CPU: the fallback
+
+
+def test_generate_auto_looks_up_every_round(dense, monkeypatch):
+    """The loop asks the resolver every round with the active rows and the longest committed length."""
+    calls = []
+
+    def rule(active_rows, kv_length):
+        calls.append((active_rows, kv_length))
+        return 1 + len(calls) % 3  # 2, 3, 1, 2, ...: changes every round
+
+    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(lambda cls, *a: cls(rule, 3, "test")))
+    rounds = _record_rounds(monkeypatch)
+    ref = _generate(dense, PROMPTS)
+    out = _generate(dense, PROMPTS, custom_generate="hf_bole", bole_drafter="ngram", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    P = len(PROMPTS[0])  # left padding included
+    assert calls[0] == (2, P)  # after the prefill: the prompt is committed, the first token is the root
+    # tokens per row before each round: the prefill's one, then what the rounds emitted, up to max_new_tokens
+    n_gen = (1 + torch.cat([torch.zeros(2, 1, dtype=torch.long), out.accept_lengths], 1).cumsum(1)).clamp(max=12)
+    active = n_gen < 12
+    expected = [(int(a.sum()), P - 1 + int(n[a].max())) for n, a in zip(n_gen.T, active.T) if a.any()]
+    assert calls == expected
+    assert [budget for budget, _ in rounds] == [1 + i % 3 for i in range(1, len(calls) + 1)]
+    assert all(kept <= max(budget, 2) for budget, kept in rounds)  # the floor keeps one root child per row
+
+
+def test_synthetic_draft_tree():
+    g = torch.Generator().manual_seed(0)
+    tree = synthetic_draft_tree(3, topk=4, depth=5, generator=g)
+    tree.validate(batch_size=3)
+    assert tree.tokens.shape == (3, 4 + 4 * 16)  # topk + (depth - 1) * topk^2, as the MTP drafter
+    assert tree.depths().amax(-1).tolist() == [4, 4, 4]
+    # level 2 hangs below the 4 best root children, 4 children each
+    assert sorted(set(tree.parents[0, 4:20].tolist())) == [0, 1, 2, 3]
+
+
+def test_cli_on_tiny_checkpoint(dense, tmp_path, budget_cache, capsys):
+    folder = tmp_path / "tiny"
+    dense.save_pretrained(folder)
+    out = tmp_path / "table.json"
+    argv = ["--model", str(folder), "--device", "cpu", "--dtype", "fp32", "--batch-sizes", "1", "2",
+            "--kv-lengths", "8", "--nodes", "0", "4", "--warmup", "1", "--reps", "1", "--out", str(out)]  # fmt: skip
+    assert calibrate_main(argv) == 0
+    key = TableKey(model_key(dense.config), "cpu", "float32", "closed_form")  # save/load keeps the key
+    table = BudgetTable.load(out)
+    assert table.key == key and table.epsilon == BoleConfig().epsilon
+    assert [(e.batch_size, e.kv_length, e.nodes) for e in table.entries] == [(1, 8, [0, 4]), (2, 8, [0, 4])]
+    assert all(e.t_dec > 0 and all(t > 0 for t in e.t_ver) for e in table.entries)
+    assert all(e.budget == choose_budget(e.nodes, e.t_ver, e.t_dec, table.epsilon) for e in table.entries)
+    assert table.meta["timer"] == "perf_counter" and table.meta["topk"] == BoleConfig().topk
+    assert find_table(key) == table  # also in the cache folder, where "auto" looks
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and f"wrote {budget_cache / key.filename}" in printed
+
+
+def test_cli_rejects(capsys):
+    with pytest.raises(SystemExit):
+        calibrate_main(["--model", "x", "--shape", "9B"])
+    with pytest.raises(SystemExit):
+        calibrate_main(["--model", "x", "--epsilon", "-1"])
+    assert "--epsilon must be >= 0" in capsys.readouterr().err
+
+
+def test_public_names():
+    assert hf_bole.BoleConfig().budget == "auto"
