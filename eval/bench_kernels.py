@@ -2,7 +2,9 @@
 
   serial  the tree walk that stores every node's state (SGLang-Tree's algorithm), `tree_gdn_verify_serial`
   fla     fla-core's `fused_recurrent_gated_delta_rule` over a chain of the same T (plain decoding's kernel)
-  bole    the closed form, `tree_gdn_verify`
+  rows    the closed form's row-block kernel (closed_form_rows.py)
+  halves  the closed form's two-half kernel (closed_form.py)
+  bole    `tree_gdn_verify`, which runs `rows` for trees of up to ROWS_MAX_NODES nodes and `halves` above
 
 Each provider is timed as CUDA-graph replays over rotating input sets (so neither launch overhead nor a
 warm L2 flatters it), median of many; correctness is checked first and a failing op is not reported.
@@ -25,10 +27,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
+from hf_bole.kernels.tree_gdn.closed_form import ROWS_MAX_NODES, tree_gdn_verify_halves_fwd  # noqa: E402
+from hf_bole.kernels.tree_gdn.closed_form_rows import tree_gdn_verify_rows_fwd  # noqa: E402
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 
 L2_BYTES = 60 * 2**20
+
+
+KERNELS = {"rows": tree_gdn_verify_rows_fwd, "halves": tree_gdn_verify_halves_fwd}
 
 
 def machine_header() -> dict:
@@ -113,6 +120,27 @@ def rel_err(x, ref) -> float:
     return float("nan") if torch.isnan(x).any() else ((x - ref).norm() / ref.norm()).item()
 
 
+def quick_gpu_check() -> dict:
+    """Printed first: relative error of o and u of both kernels against the float64 torch closed form, at
+    bench-like shapes (bf16 q/k/v, fp32 state), including a T = 128 tree and a chain of 128."""
+    from hf_bole.kernels.tree_gdn.closed_form import torch_tree_gdn_verify
+
+    errs = {}
+    HK, K, V = 16, 128, 128
+    for H, B, T, kind in ((32, 2, 128, "mixed"), (48, 1, 128, "chain"), (32, 3, 37, "bushy"), (64, 2, 16, "mixed")):
+        parents = make_parents(kind, T, B, seed=7).cuda()
+        if kind == "mixed":
+            parents = bounded_depth(parents, 8)
+        anc = tree_ancestor_mask(parents)
+        q, k, v, g, beta, h0 = layer_inputs(B, T, HK, H, K, V, seed=7)
+        ref_o, ref_u, _ = torch_tree_gdn_verify(*(x.double() for x in (q, k, v, g, beta)), anc, h0.double(), K**-0.5, True)
+        for name, launch in KERNELS.items():
+            o, u, _ = launch(q, k, v, g, beta, anc, h0, K**-0.5, True, "tf32x3")
+            key = f"{name}_H{H}_B{B}_T{T}_{kind}"
+            errs[key + "_o"], errs[key + "_u"] = rel_err(o, ref_o), rel_err(u, ref_u)
+    return errs
+
+
 def check_correctness() -> dict:
     """Against the float64 node-by-node reference at a small real-layout shape, fp32 and bf16."""
     errs = {}
@@ -144,8 +172,8 @@ def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
     act = 2 * (2 * B * T * HK * K + B * T * H * V) + B * T * H * (4 + 2) + B * T * 8  # q k v g beta parents
     state = B * H * K * V * 4
     for name in providers:
-        if name == "bole":
-            fn = lambda q, k, v, g, b, h: tree_gdn_verify(q, k, v, g, b, parents, h, use_qk_l2norm_in_kernel=True, dot_precision=prec, ancestors=ancestors)  # noqa: E731
+        if name in KERNELS:
+            fn = lambda q, k, v, g, b, h, launch=KERNELS[name]: launch(q, k, v, g, b, ancestors, h, K**-0.5, True, prec)  # noqa: E731
             moved = act + state + B * T * H * V * (2 + 4) + B * T * H * 4
             transient = B * T * H * V * 4 + B * T * H * 4 + B * T * HK * K * 2  # u, log P, k
         elif name == "serial":
@@ -213,6 +241,8 @@ def main():
     ap.add_argument("--precision", default="tf32x3")
     args = ap.parse_args()
     header = machine_header()
+    quick = quick_gpu_check()
+    print(json.dumps({"quick_check_rel_err_vs_float64_closed_form": quick}, indent=1), flush=True)
     ceiling = copy_ceiling_gbps()
     errs = check_correctness()
     print(json.dumps({"header": header, "copy_ceiling_GBps": ceiling, "errors": errs}, indent=1), flush=True)
@@ -227,9 +257,12 @@ def main():
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     lines = []
     with open(args.out, "w") as f:
-        f.write(json.dumps({"header": header, "copy_ceiling_GBps": ceiling, "errors": errs}) + "\n")
+        f.write(json.dumps({"header": header, "copy_ceiling_GBps": ceiling, "errors": errs, "quick_check": quick}) + "\n")
         for H, B, T in shapes:
-            rows = bench_verify(B, T, HK, H, K, V, depth, ("serial", "fla", "bole"), args.precision)
+            rows = bench_verify(B, T, HK, H, K, V, depth, ("serial", "fla", "rows", "halves"), args.precision)
+            # `tree_gdn_verify` launches one of the two kernels by tree size: its time is that kernel's.
+            picked = next(r for r in rows if r["provider"] == ("rows" if T <= ROWS_MAX_NODES else "halves"))
+            rows.append({**picked, "provider": "bole"})
             for r in rows:
                 r.update({"op": "verify", "B": B, "T": T, "H": H, "HK": HK, "K": K, "V": V, "depth": depth, "precision": args.precision})
                 if "ms" in r:
@@ -245,14 +278,14 @@ def main():
 
     print(f"\n{header['gpu']}  torch {header['torch']}  triton {header['triton']}  fla {header['fla']}  commit {header['commit']}")
     print(f"copy ceiling {ceiling:.0f} GB/s; Hk={HK} K=V={K} depth<={depth} bf16 q/k/v, fp32 state; ms per layer (median);")
-    print("bole excludes the ancestor mask, built once per tree for all layers (its time: mask/tree)")
-    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'bole':>8} {'mask/tree':>9} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10}")
+    print(f"bole = rows up to {ROWS_MAX_NODES} nodes, halves above; excludes the ancestor mask, built once per tree for all layers (mask/tree)")
+    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'rows':>8} {'halves':>8} {'mask/tree':>9} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10}")
     for H, B, T, r in lines:
-        s, fl, bo = (r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "bole"))
+        s, fl, ro, ha, bo = (r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "rows", "halves", "bole"))
         snap = r.get("serial", {}).get("transient_bytes", B * T * H * K * V * 4) / 2**20
         fac = r.get("bole", {}).get("transient_bytes", float("nan")) / 2**20
         mk = r.get("ancestor_mask_per_tree", {}).get("ms", float("nan"))
-        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} {mk:9.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f}")
+        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {ro:8.4f} {ha:8.4f} {mk:9.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f}")
     print(
         f"commit: {commit['NL']} layers B={commit['B']} H={commit['H']} K=V={commit['K']} path {commit['L']}: "
         f"{commit['ms']:.4f} ms, {commit['GBps']:.0f} GB/s ({commit['pct_of_copy']:.0f}% of copy)"

@@ -137,7 +137,11 @@ class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
     def __init__(self, cache: BoleCache, layer_idx: int):
         self.cache, self.layer_idx = cache, layer_idx
         self.number_of_states = 1
-        self.record_past = False
+
+    @property
+    def record_past(self) -> bool:
+        """transformers 5.17 reads this attribute where later versions call `cache.is_recording_past`."""
+        return self.cache.is_recording_past(self.layer_idx)
 
     @property
     def conv_states(self) -> dict[int, torch.Tensor]:

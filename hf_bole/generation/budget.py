@@ -332,14 +332,15 @@ def synthetic_draft_tree(
     logits whose sharpness differs by request, so the batch-shared selection splits a budget unevenly, as it does
     on real drafts. Tokens are node indices (siblings stay distinct); only the shape matters for timing."""
     B, K = batch_size, topk
-    sharpness = 1.0 + 3.0 * torch.rand(B, 1, 1, generator=generator)  # per request: a confident or a doubtful drafter
+    on = generator.device  # built where the generator draws, then moved
+    sharpness = 1.0 + 3.0 * torch.rand(B, 1, 1, generator=generator, device=on)  # per request: confident or doubtful
 
     def children(count: int) -> torch.Tensor:  # [B, count, K] log p_draft of the K best children of `count` nodes
-        logits = torch.randn(B, count, 4 * K, generator=generator) * sharpness
+        logits = torch.randn(B, count, 4 * K, generator=generator, device=on) * sharpness
         return logits.log_softmax(-1).topk(K, dim=-1).values
 
-    logp, parents = [children(1).reshape(B, K)], [torch.full((B, K), -1)]
-    cum, level = logp[0], torch.arange(K).expand(B, K)  # frontier: cumulative log p and node index
+    logp, parents = [children(1).reshape(B, K)], [torch.full((B, K), -1, device=on)]
+    cum, level = logp[0], torch.arange(K, device=on).expand(B, K)  # frontier: cumulative log p and node index
     first = K
     for _ in range(1, depth):
         best_cum, best = cum.topk(min(K, cum.shape[1]), dim=-1)  # [B, K']
@@ -347,10 +348,10 @@ def synthetic_draft_tree(
         logp.append(child.reshape(B, -1))
         parents.append(level.gather(1, best)[..., None].expand(-1, -1, K).reshape(B, -1))
         cum = (best_cum[..., None] + child).reshape(B, -1)
-        level = first + torch.arange(cum.shape[1]).expand(B, -1)
+        level = first + torch.arange(cum.shape[1], device=on).expand(B, -1)
         first += cum.shape[1]
     logp, parents = torch.cat(logp, 1), torch.cat(parents, 1)
-    tokens = torch.arange(logp.shape[1]).expand(B, -1)
+    tokens = torch.arange(logp.shape[1], device=on).expand(B, -1)
     return DraftTree(tokens=tokens.to(device), parents=parents.to(device), draft_logprobs=logp.to(device))
 
 
@@ -500,7 +501,7 @@ def _measure_bucket(
     decoder = model.get_decoder()
     steps = timer.warmup + timer.reps  # every timed decode step appends a token
     cache = BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
-    prompt = torch.randint(0, vocab, (b, kv), generator=generator).to(device)
+    prompt = torch.randint(0, vocab, (b, kv), generator=generator, device=generator.device).to(device)
     for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
         chunk = prompt[:, start : start + prefill_chunk]
         decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})

@@ -37,6 +37,12 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """A `[B, T, heads, dim]` tensor whose (heads, dim) block is contiguous, as the q/k/v views that split one
+    projection are, is read in place by the kernels through its (batch, token) strides; anything else is copied."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+
+
 def check_dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if x.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

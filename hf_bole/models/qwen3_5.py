@@ -53,11 +53,13 @@ class TreeBatch:
         parents: `[B, N]` int64 parent of every node (-1 for roots and padding nodes).
         verify: "closed_form" or "serial".
         ancestors: `[B, N, N]` bool ancestor-or-self mask of the trees, built once for all GDN layers.
+        key_heads: the GDN layers' query/key heads (`linear_num_key_heads`).
     """
 
     parents: torch.Tensor
     verify: str
     ancestors: torch.Tensor
+    key_heads: int
 
 
 @dataclass
@@ -182,7 +184,9 @@ def tree_forward(
             position_ids=position_ids[None].expand(4, -1, -1),
             **{cache_argument(type(decoder).forward): cache},
             use_cache=True,
-            bole_tree=TreeBatch(parents=parents, verify=verify, ancestors=ancestors),
+            bole_tree=TreeBatch(
+                parents=parents, verify=verify, ancestors=ancestors, key_heads=config.linear_num_key_heads
+            ),
         )
     hidden_states = outputs.last_hidden_state
     return TreeForwardOutput(logits=model.get_output_embeddings()(hidden_states), hidden_states=hidden_states)
@@ -231,6 +235,11 @@ def _tree_gated_delta_rule(original):
                 query, key, value, g, beta, *args,
                 initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
             )  # fmt: skip
+        if key.shape[2] != bole_tree.key_heads:
+            # transformers 5.17 repeats q and k to the value heads before this call (later versions pass the key
+            # heads): keep one copy per key head, so the kernels read and the cache stores the grouped layout.
+            group = key.shape[2] // bole_tree.key_heads
+            query, key = query[:, :, ::group], key[:, :, ::group]
         if bole_tree.verify == "serial":
             o, snapshots = tree_gdn_verify_serial(
                 query, key, value, g, beta, bole_tree.parents, initial_state,

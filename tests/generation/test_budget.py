@@ -184,10 +184,11 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
     assert resolver(1, 512) == 64 and resolver(4, 4096) == 16  # chosen again at epsilon 0.3
 
 
-def test_auto_on_cpu_uses_fallback(dense, caplog):
+def test_auto_on_cpu_uses_fallback(caplog):
+    model = tiny.build_model("dense").to("cpu")  # also when the tests run on a GPU
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         for _ in range(2):
-            resolver = BudgetResolver.for_model(dense, BoleConfig(), batch_size=2)
+            resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=2)
     expected = (
         "hf_bole: no calibrated verification budget on cpu: budget='auto' uses the fallback of 32 draft nodes per "
         "active request, at most 128 per round (pass bole_budget=<int> to fix it)"

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_verify
+from hf_bole.kernels.tree_gdn.closed_form import tree_gdn_verify_halves_fwd
+from hf_bole.kernels.tree_gdn.closed_form_rows import tree_gdn_verify_rows_fwd
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
 from tests.kernels.trees import gdn_inputs, make_parents, rel_err
 
@@ -25,6 +27,7 @@ CASES = [
     pytest.param("deep", 1, 128, 1, 2, 16, 16, id="deep-T128-d16"),
     pytest.param("bushy", 2, 63, 2, 4, 32, 16, id="bushy-T63"),
     pytest.param("mixed", 3, 100, 2, 6, 16, 32, id="mixed-T100-Hk2-H6"),
+    pytest.param("chain", 1, 128, 1, 1, 16, 16, id="chain-T128"),
 ]
 
 
@@ -42,6 +45,20 @@ def test_closed_form_fp32(backend, kind, B, T, HK, H, K, V):
     assert rel_err(u, ref_u) <= 1e-5
     assert rel_err(log_decay, ref_lp) <= 1e-5
     assert torch.equal(h0, h0_before), "the committed state must not be modified"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("launch", [tree_gdn_verify_rows_fwd, tree_gdn_verify_halves_fwd], ids=["rows", "halves"])
+@pytest.mark.parametrize("kind,T", [("star", 16), ("mixed", 37), ("chain", 64), ("deep", 128)])
+def test_each_kernel_at_every_size(launch, kind, T):
+    """`tree_gdn_verify` picks a kernel by tree size; each is exact at every size (the two-half one with one half
+    only at T <= 16, and a chain crossing its halves)."""
+    device = backend_device("triton")
+    q, k, v, g, beta, h0 = gdn_inputs(1, T, 1, 2, 16, 16, device=device, seed=T)
+    parents = make_parents(kind, T, 1, seed=T).to(device)
+    o, u, lp = launch(q, k, v, g, beta, tree_ancestor_mask(parents), h0, 16**-0.5, True, "tf32x3")
+    ref_o, ref_u, ref_lp = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -80,7 +80,10 @@ def test_tree_forward(kind, shape, attn):
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
 
 
-def test_tree_forward_leaves_committed_state():
+@pytest.mark.parametrize("shape", ["deep", "root-only"])
+def test_tree_forward_leaves_committed_state(shape):
+    """Also a one-node tree, which transformers would otherwise send down its one-token decode path (whose conv
+    update writes the committed window in place)."""
     gen = torch.Generator(torch.get_default_device()).manual_seed(2)
     model = build_model()
     cache = BoleCache(model.config, batch_size=3)
@@ -88,7 +91,7 @@ def test_tree_forward_leaves_committed_state():
     before = {name: getattr(cache, name).clone() for name in ("lengths", "positions")}
     states = [(layer.conv_states[0].clone(), layer.recurrent_states[0].clone()) for layer in cache.layers[:3]]
     keys = cache.layers[3].keys[:, :, :7].clone()
-    parents = batch_trees(make_trees("deep", gen))
+    parents = batch_trees(make_trees("deep", gen) if shape == "deep" else [[-1]] * 3)
     tree_forward(model, cache, torch.randint(1, VOCAB, parents.shape, generator=gen), parents)
     for name, value in before.items():
         torch.testing.assert_close(getattr(cache, name), value, rtol=0, atol=0)

@@ -6,10 +6,13 @@ For each (request, value head), with P_i the product of gates on node i's path a
     O = D_P Q S_pre + C U,   C_ij = (P_i/P_j) q_i.k_j  [j in A(i) or j = i]
 
 G is nilpotent (G^(d+1) = 0 for a tree of depth d), so U = sum_{m<=d} (-G)^m R: d small matmuls.
-The Triton kernel runs one program per (request, value head, V-tile). The tree enters as its ancestor
-mask (computed once per tree, shared by every head and layer), so log P is a masked sum and nothing walks
-parent pointers. It solves by forward substitution over row blocks: the rows of G and C for a block are built on chip from streamed K chunks, earlier blocks
-enter through one matmul with their U, and the Neumann series runs only inside the diagonal block. Only O
+Two Triton kernels, each one program per (request, value head, V-tile); trees of up to ROWS_MAX_NODES nodes go
+to the row-block kernel (closed_form_rows.py), larger ones to the two-half kernel here. The tree enters as its
+ancestor mask (computed once per tree, shared by every head and layer), so log P is a masked sum and nothing
+walks parent pointers. The two-half kernel holds the tree as two halves of BT/2 rows; every Gram block
+(K K^T, Q K^T) is formed once per program with one bf16 matmul per K chunk, the state products K S_pre and
+Q S_pre from three bf16 pieces of S_pre, each diagonal block is solved by its Neumann series (as many steps
+as the longest chain inside it) and the first half enters the second through one matmul with U0. Only O
 and the factors (U, log P) are written. Nothing of size K x V per node exists.
 """
 
@@ -20,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask
+from hf_bole.kernels.tree_gdn.closed_form_rows import ROWS_MAX_NODES, tree_gdn_verify_rows_fwd
 from hf_bole.kernels.utils import (
     autotune_configs,
     check_dtype,
@@ -28,28 +32,135 @@ from hf_bole.kernels.utils import (
     check_shape,
     is_interpreter,
     l2norm,
+    token_major,
     use_triton,
 )
 
-MAX_NODES = 128  # a block's rows of G and C ([BS, T]) and the earlier U ([T, BV]) stay in registers up to here
+MAX_NODES = 128  # the tree is held as two halves of BT / 2 <= 64 rows, with their [BT/2, BT/2] blocks on chip
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# BV trades parallelism (more V-tiles) against recomputing the Gram rows per tile; BS is the row block of
-# the forward substitution (off-diagonal blocks in one matmul, the Neumann series only inside a block).
+# BV trades parallelism (V-tiles are separate programs) against repeating the Gram products and the inverse
+# of the diagonal blocks, which do not depend on V, in every tile: small BV for a few requests, large for many.
+# BK is the chunk of the key dimension streamed for the Gram and state products. Two configs only: each
+# compiles in ~10-20 s for sm_90, per tree size. 8 warps: the fewest spills seen at BT = 128 (ptxas, triton 3.6).
 VERIFY_CONFIGS = [
-    triton.Config({"BS": BS, "BK": 32, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
-    for BS, BV, num_warps, num_stages in (
-        (16, 32, 4, 1), (16, 32, 8, 1), (16, 64, 8, 1), (16, 16, 4, 1),
-        (32, 64, 8, 1), (16, 128, 8, 1), (16, 32, 4, 2), (16, 64, 8, 2),
+    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
+    for BK, BV, num_warps, num_stages in (
+        (32, 32, 8, 1), (32, 64, 8, 1),
     )
 ]  # fmt: skip
+
+
+@triton.jit
+def _chain_length(b_mask):
+    """The longest chain inside a diagonal block whose ancestor mask (self included) is b_mask: N with G^N = 0."""
+    return tl.max(tl.sum(b_mask.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _unit_lower_solve(b_G, b_R, n_chain, DOT_PRECISION: tl.constexpr):
+    """(I + G)^-1 R = sum_{m < N} (-G)^m R for G with G^N = 0: N - 1 steps U <- R - G U (Horner). One
+    [BH, BH] x [BH, BV] product per step, on a tile that stays in registers (the doubling form, with its
+    squarings of G, used more registers than Triton 3.6 has on sm_90 and spilled)."""
+    b_U = b_R
+    for _ in range(n_chain - 1):
+        b_U = b_R - tl.dot(b_G, b_U, input_precision=DOT_PRECISION)
+    return b_U
+
+
+@triton.jit
+def _grams(
+    p_q,
+    p_k,
+    o_r,
+    m_r,
+    o_c,
+    m_c,
+    stride_qt,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Raw Gram blocks K_r K_c^T and Q_r K_c^T ([BH, BH]) of the row block o_r against the column block o_c."""
+    b_kk = tl.zeros([BH, BH], dtype=tl.float32)
+    b_qk = tl.zeros([BH, BH], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
+        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
+        b_c = tl.load(p_k + o_c[:, None] * stride_qt + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0)
+        if UPCAST_DOT:
+            b_k, b_q, b_c = b_k.to(tl.float32), b_q.to(tl.float32), b_c.to(tl.float32)
+        b_kk = tl.dot(b_k, tl.trans(b_c), b_kk, input_precision=DOT_PRECISION)
+        b_qk = tl.dot(b_q, tl.trans(b_c), b_qk, input_precision=DOT_PRECISION)
+    return b_kk, b_qk
+
+
+@triton.jit
+def _state_products(
+    p_q,
+    p_k,
+    p_h0,
+    o_r,
+    m_r,
+    o_v,
+    m_v,
+    stride_qt,
+    V,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    SPLIT_STATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Raw K_r S_pre and Q_r S_pre for the V-tile ([BH, BV]) and the squared norms of the rows of k_r, q_r."""
+    b_ks = tl.zeros([BH, BV], dtype=tl.float32)
+    b_qs = tl.zeros([BH, BV], dtype=tl.float32)
+    b_ssk = tl.zeros([BH], dtype=tl.float32)
+    b_ssq = tl.zeros([BH], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
+        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
+        b_ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+        b_ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+        if USE_INITIAL_STATE:
+            b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+            if SPLIT_STATE:
+                # bf16 q/k are exact in bf16, and S_pre = h1 + h2 + h3 (three bf16 pieces, 24 significant
+                # bits): three bf16 products accumulate in fp32 as exactly as an fp32 product, in less than
+                # half the tensor-core time of 3xTF32.
+                b_h1 = b_h.to(tl.bfloat16)
+                b_hr = b_h - b_h1.to(tl.float32)
+                b_h2 = b_hr.to(tl.bfloat16)
+                b_h3 = (b_hr - b_h2.to(tl.float32)).to(tl.bfloat16)
+                if UPCAST_DOT:
+                    b_k, b_q = b_k.to(tl.float32), b_q.to(tl.float32)
+                    b_h1, b_h2, b_h3 = b_h1.to(tl.float32), b_h2.to(tl.float32), b_h3.to(tl.float32)
+                b_ks = tl.dot(b_k, b_h1, b_ks)
+                b_ks = tl.dot(b_k, b_h2, b_ks)
+                b_ks = tl.dot(b_k, b_h3, b_ks)
+                b_qs = tl.dot(b_q, b_h1, b_qs)
+                b_qs = tl.dot(b_q, b_h2, b_qs)
+                b_qs = tl.dot(b_q, b_h3, b_qs)
+            else:
+                b_ks = tl.dot(b_k.to(tl.float32), b_h, b_ks, input_precision=DOT_PRECISION)
+                b_qs = tl.dot(b_q.to(tl.float32), b_h, b_qs, input_precision=DOT_PRECISION)
+    return b_ks, b_qs, b_ssk, b_ssq
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
 @triton.autotune(configs=autotune_configs(VERIFY_CONFIGS), key=["B", "BT", "H", "HK", "K", "V", "USE_QK_L2NORM"])
 @triton.jit(do_not_specialize=["T"])
-def tree_gdn_verify_fwd_kernel(
+def tree_gdn_verify_halves_fwd_kernel(
     q,
     k,
     v,
@@ -72,140 +183,128 @@ def tree_gdn_verify_fwd_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
-    BS: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
+    SPLIT_STATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
+    # One program per (request, value head, V-tile) holds the whole tree as two halves of BH rows:
+    #   [I + G00      0   ] [U0]   [R0]          U0 = (I + G00)^-1 R0
+    #   [  G10    I + G11 ] [U1] = [R1]    =>    U1 = (I + G11)^-1 (R1 - G10 U0)
+    # with each diagonal block solved by its Neumann series (as many steps as its longest chain).
     # bf16 tiles multiply exactly into fp32 on tensor cores; UPCAST_DOT feeds fp32 tiles instead for
     # Triton's interpreter, which multiplies bf16 tiles as raw bits (seen with triton 3.9).
+    BH: tl.constexpr = BT // 2
     i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
 
-    o_t = tl.arange(0, BT)
-    m_t = o_t < T
+    o_h = tl.arange(0, BH)
+    o_r0 = o_h
+    o_r1 = BH + o_h
+    m_r0 = o_r0 < T
+    m_r1 = o_r1 < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_anc = anc + i_b * T * T
     p_g = g + i_b * T * H + i_h
+    p_beta = beta + i_b * T * H + i_h
     p_q = q + i_b * stride_qb + i_hk * K
     p_k = k + i_b * stride_qb + i_hk * K
     p_v = v + i_b * stride_vb + i_h * V
     p_u = u + (i_b * T * H + i_h) * V
     p_o = o + (i_b * T * H + i_h) * V
+    p_h0 = h0
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V
+    eye = o_h[:, None] == o_h[None, :]
 
-    b_g = tl.load(p_g + o_t * H, mask=m_t, other=0).to(tl.float32)  # [BT]
-    # log P of the nodes of the blocks done so far (the column side of P_i / P_j), filled block by block:
-    # a block only looks at columns of earlier blocks.
-    b_lp = tl.zeros([BT], dtype=tl.float32)
+    # ---- first half: rows and columns 0 .. BH-1 ----
+    b_g0 = tl.load(p_g + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
+    b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
+    b_m = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
+    b_lp0 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1)  # log P: sum of g over ancestors-or-self
+    b_ks, b_qs, b_ssk, b_ssq = _state_products(
+        p_q, p_k, p_h0, o_r0, m_r0, o_v, m_v, stride_qt, V, K, BH, BK, BV,
+        USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
+    b_rk0 = tl.full([BH], 1.0, dtype=tl.float32)
+    b_rq = tl.full([BH], 1.0, dtype=tl.float32)
+    if USE_QK_L2NORM:
+        b_rk0 = tl.rsqrt(b_ssk + 1e-6)
+        b_rq = tl.rsqrt(b_ssq + 1e-6)
+    b_p = tl.exp(b_lp0)
+    b_v = tl.load(p_v + o_r0[:, None] * stride_vt + o_v[None, :], mask=m_r0[:, None] & m_v[None, :], other=0)
+    b_R = b_beta[:, None] * (b_v.to(tl.float32) - (b_p * b_rk0)[:, None] * b_ks)
+    b_o = (b_p * b_rq)[:, None] * b_qs
+    b_kk, b_qk = _grams(p_q, p_k, o_r0, m_r0, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+    # P_i / P_j on the ancestor mask only (an entry off it would overflow).
+    b_dec = tl.exp(tl.where(b_m, b_lp0[:, None] - b_lp0[None, :], float("-inf")))
+    b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk0)[:, None] * b_rk0[None, :])
+    b_u0 = _unit_lower_solve(b_G, b_R, _chain_length(b_m), DOT_PRECISION)
+    b_C = b_dec * (b_qk * b_rq[:, None] * b_rk0[None, :])
+    b_o = tl.dot(b_C, b_u0, b_o, input_precision=DOT_PRECISION)
+    m_rv = m_r0[:, None] & m_v[None, :]
+    tl.store(p_u + o_r0[:, None] * H * V + o_v[None, :], b_u0, mask=m_rv)
+    tl.store(p_o + o_r0[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
+    if i_v == 0:
+        tl.store(log_decay + (i_b * T + o_r0) * H + i_h, b_lp0, mask=m_r0)
 
-    # Forward substitution over row blocks of BS nodes. Ancestors come before their descendants, so block
-    # s needs U of earlier blocks (written to `u` already) and of its own diagonal block.
-    for i_s in range(0, T, BS):
-        o_s = i_s + tl.arange(0, BS)
-        m_s = o_s < T
-        b_beta = tl.load(beta + (i_b * T + o_s) * H + i_h, mask=m_s, other=0).to(tl.float32)
-        b_anc = tl.load(p_anc + o_s[:, None] * T + o_t[None, :], mask=m_s[:, None] & m_t[None, :], other=0) != 0
-        b_ancd = tl.load(p_anc + o_s[:, None] * T + o_s[None, :], mask=m_s[:, None] & m_s[None, :], other=0) != 0
-        b_lps = tl.sum(tl.where(b_anc, b_g[None, :], 0.0), axis=1)  # [BS] log P: sum of g over ancestors-or-self
-        b_lp += tl.sum(tl.where(o_t[None, :] == o_s[:, None], b_lps[:, None], 0.0), axis=0)
-        # (I + G_ss) is nilpotent of index (longest chain inside the block): that many Neumann terms.
-        n_diag = tl.max(tl.sum(b_ancd.to(tl.int32), axis=1), axis=0) - 1
-
-        # Gram rows against all nodes (kk, qk) and within the block (kkd, qkd); K S_pre and Q S_pre.
-        b_kk = tl.zeros([BS, BT], dtype=tl.float32)
-        b_qk = tl.zeros([BS, BT], dtype=tl.float32)
-        b_kkd = tl.zeros([BS, BS], dtype=tl.float32)
-        b_qkd = tl.zeros([BS, BS], dtype=tl.float32)
-        b_ks = tl.zeros([BS, BV], dtype=tl.float32)
-        b_qs = tl.zeros([BS, BV], dtype=tl.float32)
-        b_kss = tl.zeros([BT], dtype=tl.float32)
-        b_kss_s = tl.zeros([BS], dtype=tl.float32)
-        b_qss_s = tl.zeros([BS], dtype=tl.float32)
-        for i_k in range(0, K, BK):
-            o_k = i_k + tl.arange(0, BK)
-            m_k = o_k < K
-            b_ka = tl.load(p_k + o_t[:, None] * stride_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
-            b_ks_ = tl.load(p_k + o_s[:, None] * stride_qt + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0)
-            b_qs_ = tl.load(p_q + o_s[:, None] * stride_qt + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0)
-            if UPCAST_DOT:
-                b_ka, b_ks_, b_qs_ = b_ka.to(tl.float32), b_ks_.to(tl.float32), b_qs_.to(tl.float32)
-            b_kk += tl.dot(b_ks_, tl.trans(b_ka), input_precision=DOT_PRECISION)
-            b_qk += tl.dot(b_qs_, tl.trans(b_ka), input_precision=DOT_PRECISION)
-            b_kkd += tl.dot(b_ks_, tl.trans(b_ks_), input_precision=DOT_PRECISION)
-            b_qkd += tl.dot(b_qs_, tl.trans(b_ks_), input_precision=DOT_PRECISION)
-            if USE_INITIAL_STATE:
-                b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-                b_ks += tl.dot(b_ks_.to(tl.float32), b_h, input_precision=DOT_PRECISION)
-                b_qs += tl.dot(b_qs_.to(tl.float32), b_h, input_precision=DOT_PRECISION)
-            if USE_QK_L2NORM:
-                b_kaf = b_ka.to(tl.float32)
-                b_kss += tl.sum(b_kaf * b_kaf, axis=1)
-                b_ksf = b_ks_.to(tl.float32)
-                b_kss_s += tl.sum(b_ksf * b_ksf, axis=1)
-                b_qsf = b_qs_.to(tl.float32)
-                b_qss_s += tl.sum(b_qsf * b_qsf, axis=1)
+    # ---- second half: rows BH .. BT-1, against the first half's columns (G10, C10), then its own ----
+    if BH < T:
+        b_g1 = tl.load(p_g + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
+        b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
+        b_m = tl.load(p_anc + o_r1[:, None] * T + o_r0[None, :], mask=m_r1[:, None] & m_r0[None, :], other=0) != 0
+        b_m11 = tl.load(p_anc + o_r1[:, None] * T + o_r1[None, :], mask=m_r1[:, None] & m_r1[None, :], other=0) != 0
+        b_lp1 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
+        b_ks, b_qs, b_ssk, b_ssq = _state_products(
+            p_q, p_k, p_h0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
+            USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+        b_rk1 = tl.full([BH], 1.0, dtype=tl.float32)
+        b_rq = tl.full([BH], 1.0, dtype=tl.float32)
         if USE_QK_L2NORM:
-            b_rk = tl.rsqrt(b_kss + 1e-6)
-            b_rks = tl.rsqrt(b_kss_s + 1e-6)
-            b_rqs = tl.rsqrt(b_qss_s + 1e-6)
-            b_kk = b_kk * b_rks[:, None] * b_rk[None, :]
-            b_qk = b_qk * b_rqs[:, None] * b_rk[None, :]
-            b_kkd = b_kkd * b_rks[:, None] * b_rks[None, :]
-            b_qkd = b_qkd * b_rqs[:, None] * b_rks[None, :]
-            b_ks = b_ks * b_rks[:, None]
-            b_qs = b_qs * b_rqs[:, None]
-
-        # P_i / P_j on the ancestor mask (never exponentiate an entry off it): earlier blocks, own block.
-        b_dec = tl.exp(tl.where(b_anc & (o_t[None, :] < i_s), b_lps[:, None] - b_lp[None, :], float("-inf")))
-        b_decd = tl.exp(tl.where(b_ancd, b_lps[:, None] - b_lps[None, :], float("-inf")))
-        b_ps = tl.exp(b_lps)
-
-        # R = D_beta (V - D_P K S_pre), minus what the earlier blocks' U contribute.
-        b_v = tl.load(p_v + o_s[:, None] * stride_vt + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0)
-        b_up = tl.load(
-            p_u + o_t[:, None] * H * V + o_v[None, :],
-            mask=(o_t[:, None] < i_s) & m_v[None, :],
-            other=0,
-            cache_modifier=".cg",  # written by this program's other threads: read past L1
-        )  # [BT, BV]
-        b_x = b_beta[:, None] * (b_v.to(tl.float32) - b_ps[:, None] * b_ks)
-        b_x -= tl.dot(b_beta[:, None] * b_dec * b_kk, b_up, input_precision=DOT_PRECISION)
-        # The diagonal block: U_s = sum_m (-G_ss)^m X, nilpotent within the block.
-        b_Gd = tl.where(o_s[:, None] == o_s[None, :], 0.0, b_decd) * b_kkd * b_beta[:, None]
-        b_us = b_x
-        for _ in range(n_diag):
-            b_us = b_x - tl.dot(b_Gd, b_us, input_precision=DOT_PRECISION)
-
-        # O = D_P Q S_pre + C U over earlier blocks and the own block.
-        b_os = tl.dot(b_dec * b_qk, b_up, input_precision=DOT_PRECISION)
-        b_os += tl.dot(b_decd * b_qkd, b_us, input_precision=DOT_PRECISION)
-        b_os = scale * (b_os + b_ps[:, None] * b_qs)
-
-        m_sv = m_s[:, None] & m_v[None, :]
-        tl.store(p_u + o_s[:, None] * H * V + o_v[None, :], b_us, mask=m_sv)
-        tl.store(p_o + o_s[:, None] * H * V + o_v[None, :], b_os.to(p_o.dtype.element_ty), mask=m_sv)
+            b_rk1 = tl.rsqrt(b_ssk + 1e-6)
+            b_rq = tl.rsqrt(b_ssq + 1e-6)
+        b_p = tl.exp(b_lp1)
+        b_v = tl.load(p_v + o_r1[:, None] * stride_vt + o_v[None, :], mask=m_r1[:, None] & m_v[None, :], other=0)
+        b_R = b_beta[:, None] * (b_v.to(tl.float32) - (b_p * b_rk1)[:, None] * b_ks)
+        b_o = (b_p * b_rq)[:, None] * b_qs
+        # The first half's contribution: R1 - G10 U0, and C10 U0 towards the output.
+        b_kk, b_qk = _grams(p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        b_dec = tl.exp(tl.where(b_m, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
+        b_G = b_dec * (b_kk * (b_beta * b_rk1)[:, None] * b_rk0[None, :])
+        b_R -= tl.dot(b_G, b_u0, input_precision=DOT_PRECISION)
+        b_C = b_dec * (b_qk * b_rq[:, None] * b_rk0[None, :])
+        b_o = tl.dot(b_C, b_u0, b_o, input_precision=DOT_PRECISION)
+        # The diagonal block.
+        b_kk, b_qk = _grams(p_q, p_k, o_r1, m_r1, o_r1, m_r1, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        b_dec = tl.exp(tl.where(b_m11, b_lp1[:, None] - b_lp1[None, :], float("-inf")))
+        b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk1)[:, None] * b_rk1[None, :])
+        b_u1 = _unit_lower_solve(b_G, b_R, _chain_length(b_m11), DOT_PRECISION)
+        b_C = b_dec * (b_qk * b_rq[:, None] * b_rk1[None, :])
+        b_o = tl.dot(b_C, b_u1, b_o, input_precision=DOT_PRECISION)
+        m_rv = m_r1[:, None] & m_v[None, :]
+        tl.store(p_u + o_r1[:, None] * H * V + o_v[None, :], b_u1, mask=m_rv)
+        tl.store(p_o + o_r1[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
         if i_v == 0:
-            tl.store(log_decay + (i_b * T + o_s) * H + i_h, b_lps, mask=m_s)
-        tl.debug_barrier()  # the next block reads this block's U
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """A `[B, T, heads, dim]` tensor whose (heads, dim) block is contiguous, as the q/k/v views that split
-    one projection are, is read in place through its (batch, token) strides; anything else is copied."""
-    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+            tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
 
 
 def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
+    """Launches the kernel that is faster for the tree size: the row-block kernel up to ROWS_MAX_NODES nodes, the
+    two-half kernel above (measured on one H200: results/kernels_h200.md)."""
+    launch = tree_gdn_verify_rows_fwd if k.shape[1] <= ROWS_MAX_NODES else tree_gdn_verify_halves_fwd
+    return launch(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision)
+
+
+def tree_gdn_verify_halves_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = token_major(q), token_major(k), token_major(v)
     if q.stride() != k.stride():
         q, k = q.contiguous(), k.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
@@ -213,15 +312,16 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
-    BT = max(16, triton.next_power_of_2(T))
+    BT = max(32, triton.next_power_of_2(T))  # two halves of >= 16 rows (the smallest tensor-core tile)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
-    tree_gdn_verify_fwd_kernel[grid](
+    tree_gdn_verify_halves_fwd_kernel[grid](
         q, k, v, g, beta, anc, initial_state, o, u, log_decay, scale,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
-        K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
+        K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
+        DOT_PRECISION=dot_precision,
         UPCAST_DOT=is_interpreter(),
     )  # fmt: skip
     return o, u, log_decay
