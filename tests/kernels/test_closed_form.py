@@ -160,7 +160,9 @@ def test_closed_form_chain_equals_linear_recurrence(backend):
     # With fla-core installed, transformers routes this function to fla's kernel, which needs CUDA tensors.
     ref_device = "cuda" if torch.cuda.is_available() else device
     q, k, v, g, beta, h0 = (x.to(ref_device) for x in (q, k, v, g, beta, h0))
-    ref, _ = torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, use_qk_l2norm_in_kernel=True)
+    # transformers 5.17's recurrence takes q and k repeated to the value heads (later versions group them).
+    qr, kr = (x.repeat_interleave(H // HK, dim=2) for x in (q, k))
+    ref, _ = torch_recurrent_gated_delta_rule(qr, kr, v, g=g, beta=beta, initial_state=h0, use_qk_l2norm_in_kernel=True)
     assert rel_err(o.to(ref_device), ref) <= 1e-5
     if device == "cuda":
         fla = pytest.importorskip("fla.ops.gated_delta_rule")

@@ -1,0 +1,89 @@
+"""The oracle drafter: a stand-in for a trained drafter on random-weight models, which have none.
+
+It knows every row's greedy continuation (from an `ar` pass over the same batch) and builds each round a tree
+of `depth` levels with `topk` candidates per level. At every level, with probability `accept`, the rank-1
+candidate is the true next token; otherwise all candidates are decoys and the truth is absent from that level on,
+so greedy verification accepts a geometric number of tokens: 1 + sum_{d=1..depth} accept^d per round on average
+(accept = 0.8: 3.7 at depth 5, 3.95 at depth 6, 2.95 at depth 3 with topk 1), whatever the model. Every level
+hangs below the previous level's rank-1 candidate, so a tree has the size and shape of a real top-k tree and
+costs the verifier the same. Draft probabilities follow the ranks (accept for rank 1, the rest split evenly),
+so budget selection keeps rank-1 paths first as it would with a calibrated drafter.
+
+Results drafted by it are labelled `drafter: oracle` in every output: they measure the verifier at a chosen
+acceptance, not a drafter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_bole import DraftContext, DraftTree
+
+
+class OracleDrafter:
+    """`propose(ctx) -> DraftTree` from known continuations (hf_bole's drafter protocol).
+
+    Args:
+        prompt_lengths (`list[int]`): per row, the prompt's length without padding.
+        continuations (`list[list[int]]`): per row, the greedy tokens after the prompt (from `ar`).
+        depth (`int`), topk (`int`): levels per tree and candidates per level.
+        accept (`float`): probability that a level holds the true token.
+        vocab_size (`int`): decoys are drawn from `[0, vocab_size)`.
+        seed (`int`): decoys and hits are drawn from a generator of this seed, so runs repeat.
+    """
+
+    def __init__(
+        self,
+        prompt_lengths: list[int],
+        continuations: list[list[int]],
+        *,
+        depth: int,
+        topk: int,
+        accept: float,
+        vocab_size: int,
+        seed: int = 0,
+    ):
+        if not 0.0 <= accept <= 1.0:
+            raise ValueError(f"--oracle-accept must be a probability in [0, 1], got {accept}")
+        if vocab_size <= topk:
+            raise ValueError(f"the oracle needs more than topk={topk} tokens in the vocabulary, got {vocab_size}")
+        if len(prompt_lengths) != len(continuations):
+            raise ValueError(f"{len(prompt_lengths)} prompt lengths but {len(continuations)} continuations")
+        self.prompt_lengths, self.continuations = prompt_lengths, continuations
+        self.depth, self.topk, self.accept, self.vocab_size = depth, topk, accept, vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+        rest = math.log((1 - accept) / (topk - 1)) if topk > 1 and accept < 1 else -30.0
+        # [topk] log p_draft by rank; clamped so that accept = 0 or 1 stays finite (a finite value marks a real node).
+        self.rank_logprobs = [math.log(max(accept, 1e-12))] + [rest] * (topk - 1)
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        B, D, K = len(ctx.sequences), self.depth, self.topk
+        N = D * K
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        hits = torch.rand(B, D, generator=self.generator) < self.accept  # [B, D]
+        decoys = torch.randint(0, self.vocab_size, (B, D, K), generator=self.generator)  # [B, D, K]
+        for b, seq in enumerate(ctx.sequences):
+            done = len(seq) - self.prompt_lengths[b]  # generated tokens so far, the root included
+            truth = self.continuations[b][done : done + D]
+            alive = True
+            for d in range(D):
+                true = truth[d] if d < len(truth) else None
+                alive = alive and hits[b, d].item() and true is not None
+                level = self._level(decoys[b, d].tolist(), true, alive)
+                tokens[b, d * K : (d + 1) * K] = torch.tensor(level)
+        # Level d's candidates hang below level d-1's rank-1 node (index (d-1) * K); level 0 below the root.
+        level_parent = torch.arange(-1, D - 1) * K  # [D]
+        parents = torch.where(level_parent < 0, -1, level_parent).repeat_interleave(K)[None].expand(B, N)
+        logprobs = torch.tensor(self.rank_logprobs * D)[None].expand(B, N)
+        return DraftTree(tokens=tokens, parents=parents.clone(), draft_logprobs=logprobs.clone())
+
+    def _level(self, decoys: list[int], true: int | None, hit: bool) -> list[int]:
+        """`topk` distinct tokens: the truth first on a hit, never the truth otherwise."""
+        level = [true] if hit else []
+        for t in decoys:
+            while t in level or t == true:
+                t = (t + 1) % self.vocab_size
+            level.append(t)
+        return level[: self.topk]

@@ -1,0 +1,179 @@
+"""What a run leaves behind: `results.jsonl` (one line per (dataset, mode, batch size), with the machine and every
+setting), `results.md` (the table), and PNG plots (throughput vs batch size, accepted-length histograms, speedup
+over `ar`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict:
+    """Hardware and software versions, as every JSONL line records them."""
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": os.environ.get("BOLE_COMMIT") or commit or None,
+        "dirty": bool(dirty),
+    }
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Sets `speedup_over_ar` of every row whose (dataset, batch size) also ran `ar`."""
+    ar = {(r["dataset"], r["batch_size"]): r["output_tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    for r in rows:
+        base = ar.get((r["dataset"], r["batch_size"]))
+        r["speedup_over_ar"] = r["output_tokens_per_s"] / base if base else None
+
+
+def write_jsonl(rows: list[dict], header: dict, path: Path) -> None:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps({**header, **r}) + "\n")
+
+
+def _fmt(x, spec: str = ".1f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict], header: dict) -> str:
+    """The results table, its settings stated above it (STYLE.md §6)."""
+    m, s = header["machine"], header["settings"]
+    where = m["gpu"] or f"CPU ({m['cpu_threads']} threads)"
+    lines = [
+        f"# Results: {s['model']}",
+        "",
+        f"{where}, torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}, commit "
+        f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}. {s['dtype']}, temperature {s['temperature']}, "
+        f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {s['depth']} topk {s['topk']} "
+        f"budget {s['budget']} (chain: depth 3, topk 1). Tokens/s per process: generated tokens up to and including "
+        f"EOS/stop over the wall time of the generate call, prefill included. Command: `{s['command']}`",
+        "",
+        "| dataset | mode | batch | prompts | tokens/s | speedup | TTFT ms | TPOT ms | accepted/round | exact | quality | "
+        "peak GiB | tree state MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        quality = ", ".join(f"{k} {v:.3g}" for k, v in (r["quality"] or {}).items()) or "–"
+        peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] is not None else None
+        tree = sum(r["transient_bytes"].values()) / 2**20 if r["transient_bytes"] else None
+        exact = f"{100 * r['exact_share']:.0f}%" if r["exact_share"] is not None else "–"
+        lines.append(
+            f"| {r['dataset']} | {r['mode']} | {r['batch_size']} | {r['num_prompts']} | "
+            f"{_fmt(r['output_tokens_per_s'])} | {_fmt(r['speedup_over_ar'], '.2f')} | {_fmt(r['ttft_ms'])} | "
+            f"{_fmt(r['tpot_ms'])} | {_fmt(r['mean_accepted_tokens'], '.2f')} | {exact} | {quality} | "
+            f"{_fmt(peak, '.2f')} | {_fmt(tree, '.2f')} |"
+        )
+    diverged = [(r, d) for r in rows for d in r["divergences"]]
+    if diverged:
+        lines += ["", "Greedy outputs that differ from `ar` (first divergence, plain-forward logits there):", ""]
+        for r, d in diverged:
+            lines.append(
+                f"- {r['dataset']} / {r['mode']} / batch {r['batch_size']} / prompt {d['prompt_id']}: token "
+                f"{d['position']}, ar {d['reference_token']} vs {d['output_token']}: {d['explanation']}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Throughput vs batch size per mode, accepted-length histograms, speedup over `ar` per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    written = []
+
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.5), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        for mode in modes:
+            pts = sorted(
+                (r["batch_size"], r["output_tokens_per_s"]) for r in rows if r["dataset"] == ds and r["mode"] == mode
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set(
+            title=ds,
+            xlabel="batch size",
+            ylabel="output tokens/s",
+            xscale="log",
+            xticks=sorted({r["batch_size"] for r in rows}),
+        )
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.legend()
+    written.append(_save(fig, out_dir / "throughput_vs_batch.png"))
+
+    drafting = [m for m in modes if m != "ar"]
+    if drafting:
+        fig, axes = plt.subplots(1, len(drafting), figsize=(4.5 * len(drafting), 3.5), squeeze=False)
+        for ax, mode in zip(axes[0], drafting):
+            width = 0.8 / len(datasets)
+            for k, ds in enumerate(datasets):
+                hist: dict[int, int] = {}
+                for r in rows:
+                    if r["dataset"] == ds and r["mode"] == mode:
+                        for n, c in r["accept_histogram"].items():
+                            hist[int(n)] = hist.get(int(n), 0) + c
+                total = sum(hist.values()) or 1
+                xs = sorted(hist)
+                ax.bar([x + k * width for x in xs], [hist[x] / total for x in xs], width=width, label=ds)
+            ax.set(title=mode, xlabel="tokens per verify round (bonus included)", ylabel="share of rounds")
+            ax.legend()
+        written.append(_save(fig, out_dir / "accept_histogram.png"))
+
+    with_speedup = [r for r in rows if r["mode"] != "ar" and r["speedup_over_ar"] is not None]
+    if with_speedup:
+        series = list(dict.fromkeys((r["mode"], r["batch_size"]) for r in with_speedup))
+        fig, ax = plt.subplots(figsize=(max(5, 1.5 * len(datasets) * len(series) / 2), 3.5))
+        width = 0.8 / len(series)
+        for k, (mode, bs) in enumerate(series):
+            ys = [
+                next(
+                    (
+                        r["speedup_over_ar"]
+                        for r in with_speedup
+                        if (r["dataset"], r["mode"], r["batch_size"]) == (ds, mode, bs)
+                    ),
+                    0,
+                )
+                for ds in datasets
+            ]
+            ax.bar([i + k * width for i in range(len(datasets))], ys, width=width, label=f"{mode}, batch {bs}")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(datasets))], datasets)
+        ax.set(ylabel="speedup over ar (tokens/s)")
+        ax.legend(fontsize="small")
+        written.append(_save(fig, out_dir / "speedup.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

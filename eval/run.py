@@ -1,0 +1,351 @@
+"""The evaluation harness: datasets x modes x batch sizes, speed, acceptance, exactness and task quality.
+
+    python eval/run.py                                    # house model, bundled prompts, ar vs bole (CPU: minutes)
+    python eval/run.py --datasets mbpp gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8 --device cuda
+    python eval/run.py --shape 9B --modes ar bole --batch-sizes 1 8 --max-new-tokens 256   # random 9B, oracle drafter
+    accelerate launch eval/run.py ...                     # prompts sharded across processes, one GPU each
+
+Modes (eval/modes.py): `ar` plain `generate`; `chain` hf_bole with topk 1, depth 3; `tree-serial` bole's trees
+verified node by node with state snapshots; `bole` the closed form. Every run is greedy unless --temperature > 0.
+Writes results.jsonl, results.md and PNG plots to --output-dir and prints the table. See eval/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_bole  # noqa: E402,F401  (registers custom_generate="hf_bole")
+from eval import metrics, report  # noqa: E402
+from eval.data import DATASETS, DEFAULT_DATASETS, Prompt, load_prompts  # noqa: E402
+from eval.modes import MODES, Mode, make_mode  # noqa: E402
+from eval.oracle import OracleDrafter  # noqa: E402
+from eval.shapes import HOUSE_CHECKPOINT, SHAPES, build_model, shape_config  # noqa: E402
+from hf_bole import BoleConfig  # noqa: E402
+
+FEW_SHOT = ("mbpp", "gsm8k")  # the datasets eval.data prompts with exemplars (the others are zero-shot)
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = BoleConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model", default=str(HOUSE_CHECKPOINT), help="checkpoint folder or Hub id (default: the house model)"
+    )
+    ap.add_argument("--shape", help=f"a random-weight model instead of --model: {', '.join(SHAPES)}, 'house' or a folder "
+                    "with a config.json; prompts are random token ids, the drafter is the oracle")  # fmt: skip
+    ap.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), choices=DATASETS)
+    ap.add_argument("--modes", nargs="+", default=["ar", "bole"], choices=MODES)
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per dataset (all processes together)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="passed to eval.data.load_prompts")
+    ap.add_argument("--shots", type=int, default=None, help="few-shot exemplars (MBPP, GSM8K); default: the dataset's")
+    ap.add_argument("--prompt-length", type=int, default=128, help="tokens per random prompt (--shape)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (exactness is checked)")
+    ap.add_argument("--depth", type=int, default=defaults.depth)
+    ap.add_argument("--topk", type=int, default=defaults.topk)
+    ap.add_argument(
+        "--budget",
+        type=_budget,
+        default=defaults.budget,
+        help="draft nodes verified per round across the batch, or 'auto' (hf_bole's calibrated table)",
+    )
+    ap.add_argument("--epsilon", type=float, default=defaults.epsilon, help="the slack of --budget auto")
+    ap.add_argument("--drafter", choices=["mtp", "ngram", "oracle"], help="default: mtp (--model), oracle (--shape)")
+    ap.add_argument(
+        "--oracle-accept",
+        type=float,
+        default=0.8,
+        help="oracle: chance a tree level holds the true token (0.8: ~3.7 tokens/round at depth 5, ~4 at 6)",
+    )
+    ap.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
+    ap.add_argument("--output-dir", default="results/eval")
+    ap.add_argument("--data-dir", default=None, help="passed to eval.data.load_prompts")
+    ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    args.drafter = args.drafter or ("oracle" if args.shape else "mtp")
+    if args.shape and args.drafter == "mtp":
+        ap.error("random-weight shapes have no MTP head: use --drafter oracle (default) or ngram with --shape")
+    if args.drafter == "oracle" and args.temperature > 0:
+        ap.error("the oracle drafter knows greedy continuations only: use --temperature 0 with it")
+    for name in ("batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "topk"):
+        values = getattr(args, name)
+        if any(v < 1 for v in (values if isinstance(values, list) else [values])):
+            ap.error(f"--{name.replace('_', '-')} must be positive, got {values}")
+    if args.temperature < 0:
+        ap.error(f"--temperature must be >= 0, got {args.temperature}")
+    args.modes = sorted(set(args.modes), key=MODES.index)  # ar first: the others are compared with it
+    return args
+
+
+def _budget(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a positive int or 'auto', got {value!r}")
+    return int(value)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+
+    args = parse_args(argv)
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    device = accelerator.device if accelerator.num_processes > 1 else torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # one device for loading, memory stats and sync
+    dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    torch.manual_seed(args.seed)
+    model, tokenizer, model_label = load_target(args, device, dtype)
+    prompt_sets = load_prompt_sets(args, model, tokenizer)
+    generation = generation_kwargs(args, model, tokenizer)
+
+    # ar runs whenever another mode needs its greedy outputs: the oracle drafts from them.
+    run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle") + args.modes
+    warmed: set[tuple[str, int]] = set()
+    rows = []
+    for dataset, prompts in prompt_sets.items():
+        for batch_size in args.batch_sizes:
+            with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
+                batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+            reference: list[dict] = []
+            results: dict[str, list[dict]] = {}
+            for name in run_modes:
+                mode = make_mode(name, batch_size, args)
+                if (name, batch_size) not in warmed and batches:
+                    # Untimed: first calls pay for kernel compilation, autotuning and allocator growth.
+                    run_batch(model, tokenizer, prompts, batches[0], mode, args, generation, reference[:1])
+                    warmed.add((name, batch_size))
+                bar = tqdm(
+                    batches, desc=f"{dataset} {name} batch {batch_size}", disable=not accelerator.is_main_process
+                )
+                records = [
+                    run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
+                    for k, batch in enumerate(bar)
+                ]
+                if name == "ar":
+                    reference = records
+                results[name] = gather_object(records)
+            if accelerator.is_main_process:
+                for name in args.modes:
+                    mode = make_mode(name, batch_size, args)
+                    rows.append(
+                        summarize(dataset, prompts, mode, batch_size, results[name], args, accelerator.num_processes)
+                    )
+
+    if accelerator.is_main_process:
+        report.add_speedups(rows)
+        launcher = (
+            ["python"]
+            if accelerator.num_processes == 1
+            else ["accelerate", "launch", f"--num_processes={accelerator.num_processes}"]
+        )
+        command = shlex.join([*launcher, "eval/run.py", *(sys.argv[1:] if argv is None else argv)])
+        header = {
+            "machine": report.machine(),
+            "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
+        }
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        report.write_jsonl(rows, header, out / "results.jsonl")
+        table = report.markdown(rows, header)
+        (out / "results.md").write_text(table)
+        report.plots(rows, out)
+        print(table)
+        print(f"wrote {out / 'results.jsonl'}, {out / 'results.md'} and plots")
+    return rows
+
+
+def load_target(args, device: torch.device, dtype: torch.dtype):
+    """`(model, tokenizer or None, label)`: the checkpoint of --model, or a random model of --shape."""
+    if args.shape:
+        config = shape_config(args.shape)
+        return build_model(config, device, dtype, seed=args.seed), None, f"random {args.shape} shape"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.model == str(HOUSE_CHECKPOINT) and not HOUSE_CHECKPOINT.is_dir():
+        raise SystemExit(
+            f"The house model is not at {HOUSE_CHECKPOINT} yet (it is trained by eval/house/ and committed there). "
+            f"Pass --model <checkpoint folder or Hub id> or --shape <{'|'.join(SHAPES)}>."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=dtype, device_map={"": device}, attn_implementation="sdpa"
+    )
+    return model.eval(), tokenizer, args.model
+
+
+def load_prompt_sets(args, model, tokenizer) -> dict[str, list[tuple[Prompt, list[int]]]]:
+    """Per dataset, the prompts and their token ids; random ids under a single "random" dataset with --shape."""
+    if args.shape:
+        vocab = model.get_input_embeddings().weight.shape[0]
+        gen = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(0, vocab, (args.num_prompts, args.prompt_length), generator=gen).tolist()
+        return {"random": [(Prompt("random", str(i), "", {}, []), row) for i, row in enumerate(ids)]}
+    sets = {}
+    for dataset in args.datasets:
+        prompts = load_prompts(
+            dataset, args.num_prompts, data_dir=args.data_dir, tokenizer=tokenizer,
+            max_prompt_tokens=args.max_prompt_tokens, shots=args.shots if dataset in FEW_SHOT else None,
+        )  # fmt: skip
+        if not prompts:
+            raise SystemExit(f"eval.data.load_prompts({dataset!r}) returned no prompts")
+        pairs = [(p, tokenizer(p.text, add_special_tokens=False).input_ids) for p in prompts]
+        if args.sort_by_length:
+            pairs.sort(key=lambda pair: len(pair[1]))
+        sets[dataset] = pairs
+    return sets
+
+
+def generation_kwargs(args, model, tokenizer) -> dict:
+    """What every mode's `generate` call shares: length, sampling, EOS and padding, stated explicitly so that
+    the checkpoint's generation config cannot make the modes differ."""
+    eos = model.generation_config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    kwargs = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    if args.temperature > 0:
+        kwargs.update(do_sample=True, temperature=args.temperature)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return kwargs
+
+
+def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, generation: dict, reference: list[dict]):
+    """One timed generate call over `prompts[batch]` (left-padded), measured and checked against `reference`
+    (the `ar` record of the same batch, when there is one)."""
+    pad = generation["pad_token_id"]
+    rows = [prompts[i][1] for i in batch]
+    P = max(len(r) for r in rows)
+    device = model.get_input_embeddings().weight.device
+    input_ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows], device=device)  # [B, P]
+    attention_mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=device)  # [B, P]
+    stops = tuple(dict.fromkeys(s for i in batch for s in prompts[i][0].stop)) if tokenizer is not None else ()
+    extra = dict(stop_strings=list(stops), tokenizer=tokenizer) if stops else {}
+
+    drafter = args.drafter
+    if mode.drafts and args.drafter == "oracle":
+        drafter = OracleDrafter(
+            [len(r) for r in rows], reference[0]["tokens"], depth=mode.depth, topk=mode.topk,
+            accept=args.oracle_accept, vocab_size=model.get_output_embeddings().weight.shape[0], seed=args.seed,
+        )  # fmt: skip
+
+    if generation["do_sample"]:
+        torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
+    timer = metrics.FirstTokenTimer()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True,
+        **generation, **extra, **mode.generate_kwargs(drafter),
+    )  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+
+    eos = generation["eos_token_id"]
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    generated = out.sequences[:, P:].tolist()
+    counts = [metrics.count_generated(g, eos, pad, stops, tokenizer) for g in generated]
+    tokens = [g[:n] for g, n in zip(generated, counts)]
+    timing = metrics.Timing(seconds, timer.first_token_at - start if timer.first_token_at else None)
+    completions = None
+    if tokenizer is not None:
+        # Scoring cuts each completion at its stop strings (eval.quality).
+        completions = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    divergences = None
+    if reference and args.temperature == 0:
+        divergences = [
+            metrics.divergence(model, r, ref, t, tokenizer) for r, ref, t in zip(rows, reference[0]["tokens"], tokens)
+        ]
+    accept = getattr(out, "accept_lengths", None)
+    cache = getattr(out, "past_key_values", None)
+    return {
+        "prompts": batch,
+        "tokens": tokens,
+        "completions": completions,
+        "seconds": seconds,
+        "ttft": timing.ttft,
+        "tpot": timing.tpot(max(counts)),
+        "accept_lengths": accept.flatten().tolist() if accept is not None else [],
+        "transient_bytes": getattr(cache, "transient_bytes", None) if mode.drafts else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "divergences": divergences,
+    }
+
+
+def summarize(
+    dataset: str, prompts, mode: Mode, batch_size: int, records: list[dict], args, num_processes: int
+) -> dict:
+    """One row: every batch of (dataset, mode, batch size), from all processes."""
+    order = sorted((i, k, r) for r in records for k, i in enumerate(r["prompts"]))  # by prompt index
+    n_tokens = sum(len(t) for r in records for t in r["tokens"])
+    seconds = sum(r["seconds"] for r in records)
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
+    tpots = [r["tpot"] for r in records if r["tpot"] is not None]
+    checked = [(i, r["divergences"][k]) for i, k, r in order if r["divergences"] is not None]
+    peaks = [r["peak_memory_bytes"] for r in records if r["peak_memory_bytes"] is not None]
+    transient = [r["transient_bytes"] for r in records if r["transient_bytes"]]
+    quality = None
+    if dataset != "random" and records and records[0]["completions"] is not None:
+        try:
+            from eval.quality import score
+        except ImportError as e:  # the eval extra is missing (a bare GPU image): speed and exactness still count
+            print(f"task quality not scored: {e} (pip install -e '.[eval]')", file=sys.stderr)
+        else:
+            quality = score(dataset, [prompts[i][0] for i, _, _ in order], [r["completions"][k] for _, k, r in order])
+    return {
+        "dataset": dataset,
+        "mode": mode.name,
+        "batch_size": batch_size,
+        "drafter": args.drafter if mode.drafts else None,
+        **{f"tree_{k}": v for k, v in mode.settings().items()},
+        "num_prompts": len(order),
+        "num_processes": num_processes,
+        "output_tokens": n_tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": n_tokens / seconds if seconds > 0 else None,
+        "ttft_ms": 1e3 * mean(ttfts) if ttfts else None,
+        "tpot_ms": 1e3 * mean(tpots) if tpots else None,
+        **metrics.acceptance([n for r in records for n in r["accept_lengths"]], mode.depth or 0),
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "transient_bytes": max(transient, key=lambda t: sum(t.values())) if transient else None,
+        "exact_share": sum(d is None for _, d in checked) / len(checked) if checked and mode.name != "ar" else None,
+        "divergences": [{"prompt_id": prompts[i][0].id, **d} for i, d in checked if d is not None],
+        "quality": quality,
+    }
+
+
+def settings(args, model_label: str, dtype: torch.dtype, num_processes: int, command: str) -> dict:
+    return {
+        **vars(args),
+        "model": model_label,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_processes": num_processes,
+        "command": command,
+    }
+
+
+if __name__ == "__main__":
+    main()

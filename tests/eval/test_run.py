@@ -1,0 +1,199 @@
+"""The evaluation harness end to end on a tiny random Qwen3.5 checkpoint (MTP head and tokenizer included), token
+counting, and the oracle drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from eval import metrics, run
+from eval.data import DEFAULT_DATASETS, load_prompts
+from eval.oracle import OracleDrafter
+from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
+from tests.models import tiny
+
+PAD, EOS = 0, 1
+CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+VOCAB = 2 + len(CHARS)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (unknown characters become a space), ids 0/1 pad/EOS."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{c: 2 + i for i, c in enumerate(CHARS)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=" "))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", padding_side="left"
+    )
+
+
+def bpe_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on the bundled prompts: prompts a few times shorter than one token per character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [p.text for d in DEFAULT_DATASETS for p in load_prompts(d, 2)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny dense Qwen3.5 with a random MTP head and a BPE tokenizer, saved as a checkpoint folder."""
+    tokenizer = bpe_tokenizer()
+    model = tiny.build_model("dense", vocab_size=len(tokenizer), eos_token_id=EOS)
+    folder = tmp_path_factory.mktemp("tiny_checkpoint")
+    save_pretrained_with_mtp(model, Qwen3_5MTP.for_model(model), folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_run_end_to_end(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    rows = run.main([
+        "--model", str(checkpoint), "--num-prompts", "2", "--max-new-tokens", "12", "--max-prompt-tokens", "160", "--shots", "1",
+        "--modes", "ar", "chain", "tree-serial", "bole", "--batch-sizes", "1", "2", "--depth", "3", "--topk", "2",
+        "--output-dir", str(out), "--device", "cpu",
+    ])  # fmt: skip
+    assert {(r["dataset"], r["mode"], r["batch_size"]) for r in rows} == {
+        (d, m, b) for d in DEFAULT_DATASETS for m in ("ar", "chain", "tree-serial", "bole") for b in (1, 2)
+    }
+    for r in rows:
+        assert r["num_prompts"] == 2 and r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0
+        assert r["ttft_ms"] > 0 and r["quality"] is not None
+        if r["mode"] == "ar":
+            assert r["exact_share"] is None and r["mean_accepted_tokens"] is None
+        else:
+            assert r["exact_share"] == 1.0 and r["divergences"] == []  # fp32 greedy: token for token
+            assert r["mean_accepted_tokens"] >= 1 and r["speedup_over_ar"] > 0
+            assert sum(r["accept_histogram"].values()) == r["rounds"]
+            assert r["transient_bytes"]["snapshots" if r["mode"] == "tree-serial" else "factors"] > 0
+    # Every mode counts the same tokens: greedy outputs are identical.
+    per_run = {}
+    for r in rows:
+        per_run.setdefault((r["dataset"], r["batch_size"]), set()).add(r["output_tokens"])
+    assert all(len(v) == 1 for v in per_run.values())
+
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == len(rows)
+    assert lines[0]["machine"]["torch"] == torch.__version__ and lines[0]["settings"]["max_new_tokens"] == 12
+    assert "| mbpp | bole | 2 |" in (out / "results.md").read_text()
+    for png in ("throughput_vs_batch.png", "accept_histogram.png", "speedup.png"):
+        assert (out / png).stat().st_size > 0
+
+
+def test_run_shape_oracle(checkpoint, tmp_path):
+    """A random model of a checkpoint's shape, random prompts, the oracle drafter: high acceptance, exact."""
+    rows = run.main([
+        "--shape", str(checkpoint), "--num-prompts", "3", "--prompt-length", "9", "--max-new-tokens", "24",
+        "--modes", "bole", "--batch-sizes", "3", "--depth", "6", "--topk", "2", "--oracle-accept", "1.0",
+        "--budget", "64", "--output-dir", str(tmp_path), "--device", "cpu",
+    ])  # fmt: skip
+    (row,) = rows
+    assert row["dataset"] == "random" and row["drafter"] == "oracle" and row["quality"] is None
+    assert row["exact_share"] == 1.0
+    assert row["mean_accepted_tokens"] > 5  # 6 drafted + 1 bonus per round, but the last round is cut short
+    assert "drafter `oracle`" in (tmp_path / "results.md").read_text()
+
+
+def test_oracle_drafter_acceptance():
+    """At accept p the oracle's rounds emit 1 + p + ... + p^depth tokens on average."""
+    model = tiny.build_model("dense", vocab_size=VOCAB)
+    ids = torch.tensor([[5, 9, 14, 3], [7, 7, 20, 11]])
+    new = 40
+    ref = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD)
+    drafter = OracleDrafter([4, 4], ref[:, 4:].tolist(), depth=6, topk=3, accept=0.8, vocab_size=VOCAB, seed=0)
+    out = model.generate(
+        ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD, custom_generate="hf_bole",
+        bole_drafter=drafter, bole_depth=6, bole_topk=3, bole_budget=64, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    expected = sum(0.8**d for d in range(7))  # 3.95
+    assert expected - 1.0 < out.mean_accepted_tokens < expected + 1.0
+
+
+def test_count_generated():
+    """The one token count every mode's throughput uses: up to and including EOS, never padding."""
+    eos, pad = {EOS}, PAD
+    assert metrics.count_generated([5, 6, 7], eos, pad) == 3  # ran to max_new_tokens
+    assert metrics.count_generated([5, EOS, PAD, PAD], eos, pad) == 2  # EOS counts, padding after it does not
+    assert metrics.count_generated([5, EOS, 9, 9], eos, pad) == 2  # a row that kept going after EOS (no padding)
+    assert metrics.count_generated([EOS, PAD], eos, pad) == 1
+    assert metrics.count_generated([5, 6, PAD, PAD], eos, pad) == 2  # stopped by a criterion, then padded
+    assert metrics.count_generated([5, 6, PAD], set(), pad) == 3  # without EOS nothing is padding
+    assert metrics.count_generated([9, 9], {9}, 9) == 1  # pad == EOS
+    tok = char_tokenizer()
+    ids = tok("ab\n\nQ: x", add_special_tokens=False).input_ids
+    assert metrics.count_generated(ids, eos, pad, ("\n\n",), tok) == 4  # through the stop string's last token
+    assert metrics.count_generated(ids + [EOS], eos, pad, ("zz",), tok) == len(ids) + 1
+
+
+def test_first_token_timer_and_acceptance():
+    timer = metrics.FirstTokenTimer()
+    timer.put(torch.tensor([[1, 2, 3]]))  # the prompt
+    assert timer.first_token_at is None
+    timer.put(torch.tensor([4]))
+    first = timer.first_token_at
+    timer.put(torch.tensor([5]))
+    assert first is not None and timer.first_token_at == first
+    assert metrics.Timing(seconds=1.0, ttft=0.1).tpot(10) == pytest.approx(0.1)
+
+    stats = metrics.acceptance([1, 3, 4, 0, 4], depth=3)  # the 0 is a finished row sitting a round out
+    assert stats["mean_accepted_tokens"] == 3.0 and stats["accept_histogram"] == {1: 1, 3: 1, 4: 2}
+    assert stats["accepted_at_depth"] == [0.75, 0.75, 0.5]
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        run.parse_args(["--shape", "9B", "--drafter", "mtp"])  # a random model has no MTP head
+    with pytest.raises(SystemExit):
+        run.parse_args(["--batch-sizes", "0"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--drafter", "oracle", "--temperature", "0.7"])
+
+
+def test_missing_house_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "HOUSE_CHECKPOINT", tmp_path / "no_checkpoint")
+    with pytest.raises(SystemExit, match="house model is not at"):
+        run.main(["--device", "cpu", "--output-dir", str(tmp_path)])
+
+
+@pytest.mark.skipif(not run.HOUSE_CHECKPOINT.is_dir(), reason="the house checkpoint is committed with the repository")
+def test_run_house_model(tmp_path):
+    """The README's main job, shortened: the committed house model, 2 bundled prompts per dataset, its MTP drafter."""
+    rows = run.main([
+        "--num-prompts", "2", "--max-new-tokens", "8", "--max-prompt-tokens", "256", "--shots", "1",
+        "--output-dir", str(tmp_path), "--device", "cpu",
+    ])  # fmt: skip
+    assert {(r["dataset"], r["mode"]) for r in rows} == {(d, m) for d in DEFAULT_DATASETS for m in ("ar", "bole")}
+    for r in rows:
+        assert r["num_prompts"] == 2 and r["output_tokens"] > 0
+        if r["mode"] == "bole":
+            assert r["exact_share"] == 1.0 and r["mean_accepted_tokens"] >= 1
+
+
+def test_divergence():
+    """Where a greedy output leaves the reference, with the plain forward's logits there."""
+    model = tiny.build_model("dense", vocab_size=VOCAB)
+    prompt = [5, 9, 14, 3]
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=PAD)[0, 4:].tolist()
+    assert metrics.divergence(model, prompt, ref, ref) is None
+    logits = model(torch.tensor([prompt + ref[:2]])).logits[0, -1]
+    worst = int(logits.argmin())  # far below the argmax: no rounding explains it
+    d = metrics.divergence(model, prompt, ref, ref[:2] + [worst, 7])
+    assert (d["position"], d["reference_token"], d["output_token"]) == (2, ref[2], worst)
+    assert d["top2_margin"] >= 0 and d["reference_logit"] > d["output_logit"]
+    assert d["explanation"].startswith("NOT a tie")
+    assert metrics.divergence(model, prompt, ref, ref[:3])["output_token"] is None  # stopped early
