@@ -279,7 +279,6 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
             metrics.divergence(model, r, ref, t, tokenizer) for r, ref, t in zip(rows, reference[0]["tokens"], tokens)
         ]
     accept = getattr(out, "accept_lengths", None)
-    cache = getattr(out, "past_key_values", None)
     return {
         "prompts": batch,
         "tokens": tokens,
@@ -288,7 +287,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         "ttft": timing.ttft,
         "tpot": timing.tpot(max(counts)),
         "accept_lengths": accept.flatten().tolist() if accept is not None else [],
-        "transient_bytes": getattr(cache, "transient_bytes", None) if mode.drafts else None,
+        "transient_bytes": out.peak_transient_bytes if mode.drafts else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "divergences": divergences,
     }

@@ -1,54 +1,40 @@
 """Plain `generate` against hf_bole on the same prompts: same tokens, fewer target forwards.
 
-    python examples/quickstart.py                         # a tiny random Qwen3.5 built in code (CPU, seconds)
-    python examples/quickstart.py --model Qwen/Qwen3.5-9B --drafter mtp --device cuda
+    python examples/quickstart.py                         # the house model in eval/house/checkpoint (CPU is enough)
+    python examples/quickstart.py --model Qwen/Qwen3.5-9B --device cuda
 
-Without --model there is no checkpoint, hence no MTP head: the n-gram drafter is used, on prompts that repeat
-themselves so that it finds something to propose.
+The default drafter is the checkpoint's MTP head (`mtp.*` weights), as in any Qwen3.5 checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_bole  # noqa: F401  (registers custom_generate="hf_bole")
 
-
-def tiny_model() -> Qwen3_5ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen3_5TextConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, intermediate_size=256, pad_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
-    return Qwen3_5ForCausalLM(config).eval()
+HOUSE_MODEL = Path(__file__).resolve().parents[1] / "eval" / "house" / "checkpoint"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="a Qwen3.5 checkpoint (folder or Hub id); default: a tiny random model")
-    ap.add_argument("--drafter", default="ngram", choices=["ngram", "mtp"])
+    ap.add_argument("--model", default=str(HOUSE_MODEL), help="a Qwen3.5 checkpoint (folder or Hub id)")
+    ap.add_argument("--drafter", default="mtp", choices=["mtp", "ngram"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    if args.model:
-        tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", attn_implementation="sdpa")
-        model = model.to(args.device).eval()
-        texts = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends in April, and then"]
-        batch = tok(texts, return_tensors="pt", padding=True).to(args.device)
-        ids, mask, pad = batch.input_ids, batch.attention_mask, tok.pad_token_id
-    else:
-        model = tiny_model().to(args.device)
-        # The tiny random model's greedy text loops quickly, which the n-gram drafter then proposes.
-        ids = torch.tensor([[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [0, 0, 0, 21, 22, 23, 21, 22, 23, 21]], device=args.device)
-        mask, pad = (ids != 0).long(), 0
-    common = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+    tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto", attn_implementation="sdpa")
+    model = model.to(args.device).eval()
+    texts = ["def fibonacci(n):", "Question: Natalia sold clips to 48 of her friends in April, and then"]
+    batch = tok(texts, return_tensors="pt", padding=True).to(args.device)
+    ids, mask = batch.input_ids, batch.attention_mask
+    common = dict(attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
 
     for name, extra in (
         ("plain generate", {}),

@@ -71,10 +71,14 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
             (finished). The first generated token comes from the prefill and is not counted.
         mean_accepted_tokens (`float`):
             Emitted tokens per verify round over all rows' rounds.
+        peak_transient_bytes (`dict[str, int]`):
+            The largest per-round tree state of the call (`BoleCache.transient_bytes` of its biggest round): GDN
+            factors or per-node snapshots, pre-conv inputs, tree KV.
     """
 
     accept_lengths: torch.LongTensor | None = None
     mean_accepted_tokens: float | None = None
+    peak_transient_bytes: dict[str, int] | None = None
 
 
 def _caller_generate_frame():
@@ -317,6 +321,7 @@ def _decode(
     new_mask, new_positions = mask, text_positions
     root = first
     rounds: list[torch.Tensor] = []
+    peak_transient = cache.transient_bytes  # all zero before the first round
     while True:
         active = state.active()
         if not any(active):
@@ -343,6 +348,7 @@ def _decode(
         # widest row actually kept (a host read: it waits for drafting and selection, not for a forward).
         verify = verify.narrowed(int(verify.num_nodes.max()))
         out = tree_forward(model, cache, verify.input_ids, verify.parents, verify=bole.verify)
+        peak_transient = max(peak_transient, cache.transient_bytes, key=lambda t: sum(t.values()))
         contexts = None
         if not is_context_free(logits_processor):
             contexts = [seq[b, : P + state.n_gen[b]] for b in range(B)]
@@ -373,7 +379,11 @@ def _decode(
     played = (accept_lengths > 0).sum()
     mean = float(accept_lengths.sum() / played) if played > 0 else 0.0
     return BoleGenerateOutput(
-        sequences=sequences, past_key_values=cache, accept_lengths=accept_lengths, mean_accepted_tokens=mean
+        sequences=sequences,
+        past_key_values=cache,
+        accept_lengths=accept_lengths,
+        mean_accepted_tokens=mean,
+        peak_transient_bytes=peak_transient,
     )
 
 

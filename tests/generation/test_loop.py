@@ -114,9 +114,12 @@ def test_greedy_matches_plain_budget_and_serial(dense, good):
     for verify in ("closed_form", "serial"):
         out = bole(
             dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, PROMPTS, good=good),
-            bole_budget=5, bole_verify=verify,
+            bole_budget=5, bole_verify=verify, return_dict_in_generate=True,
         )  # fmt: skip
-        assert torch.equal(out, ref)
+        assert torch.equal(out.sequences, ref)
+        # The round state each scheme keeps: factors (closed form) or per-node snapshots (serial), never both.
+        kept, other = ("factors", "snapshots") if verify == "closed_form" else ("snapshots", "factors")
+        assert out.peak_transient_bytes[kept] > 0 and out.peak_transient_bytes[other] == 0
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
