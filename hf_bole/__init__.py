@@ -7,8 +7,8 @@
 from hf_bole.cache import BoleCache
 from hf_bole.config import BoleConfig
 from hf_bole.generation import DraftContext, DraftTree, NgramDrafter
-from hf_bole.generation.loop import BoleGenerateOutput, generate, install_custom_generate_name
+from hf_bole.generation.loop import BoleGenerateOutput, generate, install_generate_hooks
 
-install_custom_generate_name()
+install_generate_hooks()
 
 __all__ = ["BoleCache", "BoleConfig", "BoleGenerateOutput", "DraftContext", "DraftTree", "NgramDrafter", "generate"]

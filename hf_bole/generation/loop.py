@@ -13,7 +13,6 @@ step for step.
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import sys
@@ -26,7 +25,6 @@ from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
     StoppingCriteriaList,
-    StopStringCriteria,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
@@ -117,6 +115,7 @@ def generate(model, *args, **kwargs):
     if frame is not None and callable(frame.f_locals.get("custom_generate")):
         # Called by `model.generate` as the decoding method: inputs, processors and criteria are prepared.
         dropped = {name: frame.f_locals.get(name) for name in _DROPPED_GENERATE_ARGS}
+        kwargs.pop("tokenizer", None)  # stop strings are criteria by now (see `install_generate_hooks`)
         return _decode(model, *args, **kwargs, **dropped)
     # Called with `model.generate`'s own arguments (directly, by name, or from a Hub folder): let transformers
     # prepare them and call back as the decoding method.
@@ -127,26 +126,7 @@ def generate(model, *args, **kwargs):
     BoleConfig.from_generate_kwargs(kwargs, kwargs.get("generation_config"))
     if kwargs.get("assistant_model") is not None:  # transformers would refuse it with a less helpful message
         raise ValueError(_ASSISTANT_ERROR)
-    _stop_strings_as_criteria(kwargs)
     return model.generate(*args, custom_generate=generate, **kwargs)
-
-
-def _stop_strings_as_criteria(kwargs: dict) -> None:
-    """transformers (5.17-5.24) does not hand `tokenizer` on to the stopping criteria it builds for a
-    `custom_generate` callable, so stop strings would fail there: build their criterion here instead."""
-    config = kwargs.get("generation_config")
-    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
-    if stop_strings is None:
-        return
-    tokenizer = kwargs.pop("tokenizer", None)
-    if tokenizer is None:
-        raise ValueError("stop strings need the model's tokenizer: pass `tokenizer=` to generate")
-    if getattr(config, "stop_strings", None) is not None:
-        kwargs["generation_config"] = config = copy.deepcopy(config)
-        config.stop_strings = None
-    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-    kwargs["stopping_criteria"] = criteria
 
 
 # transformers forwards to a custom_generate callable only the keyword arguments its signature names, beyond
@@ -161,21 +141,39 @@ generate.__signature__ = inspect.Signature(
 )
 
 
-def install_custom_generate_name() -> None:
-    """Lets `model.generate(..., custom_generate="hf_bole")` resolve to `generate` from any working directory and
-    without `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo)."""
-    original = GenerationMixin.load_custom_generate
-    if getattr(original, "__hf_bole_original__", None) is not None:
-        return
+def install_generate_hooks() -> None:
+    """Two hooks on transformers' `GenerationMixin` (5.17-5.24), installed once by `import hf_bole`:
 
-    @functools.wraps(original)
-    def load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
-        if pretrained_model_name_or_path == CUSTOM_GENERATE_NAME:
-            return generate
-        return original(self, pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+    - `model.generate(..., custom_generate="hf_bole")` resolves to `generate` from any working directory and without
+      `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo);
+    - `tokenizer=` reaches the stopping criteria when `custom_generate` is hf_bole's callable: transformers drops it
+      for every callable, so stop strings would fail with "could not locate a tokenizer".
+    """
+    load = GenerationMixin.load_custom_generate
+    if getattr(load, "__hf_bole_original__", None) is None:
 
-    load_custom_generate.__hf_bole_original__ = original
-    GenerationMixin.load_custom_generate = load_custom_generate
+        @functools.wraps(load)
+        def load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
+            if pretrained_model_name_or_path == CUSTOM_GENERATE_NAME:
+                return generate
+            return load(self, pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+
+        load_custom_generate.__hf_bole_original__ = load
+        GenerationMixin.load_custom_generate = load_custom_generate
+
+    extract = GenerationMixin._extract_generation_mode_kwargs
+    if getattr(extract, "__hf_bole_original__", None) is None:
+
+        @functools.wraps(extract)
+        def extract_generation_mode_kwargs(self, custom_generate, kwargs, *args, **more):
+            tokenizer = kwargs.get("tokenizer")
+            extracted = extract(self, custom_generate, kwargs, *args, **more)
+            if custom_generate is generate and tokenizer is not None:
+                extracted["tokenizer"] = tokenizer
+            return extracted
+
+        extract_generation_mode_kwargs.__hf_bole_original__ = extract
+        GenerationMixin._extract_generation_mode_kwargs = extract_generation_mode_kwargs
 
 
 _MTP_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -244,8 +244,14 @@ def test_stopping_stop_strings(dense):
     tok = _tokenizer()
     kwargs = dict(max_new_tokens=NEW, do_sample=False, stop_strings=stops, tokenizer=tok)
     ref = plain(dense, prompts, **kwargs)
-    out = bole(dense, prompts, bole_drafter=oracle_for(dense, prompts), bole_budget=64, **kwargs)
-    assert torch.equal(out, ref)
+    drafter = oracle_for(dense, prompts)
+    # transformers drops `tokenizer=` for a custom_generate callable; hf_bole's hook keeps it for its own.
+    for entry in ("hf_bole", hf_bole.generate, str(REPO)):
+        out = bole(dense, prompts, bole_drafter=drafter, bole_budget=64, custom_generate=entry, trust_remote_code=True, **kwargs)
+        assert torch.equal(out, ref), entry
+    ids, mask = batch(prompts)
+    direct = hf_bole.generate(dense, ids, attention_mask=mask, pad_token_id=0, bole_drafter=drafter, bole_budget=64, **kwargs)
+    assert torch.equal(direct, ref)
 
 
 def _samples(model, prompt, n, **kwargs):
