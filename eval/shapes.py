@@ -30,6 +30,11 @@ from transformers import (
 )
 
 EMBEDDING_SCALE = 10.0
+# Weights that write a layer's output into the residual stream, scaled down so that the stream stays dominated by
+# the token's embedding however wide and deep the shape (each layer adds ~1.6 per coordinate at the 9B width
+# otherwise, against the embedding's 0.2). Compute is unchanged.
+LAYER_OUTPUT_SCALE = 1e-3
+_LAYER_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 HOUSE_CHECKPOINT = Path(__file__).resolve().parent / "house" / "checkpoint"
 
 COMMON = dict(
@@ -116,10 +121,12 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype, seed: in
     transformers' own initialisation runs on the device (normal(0, 0.02) weights, centred norms), with two changes:
     - GDN decays are redrawn as Mamba-2 initialises them: upstream draws A up to 16 with dt_bias = 1, so every state
       forgets itself within a token, which no trained model does;
-    - the unembedding is the embedding, permuted: each token's logits then single out one successor by a wide
-      margin, as a trained model's mostly do. A random unembedding leaves the top logits of 248k tokens within
-      bf16 rounding of each other, so greedy decoding in bf16 follows rounding noise: plain and tree decoding part
-      within tens of tokens, and the oracle, which knows plain decoding's continuation, stops being accepted.
+    - the unembedding is the embedding, permuted, the embedding is scaled up and every layer's output projections
+      down: the residual stream then carries the current token to the end and its logits single out one successor
+      by a wide margin, as a trained model's mostly do. With transformers' weights the top logits of 248k tokens
+      sit within bf16 rounding of each other, so greedy decoding in bf16 follows rounding noise: plain and tree
+      decoding part within a few tokens (seen at the 9B shape on an H200), and the oracle, which knows plain
+      decoding's continuation, stops being accepted.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -145,6 +152,8 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype, seed: in
     successor = torch.randperm(embedding.shape[0], device=device)
     # logit of v ~ <embedding[successor[v]], h>: largest where v is the current token's successor.
     model.get_output_embeddings().weight.copy_(embedding[successor])
-    # Embeddings ten times the layers' outputs keep the current token legible in the residual stream to the end.
     embedding.mul_(EMBEDDING_SCALE)
+    for name, weight in model.model.layers.named_parameters():
+        if name.endswith(_LAYER_OUTPUTS):
+            weight.mul_(LAYER_OUTPUT_SCALE)
     return model.eval()

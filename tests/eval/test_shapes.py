@@ -76,3 +76,15 @@ def test_shape_config_rejects_unknown(tmp_path):
         shape_config("7B")
     with pytest.raises(ValueError, match="--shape must be one of"):
         shape_config(str(tmp_path))
+
+
+def test_random_shape_has_a_clear_greedy_answer_in_bf16():
+    """Wide and deep enough that transformers' own random weights leave bf16 ties among the top logits (then
+    tree and plain decoding part on rounding noise and the oracle loses track): every position's best logit
+    must beat the second by far more than bf16 rounding."""
+    config = shape_config("9B", vocab_size=2048, hidden_size=1024, num_hidden_layers=8, intermediate_size=2048)
+    model = build_model(config, "cpu", torch.bfloat16, seed=0)
+    with torch.no_grad():
+        logits = model(torch.randint(0, 2048, (1, 24))).logits[0].float()
+    top = logits.topk(2, dim=-1).values
+    assert (top[:, 0] - top[:, 1]).min() > 0.5 * top[:, 0].abs().max()  # bf16 rounds at 2^-8 of the value
