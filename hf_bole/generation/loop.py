@@ -65,10 +65,11 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
 
     Args:
         accept_lengths (`torch.LongTensor` of shape `(batch_size, num_rounds)`):
-            Tokens each verify round emitted per row, the bonus token included; 0 where the row sat the round out
-            (finished). The first generated token comes from the prefill and is not counted.
+            Tokens each verify round accepted per row, the bonus token included; 0 where the row sat the round out
+            (finished). A row's last round may accept past `max_new_tokens` or a stop, where the output is cut; the
+            first generated token comes from the prefill and is not counted.
         mean_accepted_tokens (`float`):
-            Emitted tokens per verify round over all rows' rounds.
+            Accepted tokens per verify round over all rows' rounds.
         peak_transient_bytes (`dict[str, int]`):
             The largest per-round tree state of the call (`BoleCache.transient_bytes` of its biggest round): GDN
             factors or per-node snapshots, pre-conv inputs, tree KV.
