@@ -27,8 +27,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
-from hf_bole.kernels.tree_gdn.closed_form import ROWS_MAX_NODES, tree_gdn_verify_halves_fwd  # noqa: E402
-from hf_bole.kernels.tree_gdn.closed_form_rows import tree_gdn_verify_rows_fwd  # noqa: E402
+from hf_bole.kernels.tree_gdn.closed_form import (  # noqa: E402
+    ROWS_MAX_NODES,
+    tree_gdn_verify_halves_fwd,
+    tree_gdn_verify_rows_fwd,
+)
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 

@@ -2,8 +2,7 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_verify
-from hf_bole.kernels.tree_gdn.closed_form import tree_gdn_verify_halves_fwd
-from hf_bole.kernels.tree_gdn.closed_form_rows import tree_gdn_verify_rows_fwd
+from hf_bole.kernels.tree_gdn.closed_form import tree_gdn_verify_halves_fwd, tree_gdn_verify_rows_fwd
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
 from tests.kernels.trees import gdn_inputs, make_parents, rel_err
 

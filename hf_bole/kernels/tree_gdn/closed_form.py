@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask
-from hf_bole.kernels.tree_gdn.closed_form_rows import ROWS_MAX_NODES, tree_gdn_verify_rows_fwd
+from hf_bole.kernels.tree_gdn.closed_form_rows import ROWS_MAX_NODES, tree_gdn_verify_rows_fwd_kernel
 from hf_bole.kernels.utils import (
     autotune_configs,
     check_dtype,
@@ -301,7 +301,20 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
     return launch(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision)
 
 
+def tree_gdn_verify_rows_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
+    BT = max(16, triton.next_power_of_2(k.shape[1]))
+    return _launch(tree_gdn_verify_rows_fwd_kernel, BT, q, k, v, g, beta, ancestors, initial_state, scale,
+                   USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision)  # fmt: skip
+
+
 def tree_gdn_verify_halves_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
+    BT = max(32, triton.next_power_of_2(k.shape[1]))  # two halves of >= 16 rows (the smallest tensor-core tile)
+    return _launch(tree_gdn_verify_halves_fwd_kernel, BT, q, k, v, g, beta, ancestors, initial_state, scale,
+                   USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16, DOT_PRECISION=dot_precision)  # fmt: skip
+
+
+def _launch(kernel, BT, q, k, v, g, beta, ancestors, initial_state, scale, **constexprs):
+    """Allocates the outputs and launches one program per (V-tile, request x value head)."""
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
     q, k, v = token_major(q), token_major(k), token_major(v)
@@ -312,17 +325,14 @@ def tree_gdn_verify_halves_fwd(q, k, v, g, beta, ancestors, initial_state, scale
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
-    BT = max(32, triton.next_power_of_2(T))  # two halves of >= 16 rows (the smallest tensor-core tile)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
-    tree_gdn_verify_halves_fwd_kernel[grid](
+    kernel[grid](
         q, k, v, g, beta, anc, initial_state, o, u, log_decay, scale,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
-        K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
-        DOT_PRECISION=dot_precision,
-        UPCAST_DOT=is_interpreter(),
+        K=K, V=V, BT=BT, UPCAST_DOT=is_interpreter(), **constexprs,
     )  # fmt: skip
     return o, u, log_decay
 

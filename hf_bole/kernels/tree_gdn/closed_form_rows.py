@@ -9,11 +9,10 @@ block cost little while the tree is small; on one H200 it beat the two-half kern
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import autotune_configs, is_interpreter, token_major
+from hf_bole.kernels.utils import autotune_configs
 
 ROWS_MAX_NODES = 64
 
@@ -176,28 +175,3 @@ def tree_gdn_verify_rows_fwd_kernel(
         if i_v == 0:
             tl.store(log_decay + (i_b * T + o_s) * H + i_h, b_lps, mask=m_s)
         tl.debug_barrier()  # the next block reads this block's U
-
-
-def tree_gdn_verify_rows_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
-    B, T, HK, K = k.shape
-    H, V = v.shape[-2:]
-    q, k, v = token_major(q), token_major(k), token_major(v)
-    if q.stride() != k.stride():
-        q, k = q.contiguous(), k.contiguous()
-    g, beta = g.contiguous(), beta.contiguous()
-    anc = ancestors.contiguous().view(torch.uint8)
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
-    u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
-    log_decay = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
-    BT = max(16, triton.next_power_of_2(T))
-
-    def grid(meta):
-        return (triton.cdiv(V, meta["BV"]), B * H)
-
-    tree_gdn_verify_rows_fwd_kernel[grid](
-        q, k, v, g, beta, anc, initial_state, o, u, log_decay, scale,
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
-        K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
-        UPCAST_DOT=is_interpreter(),
-    )  # fmt: skip
-    return o, u, log_decay
