@@ -4,10 +4,14 @@ ar           plain `model.generate`
 chain        hf_bole with topk 1, depth 3 (the SGLang/vLLM MTP default), every row's whole chain verified
 tree-serial  the same trees as bole, verified node by node with a state snapshot per node (SGLang-Tree)
 bole         hf_bole's closed form with the tree settings given (defaults: hf_bole.BoleConfig)
+
+Sweeps: several `--depth`, `--budget` or `--epsilon` values run `tree-serial` and `bole` once per combination;
+each then carries a label such as `bole d5 b64` (only the swept settings are named).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 MODES = ("ar", "chain", "tree-serial", "bole")
@@ -24,6 +28,10 @@ class Mode:
     budget: int | str | None = None
     epsilon: float | None = None
     verify: str | None = None
+    label: str = ""  # the name plus the swept settings; the name alone when nothing is swept
+
+    def __post_init__(self):
+        self.label = self.label or self.name
 
     @property
     def drafts(self) -> bool:
@@ -46,18 +54,23 @@ class Mode:
         }
 
 
-def make_mode(name: str, batch_size: int, args) -> Mode:
-    """`name` at `batch_size` with the run's tree settings (`args.depth`, `.topk`, `.budget`, `.epsilon`)."""
+def make_modes(name: str, batch_size: int, args) -> list[Mode]:
+    """`name` at `batch_size`: one mode, or for `tree-serial` and `bole` one per combination of the run's tree
+    settings (`args.depth`, `.budget`, `.epsilon` are lists; `.topk` one value)."""
     if name == "ar":
-        return Mode(name)
+        return [Mode(name)]
     if name == "chain":
         # SGLang/vLLM verify every request's 3 drafted tokens: the budget is the whole batch's chains.
-        return Mode(name, depth=CHAIN_DEPTH, topk=1, budget=CHAIN_DEPTH * batch_size, verify="closed_form")
+        return [Mode(name, depth=CHAIN_DEPTH, topk=1, budget=CHAIN_DEPTH * batch_size, verify="closed_form")]
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; modes are {', '.join(MODES)}")
     # With budget "auto" each verify mode reads its own calibration table (hf_bole.generation.budget); both fall
     # back to the same rule where there is none, and an int budget gives both the very same trees.
-    tree = dict(depth=args.depth, topk=args.topk, budget=args.budget, epsilon=args.epsilon)
-    if name == "tree-serial":
-        return Mode(name, **tree, verify="serial")
-    if name == "bole":
-        return Mode(name, **tree, verify="closed_form")
-    raise ValueError(f"unknown mode {name!r}; modes are {', '.join(MODES)}")
+    verify = "serial" if name == "tree-serial" else "closed_form"
+    swept = {k: len(getattr(args, k)) > 1 for k in ("depth", "budget", "epsilon")}
+    modes = []
+    for depth, budget, epsilon in itertools.product(args.depth, args.budget, args.epsilon):
+        tags = [f"{k[0]}{v}" for k, v in (("depth", depth), ("budget", budget), ("epsilon", epsilon)) if swept[k]]
+        label = " ".join([name, *tags])
+        modes.append(Mode(name, depth, args.topk, budget, epsilon, verify, label))
+    return modes

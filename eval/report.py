@@ -67,8 +67,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         "",
         f"{where}, torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}, commit "
         f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}. {s['dtype']}, temperature {s['temperature']}, "
-        f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {s['depth']} topk {s['topk']} "
-        f"budget {s['budget']} (chain: depth 3, topk 1). Tokens/s per process: generated tokens up to and including "
+        f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
+        f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth 3, topk 1). Tokens/s per process: generated tokens up to and including "
         f"EOS/stop over the wall time of the generate call, prefill included. Command: `{s['command']}`",
         "",
         "| dataset | mode | batch | prompts | tokens/s | speedup | TTFT ms | TPOT ms | accepted/round | exact | quality | "
@@ -177,3 +177,8 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def _one(values: list) -> str:
+    """A setting given once, or the values a sweep ran (each row's mode names its own)."""
+    return str(values[0]) if len(values) == 1 else "swept over " + "/".join(map(str, values))

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_bole  # noqa: E402,F401  (registers custom_generate="hf_bole")
 from eval import metrics, report  # noqa: E402
 from eval.data import DATASETS, DEFAULT_DATASETS, Prompt, load_prompts  # noqa: E402
-from eval.modes import MODES, Mode, make_mode  # noqa: E402
+from eval.modes import MODES, Mode, make_modes  # noqa: E402
 from eval.oracle import OracleDrafter  # noqa: E402
 from eval.shapes import HOUSE_CHECKPOINT, SHAPES, build_model, shape_config  # noqa: E402
 from hf_bole import BoleConfig  # noqa: E402
@@ -52,15 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shots", type=int, default=None, help="few-shot exemplars (MBPP, GSM8K); default: the dataset's")
     ap.add_argument("--prompt-length", type=int, default=128, help="tokens per random prompt (--shape)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (exactness is checked)")
-    ap.add_argument("--depth", type=int, default=defaults.depth)
+    ap.add_argument("--depth", type=int, nargs="+", default=[defaults.depth], help="several: a sweep")
     ap.add_argument("--topk", type=int, default=defaults.topk)
     ap.add_argument(
         "--budget",
         type=_budget,
-        default=defaults.budget,
-        help="draft nodes verified per round across the batch, or 'auto' (hf_bole's calibrated table)",
+        nargs="+",
+        default=[defaults.budget],
+        help="draft nodes verified per round across the batch, or 'auto' (hf_bole's calibrated table); several: a sweep",
     )
-    ap.add_argument("--epsilon", type=float, default=defaults.epsilon, help="the slack of --budget auto")
+    ap.add_argument(
+        "--epsilon", type=float, nargs="+", default=[defaults.epsilon], help="the slack of --budget auto; several: a sweep"
+    )
     ap.add_argument("--drafter", choices=["mtp", "ngram", "oracle"], help="default: mtp (--model), oracle (--shape)")
     ap.add_argument(
         "--oracle-accept",
@@ -125,14 +128,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
             reference: list[dict] = []
             results: dict[str, list[dict]] = {}
-            for name in run_modes:
-                mode = make_mode(name, batch_size, args)
+            for mode in (m for name in run_modes for m in make_modes(name, batch_size, args)):
+                name = mode.name
                 if (name, batch_size) not in warmed and batches:
                     # Untimed: first calls pay for kernel compilation, autotuning and allocator growth.
                     run_batch(model, tokenizer, prompts, batches[0], mode, args, generation, reference[:1])
                     warmed.add((name, batch_size))
                 bar = tqdm(
-                    batches, desc=f"{dataset} {name} batch {batch_size}", disable=not accelerator.is_main_process
+                    batches, desc=f"{dataset} {mode.label} batch {batch_size}", disable=not accelerator.is_main_process
                 )
                 records = [
                     run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
@@ -140,12 +143,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 ]
                 if name == "ar":
                     reference = records
-                results[name] = gather_object(records)
+                results[mode.label] = gather_object(records)
             if accelerator.is_main_process:
-                for name in args.modes:
-                    mode = make_mode(name, batch_size, args)
+                for mode in (m for name in args.modes for m in make_modes(name, batch_size, args)):
                     rows.append(
-                        summarize(dataset, prompts, mode, batch_size, results[name], args, accelerator.num_processes)
+                        summarize(
+                            dataset, prompts, mode, batch_size, results[mode.label], args, accelerator.num_processes
+                        )
                     )
 
     if accelerator.is_main_process:
@@ -316,7 +320,7 @@ def summarize(
             quality = score(dataset, [prompts[i][0] for i, _, _ in order], [r["completions"][k] for _, k, r in order])
     return {
         "dataset": dataset,
-        "mode": mode.name,
+        "mode": mode.label,
         "batch_size": batch_size,
         "drafter": args.drafter if mode.drafts else None,
         **{f"tree_{k}": v for k, v in mode.settings().items()},

@@ -108,6 +108,22 @@ def test_run_shape_oracle(checkpoint, tmp_path):
     assert "drafter `oracle`" in (tmp_path / "results.md").read_text()
 
 
+def test_run_sweeps_tree_settings(checkpoint, tmp_path):
+    """Several depths and budgets: one bole row per combination, labelled by what was swept."""
+    rows = run.main([
+        "--shape", str(checkpoint), "--num-prompts", "2", "--prompt-length", "9", "--max-new-tokens", "16",
+        "--modes", "bole", "--batch-sizes", "2", "--depth", "1", "6", "--topk", "2", "--budget", "2", "64",
+        "--oracle-accept", "1.0", "--output-dir", str(tmp_path), "--device", "cpu",
+    ])  # fmt: skip
+    by_label = {r["mode"]: r for r in rows}
+    assert set(by_label) == {"bole d1 b2", "bole d1 b64", "bole d6 b2", "bole d6 b64"}
+    assert all(r["exact_share"] == 1.0 for r in rows)
+    assert by_label["bole d6 b64"]["tree_depth"] == 6 and by_label["bole d6 b64"]["tree_budget"] == 64
+    # a deeper tree and a budget that covers it accept more per round
+    assert by_label["bole d6 b64"]["mean_accepted_tokens"] > by_label["bole d1 b2"]["mean_accepted_tokens"] + 2
+    assert "swept over 1/6" in (tmp_path / "results.md").read_text()
+
+
 def test_oracle_drafter_acceptance():
     """At accept p the oracle's rounds emit 1 + p + ... + p^depth tokens on average."""
     model = tiny.build_model("dense", vocab_size=VOCAB)
