@@ -118,6 +118,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompt_sets = load_prompt_sets(args, model, tokenizer)
     generation = generation_kwargs(args, model, tokenizer)
 
+    launcher = (
+        ["python"]
+        if accelerator.num_processes == 1
+        else ["accelerate", "launch", f"--num_processes={accelerator.num_processes}"]
+    )
+    command = shlex.join([*launcher, "eval/run.py", *(sys.argv[1:] if argv is None else argv)])
+    header = {
+        "machine": report.machine(),
+        "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
+    }
+    out = Path(args.output_dir)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+
     # ar runs whenever another mode needs its greedy outputs: the oracle drafts from them.
     run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle") + args.modes
     warmed: set[tuple[str, int]] = set()
@@ -151,22 +165,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             dataset, prompts, mode, batch_size, results[mode.label], args, accelerator.num_processes
                         )
                     )
+                # A run cut short (a time limit) still leaves every finished row behind.
+                report.write_jsonl(rows, header, out / "results.partial.jsonl")
 
     if accelerator.is_main_process:
         report.add_speedups(rows)
-        launcher = (
-            ["python"]
-            if accelerator.num_processes == 1
-            else ["accelerate", "launch", f"--num_processes={accelerator.num_processes}"]
-        )
-        command = shlex.join([*launcher, "eval/run.py", *(sys.argv[1:] if argv is None else argv)])
-        header = {
-            "machine": report.machine(),
-            "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
-        }
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
         report.write_jsonl(rows, header, out / "results.jsonl")
+        (out / "results.partial.jsonl").unlink(missing_ok=True)
         table = report.markdown(rows, header)
         (out / "results.md").write_text(table)
         report.plots(rows, out)

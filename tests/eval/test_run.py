@@ -86,6 +86,7 @@ def test_run_end_to_end(checkpoint, tmp_path):
         per_run.setdefault((r["dataset"], r["batch_size"]), set()).add(r["output_tokens"])
     assert all(len(v) == 1 for v in per_run.values())
 
+    assert not (out / "results.partial.jsonl").exists()  # kept only while a run is under way or was cut short
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(lines) == len(rows)
     assert lines[0]["machine"]["torch"] == torch.__version__ and lines[0]["settings"]["max_new_tokens"] == 12
