@@ -162,8 +162,8 @@ def install_generate_hooks() -> None:
         load_custom_generate.__hf_bole_original__ = load
         GenerationMixin.load_custom_generate = load_custom_generate
 
-    extract = GenerationMixin._extract_generation_mode_kwargs
-    if getattr(extract, "__hf_bole_original__", None) is None:
+    extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)  # 5.17-5.24 have it
+    if extract is not None and getattr(extract, "__hf_bole_original__", None) is None:
 
         @functools.wraps(extract)
         def extract_generation_mode_kwargs(self, custom_generate, kwargs, *args, **more):
