@@ -86,6 +86,7 @@ def markdown(rows: list[dict], header: dict) -> str:
             f"{_fmt(r['tpot_ms'])} | {_fmt(r['mean_accepted_tokens'], '.2f')} | {exact} | {quality} | "
             f"{_fmt(peak, '.2f')} | {_fmt(tree, '.2f')} |"
         )
+    lines += budget_sweep(rows)
     diverged = [(r, d) for r in rows for d in r["divergences"]]
     if diverged:
         lines += ["", "Greedy outputs that differ from `ar` (first divergence, plain-forward logits there):", ""]
@@ -177,6 +178,41 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def budget_sweep(rows: list[dict]) -> list[str]:
+    """Markdown lines comparing budgets (issue 5): per (dataset, mode, depth, batch size) with at least two fixed
+    budgets, the best fixed one against each `auto` row; then each fixed budget's largest shortfall from the best
+    over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
+    cells: dict[tuple, dict] = {}  # (dataset, mode, depth, batch) -> {budget label: tokens/s}
+    for r in rows:
+        mode = r["mode"].split()[0]
+        if mode in ("tree-serial", "bole") and r["output_tokens_per_s"]:
+            budget = r["tree_budget"] if r["tree_budget"] != "auto" else f"auto ε={r['tree_epsilon']}"
+            cells.setdefault((r["dataset"], mode, r["tree_depth"], r["batch_size"]), {})[budget] = r["output_tokens_per_s"]
+    swept = {k: v for k, v in cells.items() if sum(isinstance(b, int) for b in v) >= 2}
+    if not swept:
+        return []
+    lines = ["", "Budgets (tokens/s; the best fixed budget of each batch size against auto):", "",
+             "| dataset | mode | depth | batch | best fixed | tokens/s | auto | tokens/s | auto / best |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    shortfall: dict[tuple, dict] = {}  # (dataset, mode, depth) -> {fixed budget: (worst ratio, its batch)}
+    for (ds, mode, depth, batch), tps in swept.items():
+        fixed = {b: t for b, t in tps.items() if isinstance(b, int)}
+        best = max(fixed, key=fixed.get)
+        autos = [(b, t) for b, t in tps.items() if not isinstance(b, int)] or [("–", None)]
+        for label, t in autos:
+            ratio = f"{t / fixed[best]:.2f}" if t else "–"
+            lines.append(f"| {ds} | {mode} | {depth} | {batch} | {best} | {fixed[best]:.1f} | {label} | {_fmt(t)} | {ratio} |")
+        worst = shortfall.setdefault((ds, mode, depth), {})
+        for b, t in fixed.items():
+            if b not in worst or t / fixed[best] < worst[b][0]:
+                worst[b] = (t / fixed[best], batch)
+    lines += ["", "Each fixed budget's largest shortfall from the best fixed budget over the batch sizes:", ""]
+    for (ds, mode, depth), worst in shortfall.items():
+        parts = ", ".join(f"{b}: {100 * (1 - w):.0f}% at batch {bs}" for b, (w, bs) in sorted(worst.items()))
+        lines.append(f"- {ds} / {mode} / depth {depth}: {parts}")
+    return lines
 
 
 def _one(values: list) -> str:

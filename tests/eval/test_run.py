@@ -214,3 +214,25 @@ def test_divergence():
     assert d["top2_margin"] >= 0 and d["reference_logit"] > d["output_logit"]
     assert d["explanation"].startswith("NOT a tie")
     assert metrics.divergence(model, prompt, ref, ref[:3])["output_token"] is None  # stopped early
+
+
+def test_budget_sweep_table():
+    """The budget comparison of a sweep: the best fixed budget per batch size against auto, and each fixed
+    budget's worst shortfall."""
+    from eval import report
+
+    def row(batch, budget, tps, mode="bole", epsilon=0.1):
+        return {"dataset": "mbpp", "mode": mode, "batch_size": batch, "tree_depth": 5, "tree_budget": budget,
+                "tree_epsilon": epsilon, "output_tokens_per_s": tps}  # fmt: skip
+
+    rows = [
+        row(1, 16, 100.0), row(1, 64, 120.0), row(1, "auto", 118.0),
+        row(8, 16, 400.0), row(8, 64, 300.0), row(8, "auto", 390.0),
+        row(1, 3, 90.0, mode="chain"), row(8, 24, 200.0, mode="chain"),  # chain: one budget per batch, not a sweep
+    ]  # fmt: skip
+    lines = report.budget_sweep(rows)
+    assert "| mbpp | bole | 5 | 1 | 64 | 120.0 | auto ε=0.1 | 118.0 | 0.98 |" in lines
+    assert "| mbpp | bole | 5 | 8 | 16 | 400.0 | auto ε=0.1 | 390.0 | 0.97 |" in lines
+    assert "- mbpp / bole / depth 5: 16: 17% at batch 1, 64: 25% at batch 8" in lines
+    assert not any("chain" in line for line in lines)
+    assert report.budget_sweep([row(1, 16, 100.0), row(1, "auto", 90.0)]) == []  # one fixed budget: no sweep
