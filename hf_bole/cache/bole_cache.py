@@ -515,13 +515,17 @@ class BoleCache(Cache):
             r.active = False
         r.ready = True
 
-    def commit(self, path: torch.Tensor) -> None:
+    def commit(self, path: torch.Tensor, check_values: bool = True) -> None:
         """Appends each row's accepted path of the last tree round to the committed state.
 
         Args:
             path (`torch.LongTensor` of shape `(batch_size, L)`):
                 Node indices root-to-leaf (starting with 0, the root), right-padded with -1, L <= N. A row of
                 only -1 commits nothing.
+            check_values (`bool`, *optional*, defaults to `True`):
+                Check that every path is a root-to-node chain of the tree (reads `path` on the host). The decoding
+                loop passes False: its paths come from the acceptance walk, and the reads would make the host wait
+                for the verify forward before it can queue the commit.
 
         Moves the path's KV into slots `lengths[b] + j`, sets every GDN state to the state after the path (one
         stacked `tree_gdn_commit`, or the leaf's snapshot in serial mode) and every conv window to the last W
@@ -531,18 +535,19 @@ class BoleCache(Cache):
         if r is None or not r.ready:
             raise ValueError("commit(path) needs a tree round to commit: call tree_forward first (once per commit)")
         B, N = r.parents.shape
-        check_path(path, B, N)
+        check_path(path, B, N, check_values=check_values)
         L = path.shape[1]
         if L > N:
             raise ValueError(f"path holds at most N = {N} nodes (the tree's size), got L = {L}")
         if path.device != self.device:
             raise ValueError(f"path is on {path.device} but the cache is on {self.device}")
-        if not is_capturing(path) and bool(((path[:, 0] != 0) & (path[:, 0] != -1)).any()):
+        check_values = check_values and not is_capturing(path)
+        if check_values and bool(((path[:, 0] != 0) & (path[:, 0] != -1)).any()):
             raise ValueError(
                 f"every path starts at the root, node 0 (or is all -1), got path[:, 0] = {path[:, 0].tolist()}"
             )
         # A path need only be increasing for check_path; it must also follow parent links.
-        if not is_capturing(path):
+        if check_values:
             prev = torch.cat([torch.full_like(path[:, :1], -1), path[:, :-1]], dim=1)
             linked = r.parents.gather(1, path.clamp(min=0)) == prev
             if bool(((path >= 0) & ~linked).any()):
@@ -563,15 +568,19 @@ class BoleCache(Cache):
 
         if r.verify == "serial":
             for g, snapshots in enumerate(r.snapshots):
-                self._recurrent[g].copy_(tree_gdn_commit_serial(self._recurrent[g], snapshots, path))
+                self._recurrent[g].copy_(
+                    tree_gdn_commit_serial(self._recurrent[g], snapshots, path, check_values=check_values)
+                )
         else:
             tree_gdn_commit(
                 self._recurrent, r.keys, r.u, r.log_decay, path,
-                use_qk_l2norm_in_kernel=r.use_qk_l2norm, out=self._recurrent,
+                use_qk_l2norm_in_kernel=r.use_qk_l2norm, out=self._recurrent, check_values=check_values,
             )  # fmt: skip
         NG, _, D, W = self._conv.shape
         conv = self._conv.view(NG * B, D, W)
-        tree_conv_state_commit(conv, r.conv_inputs.view(NG * B, N, D), path.repeat(NG, 1), out=conv)
+        tree_conv_state_commit(
+            conv, r.conv_inputs.view(NG * B, N, D), path.repeat(NG, 1), out=conv, check_values=check_values
+        )
 
         num_accepted = accepted.sum(1)
         self.lengths.add_(num_accepted)

@@ -355,7 +355,7 @@ def _decode(
         accepted = accept_sampling(verify, scores) if do_sample else accept_greedy(verify, scores)
         path = torch.where(active_t[:, None], accepted.path, -1)
         positions = cache.positions.clone()
-        cache.commit(path)
+        cache.commit(path, check_values=False)  # paths of the acceptance walk: no host read of them
 
         lengths = torch.where(active_t, accepted.accept_lengths, 0)
         state.emit(accepted.tokens, lengths)

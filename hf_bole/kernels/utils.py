@@ -95,12 +95,13 @@ def check_parents(parents: torch.Tensor, batch: int, num_nodes: int) -> None:
     _remember_checked(parents)
 
 
-def check_path(path: torch.Tensor, batch: int, num_nodes: int) -> None:
-    """`path [B, L]` int64: node indices in root-to-leaf order, right-padded with -1."""
+def check_path(path: torch.Tensor, batch: int, num_nodes: int, check_values: bool = True) -> None:
+    """`path [B, L]` int64: node indices in root-to-leaf order, right-padded with -1. `check_values=False` checks
+    the dtype and shape only (no host read)."""
     check_dtype("path", path, (torch.int64,))
     if path.dim() != 2 or path.shape[0] != batch:
         raise ValueError(f"`path` must have shape [B, L] with B = {batch}, got {tuple(path.shape)}")
-    if is_capturing(path) or path.numel() == 0:
+    if not check_values or is_capturing(path) or path.numel() == 0:
         return
     valid = path >= 0
     if bool((path < -1).any() or (path >= num_nodes).any()):

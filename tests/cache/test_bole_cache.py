@@ -209,3 +209,22 @@ def test_errors():
         cache.commit(torch.tensor([[0], [0], [0]]))
     with pytest.raises(ValueError, match="different lengths"):
         model(torch.ones(3, 1, dtype=torch.int64), past_key_values=cache)
+
+
+def test_commit_without_value_checks_reads_nothing(monkeypatch):
+    """The decoding loop's commit (check_values=False) never reads the path on the host, so the host need not
+    wait for the verify forward; the default checks the path."""
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=3)
+    prefill(model, cache, PROMPTS)
+    parents = batch_trees([[-1, 0, 1], [-1, 0, 0], [-1, 0, 1]])
+    tree_forward(model, cache, torch.ones_like(parents), parents)
+    reads = []
+    original = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original(self))
+    cache.commit(batch_trees([[0, 1], [0, 2], [0]]), check_values=False)
+    assert reads == []
+    tree_forward(model, cache, torch.ones_like(parents), parents)
+    with pytest.raises(ValueError, match="parent links"):
+        cache.commit(batch_trees([[0, 2], [0, 2], [0]]))  # node 2 of row 0 hangs below node 1, not the root
+    assert reads

@@ -112,6 +112,7 @@ def tree_gdn_commit(
     use_qk_l2norm_in_kernel: bool = False,
     out: torch.Tensor | None = None,
     dot_precision: str = "tf32x3",
+    check_values: bool = True,
 ) -> torch.Tensor:
     """The GDN state after each request's accepted path, from the factors of `tree_gdn_verify` (Eq. 10).
 
@@ -126,6 +127,7 @@ def tree_gdn_commit(
         out: where to write the result (may be `initial_state` itself: each program reads its tile of
             the state before writing it). A new tensor by default.
         dot_precision: as in `tree_gdn_verify`.
+        check_values: read `path` on the host to check it (False: the caller vouches for it, no synchronisation).
 
     Returns:
         The new state, shaped like `initial_state`: exactly the recurrent state after the path's tokens.
@@ -158,7 +160,7 @@ def tree_gdn_commit(
     check_dtype("initial_state", initial_state, (torch.float32,))
     check_dtype("u", u, (torch.float32,))
     check_dtype("log_decay", log_decay, (torch.float32,))
-    check_path(path, B, T)
+    check_path(path, B, T, check_values=check_values)
     check_same_device(initial_state=initial_state, k=k, u=u, log_decay=log_decay, path=path, out=out)
     if out is None:
         out = torch.empty_like(initial_state)

@@ -130,11 +130,14 @@ def tree_gdn_verify_serial(
     return o, states
 
 
-def tree_gdn_commit_serial(initial_state: torch.Tensor, states: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+def tree_gdn_commit_serial(
+    initial_state: torch.Tensor, states: torch.Tensor, path: torch.Tensor, *, check_values: bool = True
+) -> torch.Tensor:
     """The state after each row's path in the serial scheme: the snapshot of its last node (or the
-    committed state for an empty path). `initial_state [B, H, K, V]`, `states [B, T, H, K, V]`."""
+    committed state for an empty path). `initial_state [B, H, K, V]`, `states [B, T, H, K, V]`;
+    `check_values=False`: the caller vouches for `path` (no host read)."""
     B, T = states.shape[:2]
-    check_path(path, B, T)
+    check_path(path, B, T, check_values=check_values)
     leaf = path.max(dim=1).values  # node indices increase along a path
     rows = torch.arange(B, device=states.device)
     picked = states[rows, leaf.clamp(min=0)]

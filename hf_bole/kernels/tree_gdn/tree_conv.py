@@ -205,7 +205,12 @@ def tree_causal_conv1d(
 
 
 def tree_conv_state_commit(
-    conv_state: torch.Tensor, x: torch.Tensor, path: torch.Tensor, *, out: torch.Tensor | None = None
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    path: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """The conv window after each request's accepted path: the last S entries of (old window, the path's x).
 
@@ -214,6 +219,7 @@ def tree_conv_state_commit(
         x: `[B, T, D]` pre-conv inputs of the verified nodes.
         path: `[B, L]` int64 node indices root-to-leaf, right-padded with -1 (all -1 keeps the window).
         out: where to write (may be `conv_state` itself); a new tensor by default.
+        check_values: read `path` on the host to check it (False: the caller vouches for it, no synchronisation).
 
     Returns:
         `[B, D, S]` in the dtype of conv_state.
@@ -223,7 +229,7 @@ def tree_conv_state_commit(
     B, D, S = conv_state.shape
     T = x.shape[1]
     check_shape("x", x, (B, T, D), "[B, T, D]")
-    check_path(path, B, T)
+    check_path(path, B, T, check_values=check_values)
     check_same_device(conv_state=conv_state, x=x, path=path, out=out)
     if out is None:
         out = torch.empty_like(conv_state)
