@@ -86,6 +86,16 @@ def markdown(rows: list[dict], header: dict) -> str:
             f"{_fmt(r['tpot_ms'])} | {_fmt(r['mean_accepted_tokens'], '.2f')} | {exact} | {quality} | "
             f"{_fmt(peak, '.2f')} | {_fmt(tree, '.2f')} |"
         )
+    profiled = [r for r in rows if r.get("round_phase_ms")]
+    if profiled:
+        phases = list(profiled[0]["round_phase_ms"])
+        lines += ["", "Where a round's time goes (ms per round; CUDA: device timeline, idle gaps included):", "",
+                  "| dataset | mode | batch | " + " | ".join(phases) + " | total |",
+                  "|---|---|---:|" + "---:|" * (len(phases) + 1)]  # fmt: skip
+        for r in profiled:
+            ms = r["round_phase_ms"]
+            cells = " | ".join(f"{ms[p]:.2f}" for p in phases)
+            lines.append(f"| {r['dataset']} | {r['mode']} | {r['batch_size']} | {cells} | {sum(ms.values()):.2f} |")
     lines += budget_sweep(rows)
     diverged = [(r, d) for r in rows for d in r["divergences"]]
     if diverged:

@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="oracle: chance a tree level holds the true token (0.8: ~3.7 tokens/round at depth 5, ~4 at 6)",
     )
     ap.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
+    ap.add_argument(
+        "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
+    )
     ap.add_argument("--output-dir", default="results/eval")
     ap.add_argument("--data-dir", default=None, help="passed to eval.data.load_prompts")
     ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: bf16 on cuda, fp32 on cpu")
@@ -257,6 +260,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
             accept=args.oracle_accept, vocab_size=model.get_output_embeddings().weight.shape[0], seed=args.seed,
         )  # fmt: skip
 
+    profiled = mode.drafts and args.profile
     if generation["do_sample"]:
         torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
     timer = metrics.FirstTokenTimer()
@@ -266,7 +270,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     start = time.perf_counter()
     out = model.generate(
         input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True,
-        **generation, **extra, **mode.generate_kwargs(drafter),
+        **generation, **extra, **mode.generate_kwargs(drafter), **({"bole_profile": True} if profiled else {}),
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -297,6 +301,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         "tpot": timing.tpot(max(counts)),
         "accept_lengths": accept.flatten().tolist() if accept is not None else [],
         "transient_bytes": out.peak_transient_bytes if mode.drafts else None,
+        "round_time_ms": out.round_time_ms if profiled else None,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "divergences": divergences,
     }
@@ -315,6 +320,8 @@ def summarize(
     checked = [(i, r["divergences"][k]) for i, k, r in order if r["divergences"] is not None]
     peaks = [r["peak_memory_bytes"] for r in records if r["peak_memory_bytes"] is not None]
     transient = [r["transient_bytes"] for r in records if r["transient_bytes"]]
+    phases = [r["round_time_ms"] for r in records if r["round_time_ms"]]
+    rounds = sum(p["rounds"] for p in phases)
     quality = None
     if dataset != "random" and records and records[0]["completions"] is not None:
         try:
@@ -339,6 +346,8 @@ def summarize(
         **metrics.acceptance([n for r in records for n in r["accept_lengths"]], mode.depth or 0),
         "peak_memory_bytes": max(peaks) if peaks else None,
         "transient_bytes": max(transient, key=lambda t: sum(t.values())) if transient else None,
+        # ms per round in each phase, over all batches (--profile)
+        "round_phase_ms": {k: sum(p[k] for p in phases) / rounds for k in phases[0] if k != "rounds"} if rounds else None,
         "exact_share": sum(d is None for _, d in checked) / len(checked) if checked and mode.name != "ar" else None,
         "divergences": [{"prompt_id": prompts[i][0].id, **d} for i, d in checked if d is not None],
         "quality": quality,

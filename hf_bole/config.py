@@ -54,6 +54,9 @@ class BoleConfig:
             The longest suffix the n-gram drafter looks up in the committed tokens.
         ngram_min_size (`int`, *optional*, defaults to 1):
             The shortest suffix it falls back to when longer ones never occurred before.
+        profile (`bool`, *optional*, defaults to `False`):
+            Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
+            and return the totals as `round_time_ms` with `return_dict_in_generate=True`.
 
     Example:
 
@@ -73,6 +76,7 @@ class BoleConfig:
     drafter: Any = "mtp"
     ngram_max_size: int = 3
     ngram_min_size: int = 1
+    profile: bool = False
 
     def __post_init__(self):
         for name in ("depth", "topk", "ngram_max_size", "ngram_min_size"):
@@ -83,6 +87,8 @@ class BoleConfig:
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
+        if not isinstance(self.profile, bool):
+            raise ValueError(f"BoleConfig.profile must be True or False, got {self.profile!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"BoleConfig.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if isinstance(self.drafter, str):

@@ -40,6 +40,7 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
+from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
@@ -73,11 +74,15 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
         peak_transient_bytes (`dict[str, int]`):
             The largest per-round tree state of the call (`BoleCache.transient_bytes` of its biggest round): GDN
             factors or per-node snapshots, pre-conv inputs, tree KV.
+        round_time_ms (`dict[str, float]`, *optional*):
+            With `bole_profile=True`: milliseconds spent in each phase of the rounds (draft, select, verify, accept,
+            commit, host), summed over the rounds, and `rounds`; see `hf_bole.generation.phases.PhaseTimer`.
     """
 
     accept_lengths: torch.LongTensor | None = None
     mean_accepted_tokens: float | None = None
     peak_transient_bytes: dict[str, int] | None = None
+    round_time_ms: dict[str, float] | None = None
 
 
 def _caller_generate_frame():
@@ -321,10 +326,12 @@ def _decode(
     root = first
     rounds: list[torch.Tensor] = []
     peak_transient = cache.transient_bytes  # all zero before the first round
+    timer = PhaseTimer(device, enabled=bole.profile)
     while True:
         active = state.active()
         if not any(active):
             break
+        timer.round_start()
         active_t = torch.tensor(active, device=device)
         ctx = DraftContext(
             sequences=[seq[b, left_pad[b] : P + state.n_gen[b]] for b in range(B)],
@@ -335,6 +342,7 @@ def _decode(
             positions=new_positions,
         )
         tree = drafter.propose(ctx)
+        timer.mark("draft")
         if not builtin_drafter:
             _check_custom_tree(tree, B, vocab_size, drafter)
         # Rows that are done verify their root only (their draft gets no budget) and commit nothing.
@@ -346,7 +354,9 @@ def _decode(
         # Selection pads every row to the most a row could get; the forward costs by its width, so cut it to the
         # widest row actually kept (a host read: it waits for drafting and selection, not for a forward).
         verify = verify.narrowed(int(verify.num_nodes.max()))
+        timer.mark("select")
         out = tree_forward(model, cache, verify.input_ids, verify.parents, verify=bole.verify)
+        timer.mark("verify")
         peak_transient = max(peak_transient, cache.transient_bytes, key=lambda t: sum(t.values()))
         contexts = None
         if not is_context_free(logits_processor):
@@ -354,8 +364,10 @@ def _decode(
         scores = process_logits(logits_processor, out.logits, verify, contexts)
         accepted = accept_sampling(verify, scores) if do_sample else accept_greedy(verify, scores)
         path = torch.where(active_t[:, None], accepted.path, -1)
+        timer.mark("accept")
         positions = cache.positions.clone()
         cache.commit(path, check_values=False)  # paths of the acceptance walk: no host read of them
+        timer.mark("commit")
 
         lengths = torch.where(active_t, accepted.accept_lengths, 0)
         state.emit(accepted.tokens, lengths)
@@ -368,6 +380,7 @@ def _decode(
         new_mask = path >= 0
         new_positions = positions[:, None] + torch.arange(L, device=device)
         root = accepted.bonus
+        timer.mark("host")
 
     T_out = state.output_length()
     streamed.flush(T_out, final=True)
@@ -383,6 +396,7 @@ def _decode(
         accept_lengths=accept_lengths,
         mean_accepted_tokens=mean,
         peak_transient_bytes=peak_transient,
+        round_time_ms=timer.totals_ms(),
     )
 
 

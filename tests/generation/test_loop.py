@@ -105,6 +105,18 @@ def test_greedy_matches_plain_oracle(request, kind, rows):
     assert torch.equal(out.sequences, ref)
     assert out.mean_accepted_tokens > 3.0  # the oracle's branch is accepted 4 deep plus the bonus
     assert out.accept_lengths.shape[0] == len(rows)
+    assert out.round_time_ms is None  # not profiled
+
+
+def test_profile_times_every_phase(dense):
+    out = bole(
+        dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, PROMPTS),
+        bole_budget=64, bole_profile=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    times = out.round_time_ms
+    assert times["rounds"] == out.accept_lengths.shape[1]
+    assert set(times) == {"draft", "select", "verify", "accept", "commit", "host", "rounds"}
+    assert all(times[p] > 0 for p in ("draft", "select", "verify", "accept", "commit", "host"))
 
 
 @pytest.mark.parametrize("good", [True, False])
