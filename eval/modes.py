@@ -1,6 +1,8 @@
 """The four decoding modes the harness runs side by side (DESIGN.md §7), as `generate` keyword arguments.
 
 ar           plain `model.generate`
+ar-static    plain `model.generate` with a static cache, which transformers compiles with torch.compile where it
+             can (on CUDA): the other configuration of the `ar` baseline (issue 8)
 chain        hf_bole with topk 1, depth 3 (the SGLang/vLLM MTP default), every row's whole chain verified
 tree-serial  the same trees as bole, verified node by node with a state snapshot per node (SGLang-Tree)
 bole         hf_bole's closed form with the tree settings given (defaults: hf_bole.BoleConfig)
@@ -14,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-MODES = ("ar", "chain", "tree-serial", "bole")
+MODES = ("ar", "ar-static", "chain", "tree-serial", "bole")
 CHAIN_DEPTH = 3
 
 
@@ -35,10 +37,12 @@ class Mode:
 
     @property
     def drafts(self) -> bool:
-        return self.name != "ar"
+        return self.name not in ("ar", "ar-static")
 
     def generate_kwargs(self, drafter) -> dict:
         """What `model.generate` gets on top of the common arguments; `drafter` is "mtp", "ngram" or an object."""
+        if self.name == "ar-static":
+            return dict(cache_implementation="static")
         if not self.drafts:
             return {}
         settings = {f"bole_{k}": v for k, v in self.settings().items() if v is not None}  # None: hf_bole's default
@@ -57,7 +61,7 @@ class Mode:
 def make_modes(name: str, batch_size: int, args) -> list[Mode]:
     """`name` at `batch_size`: one mode, or for `tree-serial` and `bole` one per combination of the run's tree
     settings (`args.depth`, `.budget`, `.epsilon` are lists; `.topk` one value)."""
-    if name == "ar":
+    if name in ("ar", "ar-static"):
         return [Mode(name)]
     if name == "chain":
         # SGLang/vLLM verify every request's 3 drafted tokens: the budget is the whole batch's chains.

@@ -137,7 +137,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.legend()
     written.append(_save(fig, out_dir / "throughput_vs_batch.png"))
 
-    drafting = [m for m in modes if m != "ar"]
+    drafting = [m for m in modes if m not in ("ar", "ar-static")]
     if drafting:
         fig, axes = plt.subplots(1, len(drafting), figsize=(4.5 * len(drafting), 3.5), squeeze=False)
         for ax, mode in zip(axes[0], drafting):

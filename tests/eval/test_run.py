@@ -95,6 +95,18 @@ def test_run_end_to_end(checkpoint, tmp_path):
         assert (out / png).stat().st_size > 0
 
 
+def test_run_ar_static(checkpoint, tmp_path):
+    """The static-cache form of the baseline decodes exactly what `ar` decodes."""
+    rows = run.main([
+        "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "8",
+        "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "ar-static", "--output-dir", str(tmp_path),
+        "--device", "cpu",
+    ])  # fmt: skip
+    (static,) = [r for r in rows if r["mode"] == "ar-static"]
+    assert static["exact_share"] == 1.0 and static["mean_accepted_tokens"] is None
+    assert static["speedup_over_ar"] > 0
+
+
 def test_run_shape_oracle(checkpoint, tmp_path):
     """A random model of a checkpoint's shape, random prompts, the oracle drafter: high acceptance, exact."""
     rows = run.main([
