@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU work left open, as parts that each fit one device command (10 minutes): `bash eval/gpu_session.sh PART`.
+# Every step has its own time limit and writes under $OUT (default results/gpu_session), so a step that overruns
+# costs only itself; the harness keeps finished rows in results.partial.jsonl. At most 8 files come back from a
+# device: each part writes few.
+#
+#   checks   the test suite on CUDA, then the model tests again with fla-core importable (carry .whl/ with its wheel)
+#   house    the harness on the house model: four modes + ar-static, batch 1 and 8, MBPP and GSM8K, phases profiled
+#   budget   calibration tables: the house model and the 9B shape (a short grid), then a fixed-budget and epsilon sweep
+#   shapes   the 9B shape with the oracle drafter: ar, ar-static, bole at batch 1 and 8, phases profiled
+#   kernels  the full kernel benchmark grid (eval/bench_kernels.py)
+set -uo pipefail
+PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels}
+OUT=${OUT:-results/gpu_session}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail on screen
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit} s)"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "exit $?"
+    grep -E "passed|failed|FAILED|Error|^\|" "$OUT/$name.log" | tail -30
+}
+case $PART in
+checks)
+    step tests 300 bash eval/gpu_tests.sh
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site-fla .whl/fla_core-*.whl 2>/dev/null
+    step tests_with_fla 200 env PYTHONPATH="/tmp/site-fla:$PWD" HF_BOLE_TEST_DEVICE=cuda \
+        python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/models tests/cache
+    ;;
+house)
+    step house 540 python3 eval/run.py --datasets mbpp gsm8k --modes ar ar-static chain tree-serial bole \
+        --batch-sizes 1 8 --num-prompts 8 --max-new-tokens 128 --profile --output-dir "$OUT/house"
+    ;;
+budget)  # 8 files back: two tables, the 9B plot, the sweep's table and lines, three logs
+    step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \
+        --batch-sizes 1 4 8 16 --kv-lengths 1024 --out "$OUT/budget_house.json" --plot /tmp/budget_house.png
+    step calibrate_9b 200 python3 -m hf_bole.calibrate --shape 9B --dtype bf16 --batch-sizes 1 4 8 16 \
+        --kv-lengths 512 2048 --reps 5 --out "$OUT/budget_9b.json" --plot "$OUT/budget_9b.png"
+    step sweep 180 python3 eval/run.py --datasets gsm8k --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+        --max-new-tokens 64 --budget 16 32 64 128 auto --epsilon 0.05 0.1 0.25 --output-dir /tmp/sweep
+    cp /tmp/sweep/results.md "$OUT/sweep_results.md"
+    cp /tmp/sweep/results.jsonl /tmp/sweep/results.partial.jsonl "$OUT/" 2>/dev/null
+    ;;
+shapes)
+    step shape_9b 540 python3 eval/run.py --shape 9B --modes ar ar-static bole --batch-sizes 1 8 --depth 6 \
+        --num-prompts 8 --max-new-tokens 128 --profile --output-dir "$OUT/shape_9b"
+    ;;
+kernels)
+    step kernels 540 bash eval/gpu_kernels.sh
+    ;;
+*)
+    echo "unknown part $PART" >&2
+    exit 2
+    ;;
+esac
