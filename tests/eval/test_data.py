@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from eval.data import DATASETS, PROMPTS_DIR, _json_array_items, load_prompts, write_bundle
+from eval.data import DATASETS, PROMPTS_DIR, json_array_items, load_prompts, write_bundle
 
 SHARED_DATA = Path("/work/shared/data")
 needs_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="no local copy of the full data sets")
@@ -128,12 +128,12 @@ def test_load_prompts_without_package(monkeypatch, dataset, package):
         load_prompts(dataset, 33)
 
 
-def test_json_array_items():
+def testjson_array_items():
     items = [{"id": i, "text": "x" * i + ']},{"'} for i in range(40)]
     text = json.dumps(items, indent=1)
     cut = text[: text.index('"id": 37')]  # the file ends inside item 37
-    assert list(_json_array_items(io.StringIO(cut), chunk_chars=64)) == items[:37]
-    assert list(_json_array_items(io.StringIO(text), chunk_chars=64)) == items
+    assert list(json_array_items(io.StringIO(cut), chunk_chars=64)) == items[:37]
+    assert list(json_array_items(io.StringIO(text), chunk_chars=64)) == items
 
 
 @needs_sharegpt

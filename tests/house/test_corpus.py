@@ -7,7 +7,7 @@ from tests.house.conftest import HOLDOUT, NUM_CONVERSATIONS
 
 
 def test_sharegpt_conversations(house_data):
-    with open(house_data / "sharegpt.json", "rb") as f:
+    with open(house_data / "sharegpt.json", encoding="utf-8") as f:
         conversations = list(corpus.sharegpt_conversations(f))
     # the cut-off last conversation is dropped, every whole one kept in file order
     assert len(conversations) == NUM_CONVERSATIONS
