@@ -9,12 +9,21 @@
 #   budget   calibration tables: the house model and the 9B shape (a short grid), then a fixed-budget and epsilon sweep
 #   shapes   the 9B shape with the oracle drafter: ar, ar-static, bole at batch 1 and 8, phases profiled
 #   kernels  the full kernel benchmark grid (eval/bench_kernels.py)
+#   profile  torch profiler over ar and bole on the house model at batch 1 and 8 (eval/profile_round.py)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels}
+PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# fla-core (carried in .whl/) is what a user of Qwen3.5 has installed: transformers then runs the GDN layers of
+# prefill and plain decoding with it. Every part but `checks` (which tests without it first) imports it.
+if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
+    [ "$PART" = checks ] || export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
+fi
+python3 -c "import torch, triton, transformers, importlib.util as u; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__, 'fla', u.find_spec('fla') is not None)"
 step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail on screen
     local name=$1 limit=$2
     shift 2
@@ -26,7 +35,6 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail 
 case $PART in
 checks)
     step tests 300 bash eval/gpu_tests.sh
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site-fla .whl/fla_core-*.whl 2>/dev/null
     step tests_with_fla 200 env PYTHONPATH="/tmp/site-fla:$PWD" HF_BOLE_TEST_DEVICE=cuda \
         python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/models tests/cache
     ;;
@@ -47,6 +55,12 @@ budget)  # 8 files back: two tables, the 9B plot, the sweep's table and lines, t
 shapes)
     step shape_9b 540 python3 eval/run.py --shape 9B --modes ar ar-static bole --batch-sizes 1 8 --depth 6 \
         --num-prompts 8 --max-new-tokens 128 --profile --output-dir "$OUT/shape_9b"
+    ;;
+profile)
+    for b in 1 8; do
+        step profile_house_b$b 120 python3 eval/profile_round.py --modes ar ar-static chain bole --batch-sizes $b \
+            --datasets gsm8k --max-new-tokens 128 --json "$OUT/profile_house_b$b.json"
+    done
     ;;
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh

@@ -44,6 +44,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # of the diagonal blocks, which do not depend on V, in every tile: small BV for a few requests, large for many.
 # BK is the chunk of the key dimension streamed for the Gram and state products. Two configs only: each
 # compiles in ~10-20 s for sm_90, per tree size. 8 warps: the fewest spills seen at BT = 128 (ptxas, triton 3.6).
+# BV = 16 (fewer spills) is left out: on the H200 it ended in an illegal memory access (triton 3.6, 2026-11-30).
 VERIFY_CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
     for BK, BV, num_warps, num_stages in (

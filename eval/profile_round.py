@@ -1,0 +1,109 @@
+"""Where a decoding call's time goes, from torch's profiler: GPU busy time against wall time, and the top ops.
+
+    python eval/profile_round.py --modes ar bole --batch-sizes 1 --max-new-tokens 64          # house model
+    python eval/profile_round.py --shape 9B --modes ar bole --depth 6 --json p.json             # random 9B, oracle
+
+Takes eval/run.py's arguments (model, shape, modes, tree settings; the first batch size and dataset are used). Each
+mode runs its first batch twice untimed, then once under the profiler. Per mode it prints wall time, the summed
+time of GPU kernels (one stream: their sum is the busy time), the host's share (1 - busy / wall: time the GPU
+waits for Python, launches and synchronisations) and the ops that cost most on the host and on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval import run  # noqa: E402
+from eval.modes import make_modes  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace-dir", help="also write each mode's Chrome trace (gzipped JSON) here")
+    ap.add_argument("--json", help="also write the summaries (the table, the top ops) to this file")
+    ap.add_argument("--top", type=int, default=15, help="ops listed per table")
+    ours, rest = ap.parse_known_args(argv)
+    args = run.parse_args(rest)
+    cuda = args.device == "cuda"  # on a CPU the tables still run (a check of the script), with no GPU time
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(args.device)
+    dtype = run.DTYPES[args.dtype] or (torch.bfloat16 if cuda else torch.float32)
+    sync = torch.cuda.synchronize if cuda else lambda device: None
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    torch.manual_seed(args.seed)
+    model, tokenizer, label = run.load_target(args, device, dtype)
+    dataset, prompts = next(iter(run.load_prompt_sets(args, model, tokenizer).items()))
+    generation = run.generation_kwargs(args, model, tokenizer)
+    batch_size = args.batch_sizes[0]
+    batch = list(range(min(batch_size, len(prompts))))
+
+    summaries, reference = [], []
+    for name in ["ar"] * ("ar" not in args.modes) + args.modes:
+        for mode in make_modes(name, batch_size, args):
+            for _ in range(2):  # compile, autotune, allocator growth
+                record = run.run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[:1])
+            if name == "ar":
+                reference = [record]
+                if "ar" not in args.modes:
+                    continue
+            sync(device)
+            with profile(activities=activities) as prof:
+                start = time.perf_counter()
+                record = run.run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[:1])
+                sync(device)
+                wall = time.perf_counter() - start
+            summaries.append(_summarize(prof, mode.label, record, wall, ours.top))
+            if ours.trace_dir:
+                Path(ours.trace_dir).mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(Path(ours.trace_dir) / f"trace_{mode.label.replace(' ', '_')}.json.gz"))
+
+    print(f"\n{label}, {dataset}, batch {batch_size}, {args.max_new_tokens} new tokens, {dtype}, "
+          f"{torch.cuda.get_device_name(device) if cuda else device}")  # fmt: skip
+    print("| mode | wall ms | GPU busy ms | host share | kernels | tokens | ms/token | mean accepted |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for s in summaries:
+        print(
+            f"| {s['mode']} | {s['wall_ms']:.1f} | {s['gpu_busy_ms']:.1f} | {s['host_share']:.0%} | {s['kernels']} "
+            f"| {s['tokens']} | {s['ms_per_token']:.2f} | {s['mean_accepted'] or '-'} |"
+        )
+    if ours.json:
+        Path(ours.json).write_text(json.dumps({"model": label, "dataset": dataset, "batch_size": batch_size,
+                                               "settings": vars(args), "modes": summaries}, indent=1, default=str))  # fmt: skip
+    return summaries
+
+
+def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
+    events = prof.key_averages()
+    device_time = lambda e: e.self_device_time_total  # noqa: E731
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    tokens = max(len(t) for t in record["tokens"])
+    accepts = record["accept_lengths"]
+    print(f"\n=== {label}: {wall * 1e3:.1f} ms wall, {busy_us / 1e3:.1f} ms of GPU kernels ({len(kernels)} launches)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top))
+    if kernels:
+        print(events.table(sort_by="self_device_time_total", row_limit=top))
+    return {
+        "mode": label,
+        "wall_ms": wall * 1e3,
+        "gpu_busy_ms": busy_us / 1e3,
+        "host_share": max(0.0, 1 - busy_us / 1e6 / wall),
+        "kernels": len(kernels),
+        "tokens": tokens,
+        "ms_per_token": wall * 1e3 / tokens,
+        "mean_accepted": round(sum(a for a in accepts if a) / max(1, sum(1 for a in accepts if a)), 2) if accepts else None,
+        "top_host_ops": [(e.key, e.self_cpu_time_total / 1e3) for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]],
+        "top_gpu_ops": [(e.key, device_time(e) / 1e3) for e in sorted(events, key=lambda e: -device_time(e))[:top]],
+    }
+
+
+if __name__ == "__main__":
+    main()
