@@ -170,7 +170,6 @@ def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
     set_bytes = B * H * K * V * 4 + 3 * B * T * H * V * 4
     n_sets = max(2, min(16, -(-3 * L2_BYTES // set_bytes)))
     sets = [layer_inputs(B, T, HK, H, K, V, seed=s) for s in range(n_sets)]
-    chain = make_parents("chain", T, B).cuda()
     rows = []
     act = 2 * (2 * B * T * HK * K + B * T * H * V) + B * T * H * (4 + 2) + B * T * 8  # q k v g beta parents
     state = B * H * K * V * 4

@@ -4,7 +4,7 @@
     python eval/profile_round.py --shape 9B --modes ar bole --depth 6 --json p.json             # random 9B, oracle
 
 Takes eval/run.py's arguments (model, shape, modes, tree settings; the first batch size and dataset are used). Each
-mode runs its first batch twice untimed, then once under the profiler. Per mode it prints wall time, the summed
+mode runs `hf_bole.warmup` and its first batch twice untimed, then once under the profiler. Per mode it prints wall time, the summed
 time of GPU kernels (one stream: their sum is the busy time), the host's share (1 - busy / wall: time the GPU
 waits for Python, launches and synchronisations) and the ops that cost most on the host and on the GPU.
 """
@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import hf_bole  # noqa: E402
 from eval import run  # noqa: E402
 from eval.modes import make_modes  # noqa: E402
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = run.DTYPES[args.dtype] or (torch.bfloat16 if cuda else torch.float32)
     sync = torch.cuda.synchronize if cuda else lambda device: None
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    run.set_backends(args)
     torch.manual_seed(args.seed)
     model, tokenizer, label = run.load_target(args, device, dtype)
     dataset, prompts = next(iter(run.load_prompt_sets(args, model, tokenizer).items()))
@@ -48,7 +50,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     summaries, reference = [], []
     for name in ["ar"] * ("ar" not in args.modes) + args.modes:
         for mode in make_modes(name, batch_size, args):
-            for _ in range(2):  # compile, autotune, allocator growth
+            if mode.drafts and cuda:  # every tree width's kernels, then the first calls' other costs
+                hf_bole.warmup(model, len(batch), verify=mode.verify or "closed_form")
+            for _ in range(2):
                 record = run.run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[:1])
             if name == "ar":
                 reference = [record]

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hf_bole  # noqa: E402,F401  (registers custom_generate="hf_bole")
+import hf_bole  # noqa: E402  (also registers custom_generate="hf_bole")
 from eval import metrics, report  # noqa: E402
 from eval.data import DATASETS, DEFAULT_DATASETS, Prompt, load_prompts  # noqa: E402
 from eval.modes import MODES, Mode, make_modes  # noqa: E402
@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on for every mode (default: off for every "
+        "mode, as hf_bole's generate turns it off: it re-plans for every key length, 45 vs 15 ms per house-model step)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
 
     args.drafter = args.drafter or ("oracle" if args.shape else "mtp")
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # one device for loading, memory stats and sync
     dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    set_backends(args)
     torch.manual_seed(args.seed)
     model, tokenizer, model_label = load_target(args, device, dtype)
     prompt_sets = load_prompt_sets(args, model, tokenizer)
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # ar runs whenever another mode needs its greedy outputs: the oracle drafts from them.
     run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle") + args.modes
-    warmed: set[tuple[str, int]] = set()
+    warmed: set[tuple[str, int]] = set()  # (mode, batch size)
+    compiled: set[tuple[str, int]] = set()  # (verify mode, rows) through hf_bole.warmup
     rows = []
     for dataset, prompts in prompt_sets.items():
         for batch_size in args.batch_sizes:
@@ -148,7 +154,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for mode in (m for name in run_modes for m in make_modes(name, batch_size, args)):
                 name = mode.name
                 if (name, batch_size) not in warmed and batches:
-                    # Untimed: first calls pay for kernel compilation, autotuning and allocator growth.
+                    # Untimed: first calls pay for kernel compilation, autotuning and allocator growth; every tree
+                    # width a later round may reach gets its kernels compiled here too (hf_bole.warmup).
+                    for rows in sorted({len(b) for b in batches} if mode.drafts and device.type == "cuda" else ()):
+                        verify = mode.verify or "closed_form"
+                        if (verify, rows) not in compiled:
+                            hf_bole.warmup(model, rows, verify=verify)
+                            compiled.add((verify, rows))
                     run_batch(model, tokenizer, prompts, batches[0], mode, args, generation, reference[:1])
                     warmed.add((name, batch_size))
                 bar = tqdm(
@@ -181,6 +193,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(table)
         print(f"wrote {out / 'results.jsonl'}, {out / 'results.md'} and plots")
     return rows
+
+
+def set_backends(args) -> None:
+    """Every mode runs with the attention backends hf_bole's generate picks (`hf_bole.models.attention_backends`),
+    so that `ar` is not slowed by cuDNN's per-shape planning; `--cudnn-sdpa` leaves torch's default."""
+    if not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def load_target(args, device: torch.device, dtype: torch.dtype):

@@ -5,7 +5,8 @@ a plain decode step. Calibrated once per (model, GPU, dtype, verify mode), store
 
 `T_ver(N)` is the complete verify forward (`tree_forward`: every layer, the LM head over every node) of a batch of
 draft trees holding `N` draft nodes in all, plus one root per request, from a cache prefilled to the KV-length
-bucket; `T_dec` is a plain one-token decode step of the same batch from the same cache. `N = 0` (roots only, the
+bucket; `T_dec` is plain `generate`'s one-token decode step (a `DynamicCache`) of the same batch and KV length.
+Both run with hf_bole's SDPA backends (`hf_bole.models.attention_backends`). `N = 0` (roots only, the
 tree forward's fixed cost) is measured too: when no tree fits in `(1 + epsilon) T_dec` the budget is 0, and
 selection's floor then verifies each request's best root child only. The trees are MTP/EAGLE-2-shaped (`topk`
 children of the `topk` best nodes per level, random draft probabilities, confidence differing by request) and the
@@ -402,8 +403,8 @@ def calibrate(
 ) -> BudgetTable:
     """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
-    For each bucket a `BoleCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`),
-    a plain one-token decode step is timed, then the verify forward of synthetic draft trees (`synthetic_draft_tree`
+    For each bucket a `DynamicCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`)
+    and a plain one-token decode step is timed; then a `BoleCache` with the same tokens, and the verify forward of synthetic draft trees (`synthetic_draft_tree`
     with `topk`/`depth`, split across the batch by `select_nodes`) for every `N` in `nodes` that the batch can hold:
     `N = 0` (roots only) and `batch_size <= N <= batch_size * min(127, tree size)`. Each timing is the median of
     `reps` after `warmup` calls. A bucket that runs out of GPU memory keeps what it measured and is logged.
@@ -493,32 +494,46 @@ def _measure_bucket(
     model, b: int, kv: int, grid: list[int], timings: dict, timer: _Timer, topk: int, depth: int, verify: str,
     prefill_chunk: int, generator: torch.Generator, bar,
 ) -> None:  # fmt: skip
-    """Fills `timings[None]` (decode step) and `timings[N]` (verify forward) for one bucket, as they come."""
+    """Fills `timings[None]` (decode step) and `timings[N]` (verify forward) for one bucket, as they come.
+
+    The decode step is plain `generate`'s: a `DynamicCache`. Both run with hf_bole's SDPA backends
+    (`attention_backends`: cuDNN's per-shape planning would make either look several times slower)."""
+    from transformers import DynamicCache
+
     from hf_bole.cache import BoleCache
-    from hf_bole.models import cache_argument, tree_forward
+    from hf_bole.models import attention_backends, cache_argument, tree_forward
 
     device, vocab = model.device, model.get_output_embeddings().weight.shape[0]
     decoder = model.get_decoder()
     steps = timer.warmup + timer.reps  # every timed decode step appends a token
-    cache = BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
     prompt = torch.randint(0, vocab, (b, kv), generator=generator, device=generator.device).to(device)
-    for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
-        chunk = prompt[:, start : start + prefill_chunk]
-        decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
-    step = functools.partial(
-        model, input_ids=prompt[:, -1:], use_cache=True, **{cache_argument(type(model).forward): cache}
-    )
-    timings[None] = timer(step)
-    bar.update(1)
-    roots = prompt[:, -1]
-    for n in grid:
-        if n == 0:
-            ids, parents = roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device)
-        else:
-            vt = select_nodes(synthetic_draft_tree(b, topk, depth, generator, device), roots, n, ROW_CAP)
-            ids, parents = vt.input_ids, vt.parents
-        timings[n] = timer(functools.partial(tree_forward, model, cache, ids, parents, verify=verify))
+
+    def prefilled(cache):
+        for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
+            chunk = prompt[:, start : start + prefill_chunk]
+            decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
+        return cache
+
+    with attention_backends():
+        plain = prefilled(DynamicCache(config=model.config))
+        step = functools.partial(
+            model, input_ids=prompt[:, -1:], use_cache=True, **{cache_argument(type(model).forward): plain}
+        )
+        timings[None] = timer(step)
+        del plain, step
         bar.update(1)
+        cache = prefilled(
+            BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
+        )
+        roots = prompt[:, -1]
+        for n in grid:
+            if n == 0:
+                ids, parents = roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device)
+            else:
+                vt = select_nodes(synthetic_draft_tree(b, topk, depth, generator, device), roots, n, ROW_CAP)
+                ids, parents = vt.input_ids, vt.parents
+            timings[n] = timer(functools.partial(tree_forward, model, cache, ids, parents, verify=verify))
+            bar.update(1)
 
 
 def plot_table(table: BudgetTable, path: str | Path, epsilon: float | None = None) -> Path:

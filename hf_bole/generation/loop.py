@@ -44,7 +44,7 @@ from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import cache_argument, check_supported_model, tree_forward
+from hf_bole.models import attention_backends, cache_argument, check_supported_model, tree_forward
 
 CUSTOM_GENERATE_NAME = "hf_bole"
 # Arguments of `GenerationMixin.generate` that transformers (5.17-5.24) does not forward to a `custom_generate`
@@ -251,6 +251,7 @@ class _Stopping:
 
 
 @torch.no_grad()
+@attention_backends()  # SDPA without cuDNN for the whole call: it re-plans for every new key length
 def _decode(
     model,
     input_ids: torch.LongTensor,

@@ -119,6 +119,27 @@ def test_profile_times_every_phase(dense):
     assert all(times[p] > 0 for p in ("draft", "select", "verify", "accept", "commit", "host"))
 
 
+def test_rounds_run_without_cudnn_attention(dense):
+    """generate runs SDPA without cuDNN (it re-plans per key length); the caller's setting is back afterwards."""
+    seen = []
+
+    class Recording(hf_bole.NgramDrafter):
+        def propose(self, ctx):
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return super().propose(ctx)
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()  # the harness's tests turn it off for the process
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        drafter = Recording(hf_bole.BoleConfig())
+        out = bole(dense, PROMPTS[:2], max_new_tokens=NEW, do_sample=False, bole_drafter=drafter)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    assert torch.equal(out, plain(dense, PROMPTS[:2], max_new_tokens=NEW, do_sample=False))
+    assert seen and not any(seen)
+
+
 @pytest.mark.parametrize("good", [True, False])
 def test_greedy_matches_plain_budget_and_serial(dense, good):
     """A small budget that cuts the oracle's trees, a bad ranking, and the serial-snapshot verification."""

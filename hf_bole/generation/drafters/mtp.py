@@ -23,19 +23,16 @@ import os
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.tree import DraftTree
+from hf_bole.models import attention_backends
 from hf_bole.models.mtp import Qwen3_5MTP
 
 # Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
 _CAPACITY_STEP = 256
 
-# Not cuDNN: torch picks it for masked bf16 attention on Hopper, and it builds an execution plan for every new shape,
-# ~40 ms of CPU each (H200, torch 2.11), while the drafter's query and key lengths change from call to call.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class MTPDrafter:
@@ -198,7 +195,7 @@ class MTPDrafter:
         embeds = self.embed_tokens(tokens)
         # Qwen3.5's rotary embedding takes multimodal (3, B, T) position ids; text has one position on all three axes
         rope = self.rotary_emb(embeds, positions.expand(3, *positions.shape))
-        with sdpa_kernel(_SDPA_BACKENDS):
+        with attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
             return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache)
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:

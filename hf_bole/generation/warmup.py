@@ -1,0 +1,78 @@
+"""Compiling hf_bole's kernels before the first timed round: `hf_bole.warmup(model, batch_size)`.
+
+Triton compiles a kernel the first time it meets a new specialisation: a new power-of-two tile of the tree width
+(the verify, conv and commit kernels), a width of 1, a multiple of 16 or neither (Triton specialises integer
+arguments that way), and for the verify kernels a new batch size, where the autotuner benchmarks its configs. A
+round whose verify width reaches such a case for the first time pays seconds of compilation inside `generate`;
+benchmarks and latency-sensitive servers run this once per batch size instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_bole.cache import BoleCache
+from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
+from hf_bole.models import attention_backends, cache_argument, tree_forward
+
+# One width per specialisation of each power-of-two tile up to MAX_NODES: 1, then per tile one width that is
+# not a multiple of 16 and one that is (the tile itself).
+WIDTHS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
+
+
+@torch.no_grad()
+@attention_backends()  # the attention kernels generate uses
+def warmup(model, batch_size: int, max_nodes: int = MAX_NODES, verify: str = "closed_form") -> list[int]:
+    r"""
+    Runs one tree round (verify forward and commit) at every verify width that needs its own compiled kernels,
+    up to `max_nodes`, on a scratch cache of `batch_size` rows, so that later `generate` calls of that batch size
+    compile nothing.
+
+    Args:
+        model: a Qwen3.5 model hf_bole supports, on its device and in its dtype.
+        batch_size (`int`): the rows of the `generate` calls to prepare (the verify kernels autotune per batch size).
+        max_nodes (`int`): the widest tree a round verifies, root included (at most `MAX_NODES`).
+        verify (`str`): "closed_form" or "serial", as `bole_verify`.
+
+    Returns:
+        `list[int]`: the widths that were run.
+
+    Example:
+        >>> hf_bole.warmup(model, batch_size=8)
+        >>> model.generate(input_ids, custom_generate="hf_bole")  # no compilation inside the timed call
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if not 1 <= max_nodes <= MAX_NODES:
+        raise ValueError(f"max_nodes must be in [1, {MAX_NODES}] (the kernels' largest tree), got {max_nodes}")
+    widths = sorted({w for w in WIDTHS if w < max_nodes} | {max_nodes})
+    embeddings = model.get_input_embeddings().weight
+    device, vocab = embeddings.device, embeddings.shape[0]
+    prompt = torch.randint(1, vocab, (batch_size, 4), device=device)
+    # Capacity: the prompt, every round's committed path (at most a binary tree's depth), the widest tree.
+    paths = [_binary_path(w) for w in widths]
+    capacity = prompt.shape[1] + sum(len(p) for p in paths) + max_nodes + 2
+    cache = BoleCache(model.config, batch_size, max_cache_len=capacity, device=device, dtype=model.dtype)
+    decoder = model.get_decoder()
+    decoder(input_ids=prompt[:, :-1], use_cache=True, **{cache_argument(type(decoder).forward): cache})
+    root = prompt[:, -1:]
+    for width, path in zip(widths, paths):
+        # Node i's parent is (i - 1) // 2: a binary tree, as wide as asked and log-deep.
+        parents = ((torch.arange(width, device=device) - 1).div(2, rounding_mode="floor")).expand(batch_size, -1)
+        ids = torch.cat([root, torch.randint(1, vocab, (batch_size, width - 1), device=device)], dim=1)
+        tree_forward(model, cache, ids, parents, verify=verify)
+        padded = path + [-1] * (width - len(path))  # as the acceptance walk gives it: [B, width], -1 after the leaf
+        cache.commit(torch.tensor([padded] * batch_size, device=device))
+        root = ids[:, path[-1] : path[-1] + 1]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return widths
+
+
+def _binary_path(width: int) -> list[int]:
+    """Root-to-leaf node indices to the last node of a `width`-node binary tree (parent of i: (i - 1) // 2)."""
+    path, node = [], width - 1
+    while node >= 0:
+        path.append(node)
+        node = (node - 1) // 2 if node > 0 else -1
+    return path[::-1]
