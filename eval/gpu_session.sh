@@ -10,9 +10,10 @@
 #   shapes   the 9B shape with the oracle drafter: ar, ar-static, bole at batch 1 and 8, phases profiled
 #   kernels  the full kernel benchmark grid (eval/bench_kernels.py)
 #   profile  torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
+#   graphs   the house harness, ar vs bole with and without the MTP drafter's CUDA graphs (--cuda-graphs), phases
 #   fla      with fla-core importable: its GDN kernels against transformers' torch reference (eval/gpu_fla_check.py)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile|fla}
+PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile|graphs|fla}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -62,6 +63,14 @@ profile)
     for b in 1 8; do
         step profile_house_b$b 150 python3 eval/profile_round.py --modes ar chain bole --batch-sizes $b \
             --datasets gsm8k --max-new-tokens 128 --json "$OUT/profile_house_b$b.json"
+    done
+    ;;
+graphs)
+    for g in "" --cuda-graphs; do
+        step "house${g//-/_}" 270 python3 eval/run.py --datasets mbpp gsm8k --modes ar bole --batch-sizes 1 8 \
+            --num-prompts 8 --max-new-tokens 128 --profile $g --output-dir "/tmp/house${g//-/_}"
+        cp "/tmp/house${g//-/_}"/results*.jsonl "/tmp/house${g//-/_}/results.md" "$OUT/" 2>/dev/null
+        for f in "$OUT"/results*; do mv "$f" "${f%/*}/house${g//-/_}_${f##*/}"; done
     done
     ;;
 fla)

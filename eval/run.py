@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
     ap.add_argument(
+        "--cuda-graphs", action="store_true", help="hf_bole modes replay the MTP drafter's expansion from CUDA graphs "
+        "(bole_cuda_graphs)",
+    )  # fmt: skip
+    ap.add_argument(
         "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
     )
     ap.add_argument("--output-dir", default="results/eval")
@@ -280,6 +284,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         )  # fmt: skip
 
     profiled = mode.drafts and args.profile
+    graphs = {"bole_cuda_graphs": True} if mode.drafts and args.cuda_graphs else {}
     if generation["do_sample"]:
         torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
     timer = metrics.FirstTokenTimer()
@@ -289,7 +294,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     start = time.perf_counter()
     out = model.generate(
         input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True,
-        **generation, **extra, **mode.generate_kwargs(drafter), **({"bole_profile": True} if profiled else {}),
+        **generation, **extra, **mode.generate_kwargs(drafter), **graphs, **({"bole_profile": True} if profiled else {}),
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize(device)

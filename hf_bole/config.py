@@ -54,6 +54,11 @@ class BoleConfig:
             The longest suffix the n-gram drafter looks up in the committed tokens.
         ngram_min_size (`int`, *optional*, defaults to 1):
             The shortest suffix it falls back to when longer ones never occurred before.
+        cuda_graphs (`bool`, *optional*, defaults to `False`):
+            On CUDA, replay the MTP drafter's tree expansion (all levels, the final ranking) from one CUDA graph per
+            (batch size, tree size) instead of launching its ~1600 kernels one by one from Python. Off by default
+            until it has been checked on a GPU; a drafter whose MTP layer is a mixture of experts (data-dependent
+            shapes) cannot be captured and says so once.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.
@@ -76,6 +81,7 @@ class BoleConfig:
     drafter: Any = "mtp"
     ngram_max_size: int = 3
     ngram_min_size: int = 1
+    cuda_graphs: bool = False
     profile: bool = False
 
     def __post_init__(self):
@@ -87,8 +93,9 @@ class BoleConfig:
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
-        if not isinstance(self.profile, bool):
-            raise ValueError(f"BoleConfig.profile must be True or False, got {self.profile!r}")
+        for name in ("cuda_graphs", "profile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BoleConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"BoleConfig.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if isinstance(self.drafter, str):

@@ -193,10 +193,12 @@ def _make_drafter(model, config: BoleConfig):
         from hf_bole.generation.drafters.mtp import MTPDrafter
 
         per_model = _MTP_DRAFTERS.setdefault(model, {})
-        key = (config.depth, config.topk)
+        key = (config.depth, config.topk, config.cuda_graphs)
         if key not in per_model:
             try:
-                per_model[key] = MTPDrafter.from_model(model, depth=config.depth, topk=config.topk)
+                per_model[key] = MTPDrafter.from_model(
+                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs
+                )
             except ValueError as e:
                 raise ValueError(
                     f"the default drafter runs the checkpoint's MTP head (`mtp.*` weights), which this model lacks: "

@@ -326,3 +326,61 @@ def test_propose_ties_and_impossible_tokens():
     # real nodes: {3, 7} under the root, under 3 and under 7, then under the 3 best of those 4 (3->3, 3->7, 7->3)
     assert tree.num_nodes == 3 + 2 * 9
     assert tree.node_mask[:, :12].all() and not tree.node_mask[:, 12:].any()
+
+
+def _rounds(drafter, rows, bounds):
+    """The trees of successive calls, call r bringing in entries `[bounds[b][r - 1], bounds[b][r])` of row b."""
+    trees = []
+    for r in range(1, len(bounds[0])):
+        starts, ends = [bound[r - 1] for bound in bounds], [bound[r] for bound in bounds]
+        trees.append(drafter.propose(_ctx(rows, starts, ends, positions=False)))
+    return trees
+
+
+def test_draft_over_the_whole_cache_length():
+    """What CUDA graphs rely on: attending over every slot of the cache (unused ones masked out) drafts the same
+    trees as attending over the slots in use."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([30, 12])
+    drafter = _drafter(model, mtp, depth=3, topk=3)
+    ctx = _ctx(rows, [0, 0], [30, 12], left_pad=True)
+    eager = drafter.propose(ctx)
+    # the roots again: extending by the same entries rewrites the same slots with the same values
+    cache, committed = drafter._cache, torch.tensor([30, 12])
+    root_hidden, root_position = drafter._extend(
+        cache, ctx.hidden_states, ctx.next_tokens, ctx.new_mask, ctx.positions, committed
+    )
+    cache.num_keys = cache.key.shape[2]
+    assert cache.num_keys > cache.offset + 30  # slots past the longest row take part
+    whole = drafter._draft(cache, root_hidden, root_position, committed, eager.num_nodes)
+    _assert_same_trees(whole, eager)
+
+
+@pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
+def test_cuda_graphs_match_eager_drafting():
+    """Replayed trees equal eager ones over rounds of different lengths, batch sizes and a cache that grows."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([300, 40])
+    bounds = [[0, 7, 10, 200, 290, 300], [0, 1, 2, 17, 39, 40]]
+    graphed = MTPDrafter(
+        mtp, model.get_input_embeddings(), model.get_output_embeddings(), model.get_decoder().rotary_emb,
+        depth=3, topk=2, cuda_graphs=True,
+    )  # fmt: skip
+    for tree, eager in zip(_rounds(graphed, rows, bounds), _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
+        _assert_same_trees(tree, eager)
+    assert graphed._graphs  # captured, not drafted eagerly
+    single = _rounds(graphed, rows[:1], [bounds[0][:3]])  # another batch size: a graph of its own
+    for tree, eager in zip(single, _rounds(_drafter(model, mtp, 3, 2), rows[:1], [bounds[0][:3]])):
+        _assert_same_trees(tree, eager)
+
+
+def test_cuda_graphs_refused_for_experts():
+    """A mixture-of-experts MTP layer routes with data-dependent shapes: no capture (and a warning)."""
+    model = _model(moe=True)
+    drafter = MTPDrafter(
+        _mtp(model), model.get_input_embeddings(), model.get_output_embeddings(), model.get_decoder().rotary_emb,
+        depth=2, topk=2, cuda_graphs=True,
+    )  # fmt: skip
+    assert not drafter.cuda_graphs

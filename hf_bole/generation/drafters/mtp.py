@@ -20,15 +20,19 @@ shallower node first).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.tree import DraftTree
 from hf_bole.models import attention_backends
 from hf_bole.models.mtp import Qwen3_5MTP
+
+logger = logging.get_logger(__name__)
 
 # Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
 _CAPACITY_STEP = 256
@@ -54,6 +58,9 @@ class MTPDrafter:
             Children per expanded node, and nodes expanded per level.
         max_nodes (`int`, *optional*):
             A cap on nodes per row on top of each call's `ctx.max_nodes`.
+        cuda_graphs (`bool`, *optional*, defaults to `False`):
+            On CUDA, replay the tree expansion (`_draft`) from a CUDA graph per (batch size, tree size); see
+            `BoleConfig.cuda_graphs`.
 
     Example:
         ```python
@@ -72,6 +79,7 @@ class MTPDrafter:
         depth: int,
         topk: int,
         max_nodes: int | None = None,
+        cuda_graphs: bool = False,
     ):
         if depth < 1 or topk < 1 or (max_nodes is not None and max_nodes < 1):
             raise ValueError(
@@ -83,6 +91,15 @@ class MTPDrafter:
         self.mtp, self.embed_tokens, self.lm_head, self.rotary_emb = mtp, embed_tokens, lm_head, rotary_emb
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         self._cache: _MTPKVCache | None = None
+        # A mixture-of-experts layer routes tokens with data-dependent shapes, which a CUDA graph cannot hold.
+        self.cuda_graphs = cuda_graphs and not _has_experts(mtp)
+        if cuda_graphs and not self.cuda_graphs:
+            logger.warning_once(
+                "hf_bole: the MTP drafter's layer is a mixture of experts, which CUDA graphs cannot capture; it drafts "
+                "without them (bole_cuda_graphs=False says the same without this warning)"
+            )
+        self._graphs: dict[tuple[int, int], _GraphedDraft] = {}  # (batch size, nodes) -> captured `_draft`
+        self._graph_pool = None
 
     @classmethod
     def from_model(
@@ -92,6 +109,7 @@ class MTPDrafter:
         depth: int,
         topk: int,
         max_nodes: int | None = None,
+        cuda_graphs: bool = False,
         pretrained: str | os.PathLike | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> MTPDrafter:
@@ -101,7 +119,7 @@ class MTPDrafter:
         Args:
             model (`PreTrainedModel`):
                 A Qwen3.5 or Qwen3.5-MoE model; its embedding, `lm_head` and rotary embedding are shared, not copied.
-            depth, topk, max_nodes:
+            depth, topk, max_nodes, cuda_graphs:
                 See [`MTPDrafter`].
             pretrained (`str` or `os.PathLike`, *optional*):
                 Checkpoint folder or Hub repo id holding the `mtp.*` weights; defaults to `model.name_or_path`.
@@ -120,6 +138,7 @@ class MTPDrafter:
             depth=depth,
             topk=topk,
             max_nodes=max_nodes,
+            cuda_graphs=cuda_graphs,
         )
 
     @property
@@ -160,6 +179,8 @@ class MTPDrafter:
         committed = torch.tensor(lengths, device=device)  # [B] entries after this call
         root_hidden, root_position = self._extend(cache, hidden, ctx.next_tokens, new_mask, ctx.positions, committed)
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
+        if self.cuda_graphs and device.type == "cuda":
+            return self._draft_graphed(cache, root_hidden, root_position, committed, num_nodes)
         return self._draft(cache, root_hidden, root_position, committed, num_nodes)
 
     def _reserve(self, batch_size: int, length: int, device: torch.device) -> _MTPKVCache:
@@ -167,6 +188,7 @@ class MTPDrafter:
         cache = self._cache
         if cache is None or cache.key.shape[0] != batch_size or cache.key.device != device:
             attn = self.mtp.layers[0].self_attn
+            self._graphs.clear()  # they hold the old buffers' addresses
             cache = self._cache = _MTPKVCache(
                 batch_size,
                 self.mtp.config.num_key_value_heads,
@@ -177,6 +199,7 @@ class MTPDrafter:
                 device=device,
             )
         elif length > cache.capacity:
+            self._graphs.clear()
             cache.grow(_round_up(max(length, 2 * cache.capacity), _CAPACITY_STEP))
         return cache
 
@@ -229,6 +252,41 @@ class MTPDrafter:
         last = torch.where(new_mask, torch.arange(num_new, device=slots.device), 0).amax(1)  # [B]
         rows = torch.arange(batch_size, device=slots.device)
         return out[rows, last], positions[rows, last]
+
+    def _draft_graphed(
+        self,
+        cache: _MTPKVCache,
+        root_hidden: torch.Tensor,
+        root_position: torch.Tensor,
+        committed: torch.Tensor,
+        num_nodes: int,
+    ) -> DraftTree:
+        """`_draft` replayed from a CUDA graph captured once per (batch size, `num_nodes`) and cache buffers.
+
+        Shapes must not change between replays, so every level attends over the cache's whole length rather than
+        the slots in use: the extra slots are masked out and add exactly zero."""
+        cache.num_keys = cache.key.shape[2]
+        key = (root_hidden.shape[0], num_nodes)
+        graphed = self._graphs.get(key)
+        if graphed is None:
+            inputs = (root_hidden.clone(), root_position.clone(), committed.clone())
+            # One eager call on a side stream first: kernels that pick an algorithm or load on first use do so
+            # outside the capture. It writes only the tree's scratch slots, which every call overwrites.
+            side = torch.cuda.Stream(device=root_hidden.device)
+            side.wait_stream(torch.cuda.current_stream(root_hidden.device))
+            with torch.cuda.stream(side):
+                self._draft(cache, *inputs, num_nodes)
+            torch.cuda.current_stream(root_hidden.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                tree = self._draft(cache, *inputs, num_nodes)
+            self._graph_pool = graph.pool()
+            graphed = self._graphs[key] = _GraphedDraft(graph, inputs, tree)
+        for static, value in zip(graphed.inputs, (root_hidden, root_position, committed)):
+            static.copy_(value)
+        graphed.graph.replay()
+        out = graphed.tree  # the graph's own buffers, overwritten by the next replay: hand out copies
+        return DraftTree(tokens=out.tokens.clone(), parents=out.parents.clone(), draft_logprobs=out.draft_logprobs.clone())
 
     def _draft(
         self,
@@ -289,6 +347,17 @@ class MTPDrafter:
         parents = torch.where(parents >= 0, rank.gather(1, parents.clamp(min=0)), -1)
         logp = torch.where(cum.gather(1, order) > float("-inf"), logp.gather(1, order), float("-inf"))
         return DraftTree(tokens=tokens.gather(1, order), parents=parents, draft_logprobs=logp)
+
+
+@dataclass
+class _GraphedDraft:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # root hidden [B, hidden], root position [B], committed [B]
+    tree: DraftTree  # its outputs
+
+
+def _has_experts(mtp: nn.Module) -> bool:
+    return any("experts" in name for name, _ in mtp.named_modules())
 
 
 class _MTPKVCache:
