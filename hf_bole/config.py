@@ -55,10 +55,12 @@ class BoleConfig:
         ngram_min_size (`int`, *optional*, defaults to 1):
             The shortest suffix it falls back to when longer ones never occurred before.
         cuda_graphs (`bool`, *optional*, defaults to `False`):
-            On CUDA, replay the MTP drafter's tree expansion (all levels, the final ranking) from one CUDA graph per
-            (batch size, tree size) instead of launching its ~1600 kernels one by one from Python. Off by default
-            until it has been checked on a GPU; a drafter whose MTP layer is a mixture of experts (data-dependent
-            shapes) cannot be captured and says so once.
+            On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/graphs.py`)
+            and the MTP drafter's tree expansion from one per (batch size, tree size), instead of launching their
+            kernels one by one from Python. The cache and graphs are kept for the next call of the same batch size
+            (the returned `past_key_values` is that cache, reset by the next call). Off by default until it has been
+            checked on a GPU; a drafter whose MTP layer is a mixture of experts (data-dependent shapes) cannot be
+            captured and says so once.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.

@@ -590,6 +590,17 @@ class BoleCache(Cache):
         self._gdn_started = [True] * NG
         r.ready = False
 
+    def current_round(self) -> _TreeRound | None:
+        """The buffers of the last verify forward, which `commit` reads (`hf_bole.generation.graphs` keeps those of
+        every captured forward)."""
+        return self._round
+
+    def resume_round(self, tree_round: _TreeRound) -> None:
+        """After a CUDA-graph replay of a verify forward: `tree_round`'s buffers hold its results, ready for `commit`.
+        A replay runs no Python, so the host-side record of the round is restored here."""
+        tree_round.active, tree_round.ready = False, True
+        self._round = tree_round
+
     def _prepare_round(self, parents: torch.Tensor, verify: str) -> _TreeRound:
         B, N = parents.shape
         slots = self.lengths[:, None] + torch.arange(N, device=self.device)

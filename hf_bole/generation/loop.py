@@ -40,6 +40,7 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
+from hf_bole.generation.graphs import graphed_cache, width_bucket
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
@@ -296,9 +297,13 @@ def _decode(
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
     # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
-    cache = BoleCache(
-        model.config, B, max_cache_len=P + max_new + 2 * (per_row + 1), device=device, dtype=model.dtype
-    )
+    capacity = P + max_new + 2 * (per_row + 1)
+    graphed = bole.cuda_graphs and device.type == "cuda"
+    if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
+        cache, verify_forward = graphed_cache(model, B, capacity, bole.verify)
+    else:
+        cache = BoleCache(model.config, B, max_cache_len=capacity, device=device, dtype=model.dtype)
+        verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify)
     decoder = model.get_decoder()
     prefill = decoder(
         input_ids=input_ids,
@@ -355,10 +360,12 @@ def _decode(
         kv_length = P - 1 + max(n for n, a in zip(state.n_gen, active) if a)
         verify = select_nodes(tree, root, budget_for(sum(active), kv_length), per_row)
         # Selection pads every row to the most a row could get; the forward costs by its width, so cut it to the
-        # widest row actually kept (a host read: it waits for drafting and selection, not for a forward).
-        verify = verify.narrowed(int(verify.num_nodes.max()))
+        # widest row actually kept (a host read: it waits for drafting and selection, not for a forward), or to
+        # the bucket of that width that has a CUDA graph.
+        width = int(verify.num_nodes.max())
+        verify = verify.narrowed(width_bucket(width, verify.input_ids.shape[1]) if graphed else width)
         timer.mark("select")
-        out = tree_forward(model, cache, verify.input_ids, verify.parents, verify=bole.verify)
+        out = verify_forward(verify.input_ids, verify.parents)
         timer.mark("verify")
         peak_transient = max(peak_transient, cache.transient_bytes, key=lambda t: sum(t.values()))
         contexts = None

@@ -1,0 +1,109 @@
+"""The verify forward replayed from CUDA graphs (`bole_cuda_graphs=True`): one graph per tree width, kept across
+`generate` calls together with the cache whose addresses the graphs hold.
+
+A verify forward launches hundreds of kernels from Python (every layer, the GDN seams, the LM head); on a small or
+mid-size model the GPU then waits for the host most of the time (`results/profile_h200.md`). Replaying a captured
+graph launches them all at once. Nothing in the forward reads the device on the host (tested), its shapes depend
+only on the batch size, the tree width and the cache's capacity, and the cache's state lives in tensors that keep
+their addresses; so a graph captured once per width is valid for every later round of that width. Tree widths
+are padded to a few buckets (padding nodes are children of the committed state and are never accepted).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from hf_bole.cache import BoleCache
+from hf_bole.models import TreeForwardOutput, tree_forward
+
+WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128)
+# Cache capacities are rounded up to this many slots, so that calls of similar lengths share one cache and its graphs.
+CAPACITY_STEP = 512
+
+
+def width_bucket(width: int, max_width: int) -> int:
+    """The width a tree of `width` nodes is verified at: the next bucket, at most `max_width` (the padded width
+    selection gives every row)."""
+    return min(next((b for b in WIDTH_BUCKETS if b >= width), max_width), max_width)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # [B, W] static inputs
+    parents: torch.Tensor  # [B, W]
+    out: TreeForwardOutput  # static outputs
+    tree_round: object  # the cache's round buffers the graph writes (kept alive with it)
+
+
+class VerifyGraphs:
+    """`tree_forward(model, cache, input_ids, parents, verify)` replayed from a CUDA graph per tree width.
+
+    Args:
+        model: a Qwen3.5 model hf_bole supports, on a CUDA device.
+        cache (`BoleCache`): created with a fixed `max_cache_len` (graphs keep its storage's addresses).
+        verify (`str`): "closed_form" or "serial".
+    """
+
+    def __init__(self, model, cache: BoleCache, verify: str):
+        if cache.max_cache_len is None:
+            raise ValueError("CUDA graphs keep the cache's addresses: create the BoleCache with a fixed max_cache_len")
+        self.model, self.cache, self.verify = model, cache, verify
+        self._graphs: dict[int, _Graph] = {}
+        self._pool = None
+
+    def __call__(self, input_ids: torch.Tensor, parents: torch.Tensor) -> TreeForwardOutput:
+        """The verify forward of trees `[B, W]`; the outputs are the graph's buffers, valid until the next call."""
+        width = input_ids.shape[1]
+        # The graph checks nothing on the host when it replays: make sure the tree fits in the cache here.
+        self.cache._reserve_tree(width)
+        entry = self._graphs.get(width)
+        if entry is None:
+            entry = self._graphs[width] = self._capture(input_ids, parents)
+        else:
+            entry.input_ids.copy_(input_ids)
+            entry.parents.copy_(parents)
+            entry.graph.replay()
+        self.cache.resume_round(entry.tree_round)
+        return entry.out
+
+    def _capture(self, input_ids: torch.Tensor, parents: torch.Tensor) -> _Graph:
+        input_ids, parents = input_ids.clone(), parents.clone()
+        device = input_ids.device
+        # An eager forward on a side stream first: autotuning and first-use costs stay out of the capture. Tree mode
+        # leaves the committed state alone, so the forward may run any number of times.
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            tree_forward(self.model, self.cache, input_ids, parents, verify=self.verify)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = tree_forward(self.model, self.cache, input_ids, parents, verify=self.verify)
+        self._pool = graph.pool()
+        graph.replay()  # the capture only recorded the work
+        return _Graph(graph, input_ids, parents, out, self.cache.current_round())
+
+
+# model -> {(batch size, verify): (cache, graphs)}: one cache per batch size and verify mode, reused (reset) by
+# later calls that fit in it, replaced by a larger one when they do not.
+_STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graphed_cache(model, batch_size: int, capacity: int, verify: str) -> tuple[BoleCache, VerifyGraphs]:
+    """An empty `BoleCache` of at least `capacity` slots per row for `model` on its CUDA device, and the verify
+    graphs that go with it; both are kept for the next call of the same batch size and verify mode."""
+    per_model = _STORE.setdefault(model, {})
+    key = (batch_size, verify)
+    held = per_model.get(key)
+    if held is None or held[0].capacity < capacity:
+        per_model.pop(key, None)  # the old cache and graphs go before the larger ones are allocated
+        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+        device = model.get_input_embeddings().weight.device
+        cache = BoleCache(model.config, batch_size, max_cache_len=capacity, device=device, dtype=model.dtype)
+        held = per_model[key] = (cache, VerifyGraphs(model, cache, verify))
+    held[0].reset()
+    return held

@@ -1,0 +1,105 @@
+"""CUDA graphs of the verify forward (`hf_bole.generation.graphs`): what capture relies on, checked on any device,
+and replay against plain decoding on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_bole
+from hf_bole import BoleCache
+from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, graphed_cache, width_bucket
+from hf_bole.models import tree_forward
+from tests.models.tiny import batch_trees, build_model, prefill
+
+PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+@pytest.mark.parametrize("verify", ["closed_form", "serial"])
+def test_verify_forward_reads_nothing_on_the_host(monkeypatch, verify):
+    """A graph replays device work only: the verify forward must not read the device on the host, also once rows
+    differ in length. (The parents check is the one read, made once per tree tensor and skipped while capturing.)"""
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=3, max_cache_len=64)
+    prefill(model, cache, PROMPTS)
+    parents = batch_trees([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0]])
+    tree_forward(model, cache, torch.ones_like(parents), parents, verify=verify)
+    cache.commit(batch_trees([[0, 1, 3], [0], [0, 2]]))  # rows of different lengths from here on
+    ids = torch.randint(1, 50, parents.shape)
+    tree_forward(model, cache, ids, parents, verify=verify)  # the parents are checked (read) here, once
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+        record = lambda self, *a, _original=original, _name=name, **k: reads.append(_name) or _original(self, *a, **k)  # noqa: E731
+        monkeypatch.setattr(torch.Tensor, name, record)
+    tree_forward(model, cache, ids, parents, verify=verify)
+    monkeypatch.undo()
+    assert reads == []
+
+
+def test_width_bucket():
+    assert [width_bucket(w, 128) for w in (1, 4, 5, 16, 17, 100, 128)] == [4, 4, 8, 16, 32, 128, 128]
+    assert width_bucket(20, 24) == 24  # never wider than selection padded the trees
+    assert WIDTH_BUCKETS[-1] == hf_bole.kernels.tree_gdn.closed_form.MAX_NODES  # the kernels' largest tree
+
+
+def test_graphed_cache_is_kept_and_grown():
+    model = build_model()
+    cache, graphs = graphed_cache(model, 3, 100, "closed_form")
+    assert cache.capacity == CAPACITY_STEP and graphs.cache is cache
+    prefill(model, cache, PROMPTS)
+    again, graphs_again = graphed_cache(model, 3, CAPACITY_STEP, "closed_form")
+    assert again is cache and graphs_again is graphs
+    assert int(cache.lengths.sum()) == 0  # reset for the new call
+    other, _ = graphed_cache(model, 3, 100, "serial")  # its own cache per verify mode
+    assert other is not cache
+    bigger, bigger_graphs = graphed_cache(model, 3, CAPACITY_STEP + 1, "closed_form")
+    assert bigger is not cache and bigger.capacity == 2 * CAPACITY_STEP and bigger_graphs is not graphs
+
+
+def test_resumed_round_commits_its_own_forward():
+    """What replays rely on: after other widths' forwards, `resume_round` makes a width's round current again, a
+    forward of that width writes into that round's buffers (as its graph does), and its commit equals a commit
+    right after a forward on a cache that never saw the other widths."""
+    model = build_model()
+    parents = batch_trees([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0]])
+    ids = torch.randint(1, 50, parents.shape)
+    path = batch_trees([[0, 1, 3], [0, 1], [0, 3]])
+    direct, resumed = (BoleCache(model.config, batch_size=3, max_cache_len=64) for _ in range(2))
+    for cache in (direct, resumed):
+        prefill(model, cache, PROMPTS)
+        tree_forward(model, cache, ids, parents)
+    kept = resumed.current_round()
+    wider = batch_trees([[-1, 0, 1, 2, 3, 4, 5, 6]] * 3)
+    tree_forward(model, resumed, torch.ones_like(wider), wider)  # another width: other round buffers
+    assert resumed.current_round() is not kept
+    resumed.resume_round(kept)
+    tree_forward(model, resumed, ids, parents)
+    assert resumed.current_round() is kept
+    direct.commit(path)
+    resumed.commit(path)
+    for name in ("lengths", "positions", "_conv", "_recurrent"):
+        torch.testing.assert_close(getattr(resumed, name), getattr(direct, name), rtol=0, atol=0)
+    committed = torch.arange(direct.capacity) < direct.lengths[:, None]  # [B, C]; slots past them hold scratch
+    for name in ("_keys", "_values"):  # [layers, B, heads, C, dim]
+        torch.testing.assert_close(
+            getattr(resumed, name).transpose(2, 3)[:, committed], getattr(direct, name).transpose(2, 3)[:, committed],
+            rtol=0, atol=0,
+        )  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("verify", ["closed_form", "serial"])
+def test_cuda_graphs_generate_matches_plain(verify):
+    """Greedy output with replayed verify forwards equals plain generate, over two calls that share the cache."""
+    model = build_model()
+    ids = torch.tensor([[0, 0, 5, 17, 33, 2], [71, 3, 28, 44, 9, 60], [0, 0, 0, 0, 0, 13]])
+    mask = (ids != 0).long()
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    expected = model.generate(ids, **kwargs)
+    for _ in range(2):
+        out = model.generate(
+            ids, custom_generate="hf_bole", bole_drafter="ngram", bole_cuda_graphs=True, bole_verify=verify, **kwargs
+        )
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
