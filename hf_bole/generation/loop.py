@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.utils import logging
 
 from hf_bole.cache import BoleCache
 from hf_bole.config import BoleConfig
@@ -45,7 +46,9 @@ from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import attention_backends, cache_argument, check_supported_model, tree_forward
+from hf_bole.models import attention_backends, cache_argument, check_supported_model, has_experts, tree_forward
+
+logger = logging.get_logger(__name__)
 
 CUSTOM_GENERATE_NAME = "hf_bole"
 # Arguments of `GenerationMixin.generate` that transformers (5.17-5.24) does not forward to a `custom_generate`
@@ -299,6 +302,13 @@ def _decode(
     # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
     capacity = P + max_new + 2 * (per_row + 1)
     graphed = bole.cuda_graphs and device.type == "cuda"
+    if graphed and has_experts(model):
+        graphed = False
+        logger.warning_once(
+            "hf_bole: the model's mixture-of-experts layers route tokens with data-dependent shapes, which CUDA "
+            "graphs cannot capture; its verify forwards run without them (bole_cuda_graphs=False says the same "
+            "without this warning)"
+        )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
         cache, verify_forward = graphed_cache(model, B, capacity, bole.verify)
     else:

@@ -7,6 +7,7 @@ from hf_bole.models.qwen3_5 import (
     attention_backends,
     cache_argument,
     check_supported_model,
+    has_experts,
     install_adapter,
     tree_forward,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "attention_backends",
     "cache_argument",
     "check_supported_model",
+    "has_experts",
     "install_adapter",
     "tree_forward",
 ]

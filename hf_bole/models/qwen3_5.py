@@ -92,6 +92,12 @@ class TreeForwardOutput:
     hidden_states: torch.Tensor
 
 
+def has_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` holds a mixture-of-experts block, whose token routing has data-dependent shapes (a CUDA
+    graph cannot capture it)."""
+    return any(name.endswith("experts") for name, _ in module.named_modules())
+
+
 def check_supported_model(model: torch.nn.Module) -> None:
     """Raises a `ValueError` unless `model` is a Qwen3.5 (dense or MoE) model hf_bole can verify trees with:
     one of `SUPPORTED_CLASSES`, with GDN and full-attention layers and an attention implementation that

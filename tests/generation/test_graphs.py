@@ -9,7 +9,7 @@ import torch
 import hf_bole
 from hf_bole import BoleCache
 from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, graphed_cache, width_bucket
-from hf_bole.models import tree_forward
+from hf_bole.models import has_experts, tree_forward
 from tests.models.tiny import batch_trees, build_model, prefill
 
 PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
@@ -103,3 +103,8 @@ def test_cuda_graphs_generate_matches_plain(verify):
             ids, custom_generate="hf_bole", bole_drafter="ngram", bole_cuda_graphs=True, bole_verify=verify, **kwargs
         )
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_mixture_of_experts_models_are_not_captured():
+    """Expert routing has data-dependent shapes: such models (and MTP layers) verify and draft without graphs."""
+    assert has_experts(build_model("moe")) and not has_experts(build_model("dense"))

@@ -29,7 +29,7 @@ from transformers.utils import logging
 
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.tree import DraftTree
-from hf_bole.models import attention_backends
+from hf_bole.models import attention_backends, has_experts
 from hf_bole.models.mtp import Qwen3_5MTP
 
 logger = logging.get_logger(__name__)
@@ -92,7 +92,7 @@ class MTPDrafter:
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         self._cache: _MTPKVCache | None = None
         # A mixture-of-experts layer routes tokens with data-dependent shapes, which a CUDA graph cannot hold.
-        self.cuda_graphs = cuda_graphs and not _has_experts(mtp)
+        self.cuda_graphs = cuda_graphs and not has_experts(mtp)
         if cuda_graphs and not self.cuda_graphs:
             logger.warning_once(
                 "hf_bole: the MTP drafter's layer is a mixture of experts, which CUDA graphs cannot capture; it drafts "
@@ -354,10 +354,6 @@ class _GraphedDraft:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # root hidden [B, hidden], root position [B], committed [B]
     tree: DraftTree  # its outputs
-
-
-def _has_experts(mtp: nn.Module) -> bool:
-    return any("experts" in name for name, _ in mtp.named_modules())
 
 
 class _MTPKVCache:
