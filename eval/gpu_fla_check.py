@@ -1,10 +1,13 @@
 """On a GPU with fla-core importable: do transformers' fla-backed GDN layers agree with its torch reference, and
 does a BoleCache decode like a DynamicCache there? (`bash eval/gpu_session.sh fla`)
 
-With fla-core on the path, 14 model tests failed on an H200 (2026-11-30): tree logits against the node-by-node
-reference by up to 3.5, and plain decoding through a BoleCache against a DynamicCache at the decode positions
-(prefill equal). fla's chunk kernel differed from the torch reference by ~1e-3 in fp32 (tf32 dots) at K = 16;
-the rest was not measured. This prints, per case, the largest differences, then the model-level comparison.
+With fla-core 0.6 on the path, 14 model tests failed on an H200 (2026-11-30). The cause, found afterwards on the
+CPU (fla's kernels under the Triton interpreter): hf_bole's recurrence seam passed (query, key, value, g, beta)
+positionally to the implementation transformers resolved, and fla-core 0.6's `fused_recurrent_gated_delta_rule`
+takes (q, k, v, g, gk, gv, beta, ...), so beta arrived as gk and every plain decode step was wrong (NaN on the CPU)
+in any process where hf_bole had wrapped the seams. The seams now pass plain calls on untouched. This prints, per
+case, the largest differences (fla's chunk kernel differs from the torch reference by ~1e-3 in fp32 on the GPU:
+tf32 dots), then the model-level comparison, which should now agree to that precision.
 """
 
 from __future__ import annotations

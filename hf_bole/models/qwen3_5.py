@@ -229,11 +229,12 @@ def _wrap(module: ModuleType, name: str, make_wrapper) -> None:
 
 def _tree_causal_conv1d_fn(original):
     @functools.wraps(original)
-    def causal_conv1d_fn(
-        hidden_states, weight, bias=None, activation=None, bole_tree: TreeBatch | None = None, **kwargs
-    ):
+    def causal_conv1d_fn(*args, bole_tree: TreeBatch | None = None, **kwargs):
         if bole_tree is None:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+            return original(*args, **kwargs)  # as called: the resolved kernel's signature is its own
+        named = {**dict(zip(("hidden_states", "weight", "bias"), args)), **kwargs}
+        hidden_states, weight, bias = named["hidden_states"], named["weight"], named.get("bias")
+        activation = named.get("activation")
         # The cache returned [committed window, node inputs] from `update_conv_state`: [B, D, W + N].
         num_nodes = bole_tree.parents.shape[1]
         window, x = hidden_states[..., :-num_nodes], hidden_states[..., -num_nodes:]
@@ -243,17 +244,21 @@ def _tree_causal_conv1d_fn(original):
     return causal_conv1d_fn
 
 
+# The GDN layers call the recurrences with these leading arguments (positionally or by name); the rest by name.
+_GDN_ARGUMENTS = ("query", "key", "value", "g", "beta")
+
+
 def _tree_gated_delta_rule(original):
     @functools.wraps(original)
-    def gated_delta_rule(
-        query, key, value, g, beta, *args, initial_state=None, use_qk_l2norm_in_kernel=False,
-        bole_tree: TreeBatch | None = None, **kwargs,
-    ):  # fmt: skip
+    def gated_delta_rule(*args, bole_tree: TreeBatch | None = None, **kwargs):
         if bole_tree is None:
-            return original(
-                query, key, value, g, beta, *args,
-                initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
-            )  # fmt: skip
+            # Passed on exactly as called: the implementation transformers resolved may be fla-core's, whose
+            # positional order differs from the torch reference's (fla 0.6: q, k, v, g, gk, gv, beta, ...).
+            return original(*args, **kwargs)
+        named = {**dict(zip(_GDN_ARGUMENTS, args)), **kwargs}
+        query, key, value, g, beta = (named[name] for name in _GDN_ARGUMENTS)
+        initial_state = named.get("initial_state")
+        use_qk_l2norm = named.get("use_qk_l2norm_in_kernel", False)
         if key.shape[2] != bole_tree.key_heads:
             # transformers 5.17 repeats q and k to the value heads before this call (later versions pass the key
             # heads): keep one copy per key head, so the kernels read and the cache stores the grouped layout.
@@ -261,15 +266,14 @@ def _tree_gated_delta_rule(original):
             query, key = query[:, :, ::group], key[:, :, ::group]
         if bole_tree.verify == "serial":
             o, snapshots = tree_gdn_verify_serial(
-                query, key, value, g, beta, bole_tree.parents, initial_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            )  # fmt: skip
-            return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm_in_kernel, snapshots=snapshots)
+                query, key, value, g, beta, bole_tree.parents, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm
+            )
+            return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm, snapshots=snapshots)
         o, u, log_decay = tree_gdn_verify(
             query, key, value, g, beta, bole_tree.parents, initial_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, ancestors=bole_tree.ancestors,
+            use_qk_l2norm_in_kernel=use_qk_l2norm, ancestors=bole_tree.ancestors,
         )  # fmt: skip
-        return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm_in_kernel, key=key, u=u, log_decay=log_decay)
+        return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm, key=key, u=u, log_decay=log_decay)
 
     return gated_delta_rule
 

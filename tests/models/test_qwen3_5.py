@@ -9,6 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_bole.cache import BoleCache
 from hf_bole.models import SUPPORTED_CLASSES, check_supported_model, tree_forward
+from hf_bole.models.qwen3_5 import _tree_causal_conv1d_fn, _tree_gated_delta_rule
 from tests.models.tiny import (
     VOCAB,
     batch_trees,
@@ -183,3 +184,27 @@ def test_tree_forward_errors():
         tree_forward(model, DynamicCache(config=model.config), ids, torch.tensor([[-1, 0, 1]] * 3))
     with pytest.raises(ValueError, match="layers"):
         tree_forward(model, BoleCache(text_config(num_hidden_layers=8), 3), ids, torch.tensor([[-1, 0, 1]] * 3))
+
+
+def test_plain_calls_reach_the_kernels_as_called():
+    """Outside tree mode the seams pass calls on untouched. fla-core's recurrence (which transformers uses when it is
+    installed) takes (q, k, v, g, gk, gv, beta, ...) where the torch reference takes (query, key, value, g, beta,
+    ...): re-ordering the arguments would hand beta to gk (it once did: NaN decodes with fla-core 0.6)."""
+    calls = []
+
+    def fla_like(q, k, v, g=None, gk=None, gv=None, beta=None, initial_state=None, **kwargs):
+        calls.append(dict(g=g, gk=gk, gv=gv, beta=beta, initial_state=initial_state, **kwargs))
+        return "o", "state"
+
+    g, beta, state = torch.rand(2), torch.rand(2), torch.rand(2)
+    out = _tree_gated_delta_rule(fla_like)("q", "k", "v", g=g, beta=beta, initial_state=state, use_qk_l2norm_in_kernel=True)
+    assert out == ("o", "state")
+    call = calls[0]
+    assert call["g"] is g and call["beta"] is beta and call["gk"] is None and call["gv"] is None
+    assert call["initial_state"] is state and call["use_qk_l2norm_in_kernel"] is True
+
+    conv_calls = []
+    conv = _tree_causal_conv1d_fn(lambda x, weight, bias=None, seq_idx=None, activation=None: conv_calls.append(
+        (x, weight, bias, seq_idx, activation)))  # fmt: skip
+    conv("x", "w", "b", activation="silu")
+    assert conv_calls == [("x", "w", "b", None, "silu")]
