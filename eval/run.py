@@ -160,12 +160,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if (name, batch_size) not in warmed and batches:
                     # Untimed: first calls pay for kernel compilation, autotuning and allocator growth; every tree
                     # width a later round may reach gets its kernels compiled here too (hf_bole.warmup).
-                    for rows in sorted({len(b) for b in batches} if mode.drafts and device.type == "cuda" else ()):
+                    for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
                         verify = mode.verify or "closed_form"
-                        if (verify, rows) not in compiled:
-                            hf_bole.warmup(model, rows, verify=verify)
-                            compiled.add((verify, rows))
-                    run_batch(model, tokenizer, prompts, batches[0], mode, args, generation, reference[:1])
+                        if (verify, n_rows) not in compiled:
+                            hf_bole.warmup(model, n_rows, verify=verify)
+                            compiled.add((verify, n_rows))
+                    # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
+                    for k, batch in enumerate(batches if mode.drafts and args.cuda_graphs else batches[:1]):
+                        run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
                     warmed.add((name, batch_size))
                 bar = tqdm(
                     batches, desc=f"{dataset} {mode.label} batch {batch_size}", disable=not accelerator.is_main_process
