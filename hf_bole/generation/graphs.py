@@ -30,6 +30,22 @@ def width_bucket(width: int, max_width: int) -> int:
     return min(next((b for b in WIDTH_BUCKETS if b >= width), max_width), max_width)
 
 
+def capture(run, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Captures `run()` into a CUDA graph drawing on memory `pool`; returns the graph and what the captured call
+    returned (its output buffers, filled by each replay). `run` is called once eagerly on a side stream first, so
+    that autotuning and first-use costs stay out of the capture: it must be safe to run twice. The captured work
+    has not run yet: replay the graph."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -72,17 +88,12 @@ class VerifyGraphs:
 
     def _capture(self, input_ids: torch.Tensor, parents: torch.Tensor) -> _Graph:
         input_ids, parents = input_ids.clone(), parents.clone()
-        device = input_ids.device
-        # An eager forward on a side stream first: autotuning and first-use costs stay out of the capture. Tree mode
-        # leaves the committed state alone, so the forward may run any number of times.
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            tree_forward(self.model, self.cache, input_ids, parents, verify=self.verify)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = tree_forward(self.model, self.cache, input_ids, parents, verify=self.verify)
+        # Tree mode leaves the committed state alone, so the forward may run any number of times.
+        graph, out = capture(
+            lambda: tree_forward(self.model, self.cache, input_ids, parents, verify=self.verify),
+            input_ids.device,
+            self._pool,
+        )
         self._pool = graph.pool()
         graph.replay()  # the capture only recorded the work
         return _Graph(graph, input_ids, parents, out, self.cache.current_round())

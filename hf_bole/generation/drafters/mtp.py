@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from hf_bole.generation.drafters.base import DraftContext
+from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
 from hf_bole.models import attention_backends, has_experts
 from hf_bole.models.mtp import Qwen3_5MTP
@@ -270,16 +271,8 @@ class MTPDrafter:
         graphed = self._graphs.get(key)
         if graphed is None:
             inputs = (root_hidden.clone(), root_position.clone(), committed.clone())
-            # One eager call on a side stream first: kernels that pick an algorithm or load on first use do so
-            # outside the capture. It writes only the tree's scratch slots, which every call overwrites.
-            side = torch.cuda.Stream(device=root_hidden.device)
-            side.wait_stream(torch.cuda.current_stream(root_hidden.device))
-            with torch.cuda.stream(side):
-                self._draft(cache, *inputs, num_nodes)
-            torch.cuda.current_stream(root_hidden.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                tree = self._draft(cache, *inputs, num_nodes)
+            # `_draft` writes only the tree's scratch slots, which every call overwrites: it may run twice.
+            graph, tree = capture(lambda: self._draft(cache, *inputs, num_nodes), root_hidden.device, self._graph_pool)
             self._graph_pool = graph.pool()
             graphed = self._graphs[key] = _GraphedDraft(graph, inputs, tree)
         for static, value in zip(graphed.inputs, (root_hidden, root_position, committed)):
