@@ -4,9 +4,9 @@
     python eval/profile_round.py --shape 9B --modes ar bole --depth 6 --json p.json             # random 9B, oracle
 
 Takes eval/run.py's arguments (model, shape, modes, tree settings; the first batch size and dataset are used). Each
-mode runs `hf_bole.warmup` and its first batch twice untimed, then once under the profiler. Per mode it prints wall time, the summed
-time of GPU kernels (one stream: their sum is the busy time), the host's share (1 - busy / wall: time the GPU
-waits for Python, launches and synchronisations) and the ops that cost most on the host and on the GPU.
+mode runs `hf_bole.warmup` and its first batch twice untimed, then once under the profiler. Per mode it prints wall
+time, the summed time of GPU kernels (one stream: their sum is the busy time), the host's share (1 - busy / wall:
+time the GPU waits for Python, launches and synchronisations) and the ops that cost most on the host and on the GPU.
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
     ap.add_argument(
-        "--cuda-graphs", action="store_true", help="hf_bole modes replay the MTP drafter's expansion from CUDA graphs "
-        "(bole_cuda_graphs)",
+        "--cuda-graphs", action="store_true", help="hf_bole modes replay verify forwards and MTP drafting from CUDA "
+        "graphs (bole_cuda_graphs)",
     )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"

@@ -404,8 +404,9 @@ def calibrate(
     """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
     For each bucket a `DynamicCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`)
-    and a plain one-token decode step is timed; then a `BoleCache` with the same tokens, and the verify forward of synthetic draft trees (`synthetic_draft_tree`
-    with `topk`/`depth`, split across the batch by `select_nodes`) for every `N` in `nodes` that the batch can hold:
+    and a plain one-token decode step is timed; then a `BoleCache` with the same tokens, and the verify forward
+    of synthetic draft trees (`synthetic_draft_tree` with `topk`/`depth`, split across the batch by `select_nodes`)
+    for every `N` in `nodes` that the batch can hold:
     `N = 0` (roots only) and `batch_size <= N <= batch_size * min(127, tree size)`. Each timing is the median of
     `reps` after `warmup` calls. A bucket that runs out of GPU memory keeps what it measured and is logged.
 
