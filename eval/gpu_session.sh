@@ -12,8 +12,10 @@
 #   profile  torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
 #   graphs   the house harness, ar vs bole with and without the MTP drafter's CUDA graphs (--cuda-graphs), phases
 #   fla      with fla-core importable: its GDN kernels against transformers' torch reference, then the model tests
+#   verify   at once: the CUDA-graph tests and the model tests with fla; then the house harness with fla and CUDA
+#            graphs, ar vs bole at batch 1 and 8
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile|graphs|fla}
+PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile|graphs|fla|verify}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -24,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # interpreter). The `fla` part checks the fix on the GPU; the other parts import fla-core only with FLA=1 until then.
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
-    if [ "$PART" = fla ] || [ "${FLA:-0}" = 1 ]; then export PYTHONPATH=/tmp/site-fla:$PYTHONPATH; fi
+    if [ "$PART" = fla ] || [ "$PART" = verify ] || [ "${FLA:-0}" = 1 ]; then export PYTHONPATH=/tmp/site-fla:$PYTHONPATH; fi
 fi
 python3 -c "import torch, triton, transformers, importlib.util as u; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, 'fla', u.find_spec('fla') is not None)"
@@ -76,6 +78,19 @@ fla)
     step fla_check 300 python3 eval/gpu_fla_check.py
     step tests_with_fla 250 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
         tests/models tests/cache tests/generation
+    ;;
+verify)
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+    PYTEST="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
+    step graph_tests 200 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py \
+        tests/generation/test_mtp.py &
+    step tests_with_fla 240 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache \
+        tests/generation/test_loop.py &
+    wait
+    step house_graphs 300 python3 eval/run.py --datasets mbpp gsm8k --modes ar bole --batch-sizes 1 8 \
+        --num-prompts 8 --max-new-tokens 128 --profile --cuda-graphs --output-dir /tmp/house_graphs
+    cp /tmp/house_graphs/results.md "$OUT/house_graphs.md"
+    cp /tmp/house_graphs/results*.jsonl "$OUT/" 2>/dev/null
     ;;
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh

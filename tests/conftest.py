@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import os
 import sys
 
@@ -69,3 +71,19 @@ def seed():
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def torch_gdn(monkeypatch):
+    """The GDN layers run transformers' torch reference, also where fla-core is importable (where transformers
+    would run fla's kernels). Tests that compare hf_bole's kernels with transformers' own forward at fp32
+    tolerances use it: fla's chunked kernel computes in tf32 on a GPU and is itself ~1e-3 off in fp32."""
+    if importlib.util.find_spec("fla") is None:
+        return
+    from hf_bole.models.qwen3_5 import SUPPORTED_MODEL_TYPES
+
+    for module in SUPPORTED_MODEL_TYPES.values():
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            # Unwrapped past hf_bole's seam and transformers' kernel dispatch; tree_forward wraps the seam around
+            # it again, and the fixture's teardown puts the usual dispatch back.
+            monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))

@@ -21,6 +21,9 @@ from tests.models.tiny import (
     text_config,
 )
 
+# Compared with transformers' torch GDN path, also where fla-core would take over (see the fixture).
+pytestmark = pytest.mark.usefixtures("torch_gdn")
+
 PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
 PADDING = [0, 3, 6]
 

@@ -189,7 +189,7 @@ class MTPDrafter:
         cache = self._cache
         if cache is None or cache.key.shape[0] != batch_size or cache.key.device != device:
             attn = self.mtp.layers[0].self_attn
-            self._graphs.clear()  # they hold the old buffers' addresses
+            self._drop_graphs()  # they hold the old buffers' addresses
             cache = self._cache = _MTPKVCache(
                 batch_size,
                 self.mtp.config.num_key_value_heads,
@@ -200,9 +200,15 @@ class MTPDrafter:
                 device=device,
             )
         elif length > cache.capacity:
-            self._graphs.clear()
+            self._drop_graphs()
             cache.grow(_round_up(max(length, 2 * cache.capacity), _CAPACITY_STEP))
         return cache
+
+    def _drop_graphs(self) -> None:
+        # The next capture starts a new memory pool: once the graphs of a pool are gone, CUDA refuses to capture
+        # into it while any of its memory is still held (an internal assert in PyTorch's caching allocator).
+        self._graphs.clear()
+        self._graph_pool = None
 
     def _step(
         self,
