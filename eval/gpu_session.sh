@@ -6,16 +6,17 @@
 #
 #   checks   the test suite on CUDA (kernel tests with fla-core importable when .whl/ carries its wheel)
 #   house    the harness on the house model: four modes + ar-static, batch 1 and 8, MBPP and GSM8K, phases profiled
-#   budget   calibration tables: the house model and the 9B shape (a short grid), then a fixed-budget and epsilon sweep
-#   shapes   the 9B shape with the oracle drafter: ar, ar-static, bole at batch 1 and 8, phases profiled
+#   budget   the house model's calibration table, then a fixed-budget and epsilon sweep with CUDA graphs
+#   shapes   the 9B shape with the oracle drafter, CUDA graphs: ar and bole at batch 1, 8 and 16, phases profiled
 #   kernels  the full kernel benchmark grid (eval/bench_kernels.py)
 #   profile  torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
-#   graphs   the house harness, ar vs bole with and without the MTP drafter's CUDA graphs (--cuda-graphs), phases
+#   profile9b  the same over ar and bole (CUDA graphs) on the 9B shape at batch 1
+#   graphs   the house harness, ar vs bole with and without hf_bole's CUDA graphs (--no-cuda-graphs), phases
 #   fla      with fla-core importable: its GDN kernels against transformers' torch reference, then the model tests
 #   verify   at once: the CUDA-graph tests and the model tests with fla; then the house harness with fla and CUDA
 #            graphs, ar vs bole at batch 1 and 8
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile|graphs|fla|verify}
+PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile|profile9b|graphs|fla|verify}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -46,19 +47,23 @@ house)
     step house 540 python3 eval/run.py --datasets mbpp gsm8k --modes ar ar-static chain tree-serial bole \
         --batch-sizes 1 8 --num-prompts 8 --max-new-tokens 128 --profile --output-dir "$OUT/house"
     ;;
-budget)  # 8 files back: two tables, the 9B plot, the sweep's table and lines, three logs
+budget)  # the house model's calibration table, then a fixed-budget and epsilon sweep over it with CUDA graphs
     step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \
         --batch-sizes 1 4 8 16 --kv-lengths 1024 --out "$OUT/budget_house.json" --plot /tmp/budget_house.png
-    step calibrate_9b 200 python3 -m hf_bole.calibrate --shape 9B --dtype bf16 --batch-sizes 1 4 8 16 \
-        --kv-lengths 512 2048 --reps 5 --out "$OUT/budget_9b.json" --plot "$OUT/budget_9b.png"
-    step sweep 180 python3 eval/run.py --datasets gsm8k --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+    step sweep 200 python3 eval/run.py --datasets gsm8k --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
         --max-new-tokens 64 --budget 16 32 64 128 auto --epsilon 0.05 0.1 0.25 --output-dir /tmp/sweep
     cp /tmp/sweep/results.md "$OUT/sweep_results.md"
     cp /tmp/sweep/results.jsonl /tmp/sweep/results.partial.jsonl "$OUT/" 2>/dev/null
     ;;
-shapes)
-    step shape_9b 540 python3 eval/run.py --shape 9B --modes ar ar-static bole --batch-sizes 1 8 --depth 6 \
-        --num-prompts 8 --max-new-tokens 128 --profile --output-dir "$OUT/shape_9b"
+shapes)  # the issue-8 settings: 256 new tokens, depth 6, oracle at ~4 tokens/round, CUDA graphs
+    step shape_9b 330 python3 eval/run.py --shape 9B --modes ar bole --batch-sizes 1 8 --depth 6 \
+        --num-prompts 8 --max-new-tokens 256 --profile --output-dir /tmp/shape_9b
+    step shape_9b_b16 200 python3 eval/run.py --shape 9B --modes ar bole --batch-sizes 16 --depth 6 \
+        --num-prompts 16 --max-new-tokens 256 --profile --output-dir /tmp/shape_9b_b16
+    for d in shape_9b shape_9b_b16; do
+        cp /tmp/$d/results.md "$OUT/$d.md"; cp /tmp/$d/results.jsonl "$OUT/$d.jsonl" 2>/dev/null
+        cp /tmp/$d/results.partial.jsonl "$OUT/$d.partial.jsonl" 2>/dev/null
+    done
     ;;
 profile)
     for b in 1 8; do
@@ -66,8 +71,12 @@ profile)
             --datasets gsm8k --max-new-tokens 128 --json "$OUT/profile_house_b$b.json"
     done
     ;;
+profile9b)
+    step profile_9b_b1 150 python3 eval/profile_round.py --shape 9B --modes ar bole --depth 6 --batch-sizes 1 \
+        --num-prompts 2 --max-new-tokens 64 --json "$OUT/profile_9b_b1.json"
+    ;;
 graphs)
-    for g in "" --cuda-graphs; do
+    for g in "" --no-cuda-graphs; do
         step "house${g//-/_}" 270 python3 eval/run.py --datasets mbpp gsm8k --modes ar bole --batch-sizes 1 8 \
             --num-prompts 8 --max-new-tokens 128 --profile $g --output-dir "/tmp/house${g//-/_}"
         cp "/tmp/house${g//-/_}"/results*.jsonl "/tmp/house${g//-/_}/results.md" "$OUT/" 2>/dev/null
@@ -88,7 +97,7 @@ verify)
         tests/generation/test_loop.py &
     wait
     step house_graphs 300 python3 eval/run.py --datasets mbpp gsm8k --modes ar bole --batch-sizes 1 8 \
-        --num-prompts 8 --max-new-tokens 128 --profile --cuda-graphs --output-dir /tmp/house_graphs
+        --num-prompts 8 --max-new-tokens 128 --profile --output-dir /tmp/house_graphs
     cp /tmp/house_graphs/results.md "$OUT/house_graphs.md"
     cp /tmp/house_graphs/results*.jsonl "$OUT/" 2>/dev/null
     ;;

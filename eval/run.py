@@ -73,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
     ap.add_argument(
-        "--cuda-graphs", action="store_true", help="hf_bole modes replay verify forwards and MTP drafting from CUDA "
-        "graphs (bole_cuda_graphs)",
+        "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="hf_bole modes launch every kernel from "
+        "Python (bole_cuda_graphs=False; by default they replay verify forwards and MTP drafting from CUDA graphs)",
     )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             hf_bole.warmup(model, n_rows, verify=verify)
                             compiled.add((verify, n_rows))
                     # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
-                    for k, batch in enumerate(batches if mode.drafts and args.cuda_graphs else batches[:1]):
+                    graphed = mode.drafts and args.cuda_graphs and device.type == "cuda"
+                    for k, batch in enumerate(batches if graphed else batches[:1]):
                         run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
                     warmed.add((name, batch_size))
                 bar = tqdm(
@@ -286,7 +287,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         )  # fmt: skip
 
     profiled = mode.drafts and args.profile
-    graphs = {"bole_cuda_graphs": True} if mode.drafts and args.cuda_graphs else {}
+    graphs = {"bole_cuda_graphs": args.cuda_graphs} if mode.drafts else {}
     if generation["do_sample"]:
         torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
     timer = metrics.FirstTokenTimer()

@@ -54,13 +54,14 @@ class BoleConfig:
             The longest suffix the n-gram drafter looks up in the committed tokens.
         ngram_min_size (`int`, *optional*, defaults to 1):
             The shortest suffix it falls back to when longer ones never occurred before.
-        cuda_graphs (`bool`, *optional*, defaults to `False`):
+        cuda_graphs (`bool`, *optional*, defaults to `True`):
             On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/graphs.py`)
             and the MTP drafter's tree expansion from one per (batch size, tree size), instead of launching their
-            kernels one by one from Python. The cache and graphs are kept for the next call of the same batch size
-            (the returned `past_key_values` is that cache, reset by the next call). Off by default until it has been
-            checked on a GPU; a drafter whose MTP layer is a mixture of experts (data-dependent shapes) cannot be
-            captured and says so once.
+            kernels one by one from Python (house model on an H200: 1.6 ms per verify forward replayed, about 10
+            eager). The first round of each width captures its graph. The cache and graphs stay allocated for the
+            next call of the same batch size and verify mode (the returned `past_key_values` is that cache, reset by
+            the next call); `False` frees them with the call. Mixture-of-experts layers (data-dependent shapes)
+            cannot be captured: they run without graphs and say so once. No effect off CUDA.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.
@@ -83,7 +84,7 @@ class BoleConfig:
     drafter: Any = "mtp"
     ngram_max_size: int = 3
     ngram_min_size: int = 1
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     profile: bool = False
 
     def __post_init__(self):

@@ -112,10 +112,10 @@ def test_run_shape_oracle(checkpoint, tmp_path):
     rows = run.main([
         "--shape", str(checkpoint), "--num-prompts", "3", "--prompt-length", "9", "--max-new-tokens", "24",
         "--modes", "bole", "--batch-sizes", "3", "--depth", "6", "--topk", "2", "--oracle-accept", "1.0",
-        "--budget", "64", "--output-dir", str(tmp_path), "--device", "cpu", "--profile", "--cuda-graphs",
+        "--budget", "64", "--output-dir", str(tmp_path), "--device", "cpu", "--profile",
     ])  # fmt: skip
     (row,) = rows
-    assert "CUDA graphs on" in (tmp_path / "results.md").read_text()  # asked for (on a CPU: nothing to capture)
+    assert "CUDA graphs on" in (tmp_path / "results.md").read_text()  # the default (on a CPU: nothing to capture)
     assert set(row["round_phase_ms"]) == {"draft", "select", "verify", "accept", "commit", "host"}
     assert "Where a round's time goes" in (tmp_path / "results.md").read_text()
     assert row["dataset"] == "random" and row["drafter"] == "oracle" and row["quality"] is None
@@ -129,9 +129,10 @@ def test_run_sweeps_tree_settings(checkpoint, tmp_path):
     rows = run.main([
         "--shape", str(checkpoint), "--num-prompts", "2", "--prompt-length", "9", "--max-new-tokens", "16",
         "--modes", "bole", "--batch-sizes", "2", "--depth", "1", "6", "--topk", "2", "--budget", "2", "64",
-        "--oracle-accept", "1.0", "--output-dir", str(tmp_path), "--device", "cpu",
+        "--oracle-accept", "1.0", "--output-dir", str(tmp_path), "--device", "cpu", "--no-cuda-graphs",
     ])  # fmt: skip
     by_label = {r["mode"]: r for r in rows}
+    assert "CUDA graphs off" in (tmp_path / "results.md").read_text()
     assert set(by_label) == {"bole d1 b2", "bole d1 b64", "bole d6 b2", "bole d6 b64"}
     assert all(r["exact_share"] == 1.0 for r in rows)
     assert by_label["bole d6 b64"]["tree_depth"] == 6 and by_label["bole d6 b64"]["tree_budget"] == 64
