@@ -77,7 +77,8 @@ def device() -> str:
 def torch_gdn(monkeypatch):
     """The GDN layers run transformers' torch reference, also where fla-core is importable (where transformers
     would run fla's kernels). Tests that compare hf_bole's kernels with transformers' own forward at fp32
-    tolerances use it: fla's chunked kernel computes in tf32 on a GPU and is itself ~1e-3 off in fp32."""
+    tolerances use it (fla's chunked kernel computes in tf32 on a GPU and is itself ~1e-3 off in fp32), and
+    tests that run a model on the CPU of a GPU machine (fla's kernels take GPU tensors only)."""
     if importlib.util.find_spec("fla") is None:
         return
     from hf_bole.models.qwen3_5 import SUPPORTED_MODEL_TYPES

@@ -260,6 +260,7 @@ def test_synthetic_draft_tree():
     assert sorted(set(tree.parents[0, 4:20].tolist())) == [0, 1, 2, 3]
 
 
+@pytest.mark.usefixtures("torch_gdn")  # a CPU model: fla-core's kernels, where importable, take GPU tensors only
 def test_cli_on_tiny_checkpoint(dense, tmp_path, budget_cache, capsys):
     folder = tmp_path / "tiny"
     dense.save_pretrained(folder)
