@@ -25,6 +25,7 @@ from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
     StoppingCriteriaList,
+    StopStringCriteria,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 from transformers.utils import logging
@@ -238,20 +239,42 @@ def _check_request(model, generation_config: GenerationConfig, model_kwargs: dic
 class _Stopping:
     """Plain `generate`'s stopping rules applied token by token to rows that advance at different speeds.
 
-    EOS and length criteria are checked on the host from the emitted token ids; any other criterion (stop
-    strings, user criteria) is called exactly as plain decoding calls it, with the row's full `input_ids`.
+    EOS and length criteria are checked on the host from the emitted token ids. Stop strings look only at the last
+    `maximum_token_len` tokens of a row: `suffix_stops` checks every new token of every row in one call per round
+    over those windows. Any other criterion (user criteria) is called exactly as plain decoding calls it, with the
+    row's full `input_ids`, token by token.
     """
 
-    def __init__(self, criteria: StoppingCriteriaList):
+    def __init__(self, criteria: StoppingCriteriaList, prompt_length: int):
         self.max_lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
         self.eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten()}
-        self.others = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+        others = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        suffix = [c for c in others if isinstance(c, StopStringCriteria)]
+        self.window = max((c.maximum_token_len for c in suffix), default=0)
+        # A window reaching before the first column would see tokens plain decoding's shorter input_ids lack: with
+        # prompts shorter than the longest stop string, those criteria are called token by token too.
+        self.suffix = suffix if prompt_length + 1 >= self.window else []
+        self.others = StoppingCriteriaList([c for c in others if not any(c is s for s in self.suffix)])
         # Plain decoding pads a finished row only when some criterion knows an EOS token (`_sample`).
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
 
-    def __call__(self, token: int, length: int, row_ids) -> bool:
-        """Whether the row stops after `token`, its sequence now `length` long; `row_ids()` gives it as [1, length]."""
-        if token in self.eos or any(length >= m for m in self.max_lengths):
+    def suffix_stops(self, seq: torch.Tensor, ends: torch.Tensor) -> torch.Tensor | None:
+        """`[B, L]` bool on the device: whether a stop string ends row b's sequence `seq[b, :ends[b, j]]` (`ends`:
+        `[B, L]`, at least `window`); None without stop strings. Ends past the sequence give meaningless entries."""
+        if not self.suffix:
+            return None
+        B, L = ends.shape
+        columns = ends[..., None] - self.window + torch.arange(self.window, device=seq.device)  # [B, L, W]
+        windows = seq.gather(1, columns.clamp(0, seq.shape[1] - 1).view(B, -1)).view(B * L, self.window)
+        stops = torch.zeros(B * L, dtype=torch.bool, device=seq.device)
+        for criterion in self.suffix:
+            stops |= criterion(windows, None)
+        return stops.view(B, L)
+
+    def __call__(self, token: int, length: int, row_ids, suffix_stop: bool) -> bool:
+        """Whether the row stops after `token`, its sequence now `length` long; `row_ids()` gives it as [1, length];
+        `suffix_stop`: what `suffix_stops` said of this token."""
+        if suffix_stop or token in self.eos or any(length >= m for m in self.max_lengths):
             return True
         return bool(self.others) and bool(self.others(row_ids(), None).any())
 
@@ -275,7 +298,7 @@ def _decode(
     )
     _check_request(model, generation_config, model_kwargs, {"assistant_model": assistant_model, "synced_gpus": synced_gpus})
     check_logits_processor(logits_processor)
-    stopping = _Stopping(stopping_criteria or StoppingCriteriaList())
+    stopping = _Stopping(stopping_criteria or StoppingCriteriaList(), input_ids.shape[1])
     do_sample = bool(generation_config.do_sample)
     pad_token = generation_config._pad_token_tensor
     pad_token = int(pad_token) if pad_token is not None else 0
@@ -454,14 +477,16 @@ class _Rows:
         """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row, token by token through
         the stopping rules."""
         B, L = tokens.shape
-        # The one host synchronisation of a round: the stopping rules run on the host.
-        host = torch.cat([lengths[:, None], tokens], dim=1).cpu().tolist()
         start = torch.tensor(self.n_gen, device=tokens.device)
         steps = torch.arange(L, device=tokens.device)
-        # Write first: criteria other than EOS/length read the row's ids. Entries past a row's length go to the
-        # spare last column, never read; entries past a stop are overwritten or padded later.
+        # Write first: stopping criteria read the row's ids. Entries past a row's length go to the spare last
+        # column, never read; entries past a stop are overwritten or padded later.
         col = torch.where(steps[None, :] < lengths[:, None], self.P + start[:, None] + steps, self.seq.shape[1] - 1)
         self.seq.scatter_(1, col, tokens)
+        suffix = self.stopping.suffix_stops(self.seq, self.P + start[:, None] + steps + 1)  # [B, L] or None
+        # The one host synchronisation of a round: the stopping rules run on the host.
+        parts = [lengths[:, None], tokens] + ([suffix.long()] if suffix is not None else [])
+        host = torch.cat(parts, dim=1).cpu().tolist()
         for b in range(B):
             for j in range(host[b][0]):
                 if self.frozen[b] or self.n_gen[b] >= self.limit():
@@ -471,7 +496,10 @@ class _Rows:
                 self.n_gen[b] += 1
                 length = self.P + self.n_gen[b]
                 if self.finished_at[b] is None and self.stopping(
-                    token, length, lambda b=b, length=length: self.seq[b : b + 1, :length]
+                    token,
+                    length,
+                    lambda b=b, length=length: self.seq[b : b + 1, :length],
+                    suffix_stop=suffix is not None and bool(host[b][1 + L + j]),
                 ):
                     self.finished_at[b] = self.n_gen[b]
                     self.frozen[b] = self.stopping.pads_finished

@@ -287,6 +287,30 @@ def test_stopping_stop_strings(dense):
     assert torch.equal(direct, ref)
 
 
+@pytest.mark.parametrize("longest", [3, 9])
+def test_stopping_multi_token_stop_strings(dense, longest):
+    """Stop strings spanning several tokens: checked for every new token of a round in one batched call over
+    windows of the last tokens (3), or token by token when the longest stop string is longer than the padded
+    prompt (9 > 7 + 1: a window would reach before the first column)."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from hf_bole.generation.loop import _Stopping
+
+    prompts = PROMPTS[:3]
+    greedy = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    P = greedy.shape[1] - NEW
+    text = lambda row, start, n: "".join(_char(int(t)) for t in greedy[row, P + start : P + start + n])  # noqa: E731
+    stops = [text(0, 4, 3), text(2, 7, 2), text(1, 2, longest)]  # the last ends at step 2 + longest of row 1
+    tok = _tokenizer()
+    batched = _Stopping([StopStringCriteria(tok, stops)], P).suffix
+    assert bool(batched) == (longest <= P + 1)
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, stop_strings=stops, tokenizer=tok)
+    ref = plain(dense, prompts, **kwargs)
+    assert ref.shape[1] < P + NEW  # every row met a stop string (without EOS, rows run on until the last stops)
+    out = bole(dense, prompts, bole_drafter=oracle_for(dense, prompts), bole_budget=64, **kwargs)
+    assert torch.equal(out, ref)
+
+
 def _samples(model, prompt, n, **kwargs):
     out = model.generate(
         torch.tensor([prompt] * n), max_new_tokens=3, do_sample=True, top_k=0, pad_token_id=0, **kwargs
