@@ -71,7 +71,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth 3, topk 1), SDPA cuDNN "
         f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {'on' if s.get('cuda_graphs') else 'off'}. "
         f"Tokens/s per process: generated tokens up to and including "
-        f"EOS/stop over the wall time of the generate call, prefill included. Command: `{s['command']}`",
+        f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "
+        f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept. Command: `{s['command']}`",
         "",
         "| dataset | mode | batch | prompts | tokens/s | speedup | TTFT ms | TPOT ms | accepted/round | exact | quality | "
         "peak GiB | tree state MiB |",

@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
     ap.add_argument(
+        "--repeats", type=int, default=None, help="timed passes per batch, the one of median wall time kept "
+        "(default: 3 on CUDA, 1 on CPU)",
+    )  # fmt: skip
+    ap.add_argument(
         "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="hf_bole modes launch every kernel from "
         "Python (bole_cuda_graphs=False; by default they replay verify forwards and MTP drafting from CUDA graphs)",
     )  # fmt: skip
@@ -95,7 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("random-weight shapes have no MTP head: use --drafter oracle (default) or ngram with --shape")
     if args.drafter == "oracle" and args.temperature > 0:
         ap.error("the oracle drafter knows greedy continuations only: use --temperature 0 with it")
-    for name in ("batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "topk"):
+    if args.repeats is None:
+        args.repeats = 3 if args.device.startswith("cuda") else 1
+    for name in ("batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "topk", "repeats"):
         values = getattr(args, name)
         if any(v < 1 for v in (values if isinstance(values, list) else [values])):
             ap.error(f"--{name.replace('_', '-')} must be positive, got {values}")
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     batches, desc=f"{dataset} {mode.label} batch {batch_size}", disable=not accelerator.is_main_process
                 )
                 records = [
-                    run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
+                    median_run(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
                     for k, batch in enumerate(bar)
                 ]
                 if name == "ar":
@@ -265,6 +271,15 @@ def generation_kwargs(args, model, tokenizer) -> dict:
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     return kwargs
+
+
+def median_run(model, tokenizer, prompts, batch: list[int], mode: Mode, args, generation: dict, reference: list[dict]):
+    """`run_batch` `args.repeats` times; the record of median wall time, with every pass's time in `seconds_all`."""
+    runs = sorted(
+        (run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference) for _ in range(args.repeats)),
+        key=lambda r: r["seconds"],
+    )
+    return {**runs[(len(runs) - 1) // 2], "seconds_all": [r["seconds"] for r in runs]}
 
 
 def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, generation: dict, reference: list[dict]):
@@ -368,6 +383,8 @@ def summarize(
         "output_tokens": n_tokens,
         "seconds": seconds,
         "output_tokens_per_s": n_tokens / seconds if seconds > 0 else None,
+        # how far apart the timed passes of one batch were, at the worst batch: max / min - 1
+        "pass_spread": max((max(r["seconds_all"]) / min(r["seconds_all"]) - 1 for r in records), default=None),
         "ttft_ms": 1e3 * mean(ttfts) if ttfts else None,
         "tpot_ms": 1e3 * mean(tpots) if tpots else None,
         **metrics.acceptance([n for r in records for n in r["accept_lengths"]], mode.depth or 0),

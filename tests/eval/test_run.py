@@ -112,9 +112,11 @@ def test_run_shape_oracle(checkpoint, tmp_path):
     rows = run.main([
         "--shape", str(checkpoint), "--num-prompts", "3", "--prompt-length", "9", "--max-new-tokens", "24",
         "--modes", "bole", "--batch-sizes", "3", "--depth", "6", "--topk", "2", "--oracle-accept", "1.0",
-        "--budget", "64", "--output-dir", str(tmp_path), "--device", "cpu", "--profile",
+        "--budget", "64", "--output-dir", str(tmp_path), "--device", "cpu", "--profile", "--repeats", "2",
     ])  # fmt: skip
     (row,) = rows
+    assert "timed 2× after an untimed warm-up, the median pass kept" in (tmp_path / "results.md").read_text()
+    assert row["pass_spread"] >= 0
     assert "CUDA graphs on" in (tmp_path / "results.md").read_text()  # the default (on a CPU: nothing to capture)
     assert set(row["round_phase_ms"]) == {"draft", "select", "verify", "accept", "commit", "host"}
     assert "Where a round's time goes" in (tmp_path / "results.md").read_text()
