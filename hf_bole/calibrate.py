@@ -45,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--epsilon", type=float, default=defaults.epsilon, help="B_ver = max{N : T_ver(N) <= (1+eps) T_dec}"
     )
     ap.add_argument("--verify", choices=VERIFY_MODES, default=defaults.verify)
+    ap.add_argument(
+        "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="time forwards launched from Python, for "
+        "generate(..., bole_cuda_graphs=False) (default: replayed from CUDA graphs, as generate runs them)",
+    )  # fmt: skip
     ap.add_argument("--topk", type=int, default=defaults.topk, help="shape of the synthetic draft trees")
     ap.add_argument("--depth", type=int, default=defaults.depth, help="shape of the synthetic draft trees")
     ap.add_argument("--warmup", type=int, default=3)
@@ -91,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     table = calibrate(
         model, args.batch_sizes, args.kv_lengths, args.nodes, epsilon=args.epsilon, verify=args.verify,
         topk=args.topk, depth=args.depth, warmup=args.warmup, reps=args.reps, prefill_chunk=args.prefill_chunk,
-        seed=args.seed,
+        seed=args.seed, cuda_graphs=args.cuda_graphs,
     )  # fmt: skip
     written = [] if args.no_save else [table.save(table.default_path())]
     if args.out is not None:
         written.append(table.save(args.out))
-    print(f"{table.key.model} on {table.key.device}, {table.key.dtype}, {table.key.verify}, epsilon {table.epsilon}:")
+    key = table.key
+    print(f"{key.model} on {key.device}, {key.dtype}, {key.verify}, {key.launch}, epsilon {table.epsilon}:")
     print(f"{'batch':>6} {'KV':>7} {'T_dec ms':>9} {'B_ver':>6}  T_ver(N)/T_dec")
     for e in table.entries:
         ratios = " ".join(f"{n}:{t / e.t_dec:.2f}" for n, t in zip(e.nodes, e.t_ver))

@@ -1,20 +1,24 @@
 """The verification budget (DESIGN.md §5): how many draft nodes one verify forward takes while it still costs about
-a plain decode step. Calibrated once per (model, GPU, dtype, verify mode), stored as a table, looked up every round.
+a plain decode step. Calibrated once per (model, GPU, dtype, verify mode, launch), stored as a table, looked up
+every round.
 
     B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}
 
 `T_ver(N)` is the complete verify forward (`tree_forward`: every layer, the LM head over every node) of a batch of
 draft trees holding `N` draft nodes in all, plus one root per request, from a cache prefilled to the KV-length
-bucket; `T_dec` is plain `generate`'s one-token decode step (a `DynamicCache`) of the same batch and KV length.
-Both run with hf_bole's SDPA backends (`hf_bole.models.attention_backends`). `N = 0` (roots only, the
-tree forward's fixed cost) is measured too: when no tree fits in `(1 + epsilon) T_dec` the budget is 0, and
-selection's floor then verifies each request's best root child only. The trees are MTP/EAGLE-2-shaped (`topk`
-children of the `topk` best nodes per level, random draft probabilities, confidence differing by request) and the
-batch-shared selection splits `N` across requests, so the padded forward has the width the decoding loop gives it.
+bucket, at the width `generate` runs it (the widest row kept, or that width's CUDA-graph bucket). Forwards are
+timed as `generate` launches them: replayed from CUDA graphs (`bole_cuda_graphs`, the default on CUDA for dense
+models), where `T_dec` is the roots-only forward replayed the same way, one token per row; or launched from Python,
+where `T_dec` is plain `generate`'s one-token decode step (a `DynamicCache`) of the same batch and KV length. All
+run with hf_bole's SDPA backends (`hf_bole.models.attention_backends`). `N = 0` (roots only, the tree forward's
+fixed cost) is measured too: when no tree fits in `(1 + epsilon) T_dec` the budget is 0, and selection's floor
+then verifies each request's best root child only. The trees are MTP/EAGLE-2-shaped (`topk` children of the `topk`
+best nodes per level, random draft probabilities, confidence differing by request) and the batch-shared selection
+splits `N` across requests as in the decoding loop.
 
-A table is keyed by the model's text config (`model_key`), the device name, the dtype and the verify mode, and
-holds one entry per (batch size, KV length) bucket with the raw timings, so a different epsilon applies at look-up
-without measuring again. Tables live in `$HF_BOLE_CACHE/budgets/` (default `~/.cache/hf_bole/budgets/`), one JSON
+A table is keyed by the model's text config (`model_key`), the device name, the dtype, the verify mode and the
+launch ("graphs" or "eager"), and holds one entry per (batch size, KV length) bucket with the raw timings, so a
+different epsilon applies at look-up without measuring again. Tables live in `$HF_BOLE_CACHE/budgets/` (default `~/.cache/hf_bole/budgets/`), one JSON
 file per key (`TableKey.filename`). Look-up takes the batch bucket at or below the number of active requests and,
 within it, the KV bucket at or below the longest active request's committed length (the smallest bucket when
 below all of them): bucket i covers the range up to the next bucket. That is optimistic between buckets (a larger
@@ -54,13 +58,14 @@ from hf_bole.config import (
     FALLBACK_BUDGET_PER_REQUEST,
     BoleConfig,
 )
+from hf_bole.generation.graphs import VerifyGraphs, captures, trimmed
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: keyed by how forwards launch (CUDA graphs or eager) too
 # Total draft nodes per verify forward: powers of two and the points halfway between them (in log scale, about).
 DEFAULT_NODES = (0, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_BATCH_SIZES = (1, 4, 8, 16)
@@ -150,15 +155,19 @@ class TableKey:
     device: str  # `device_name`
     dtype: str  # e.g. "bfloat16"
     verify: str  # "closed_form" or "serial"
+    launch: str  # "graphs" (forwards replayed from CUDA graphs) or "eager" (kernels launched from Python)
 
     @classmethod
-    def for_model(cls, model, verify: str = "closed_form") -> TableKey:
-        return cls(model_key(model), device_name(model.device), dtype_name(model.dtype), verify)
+    def for_model(cls, model, verify: str = "closed_form", cuda_graphs: bool = True) -> TableKey:
+        """The key of the forwards `generate` runs for `model` with `bole_verify=verify` and
+        `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so)."""
+        launch = "graphs" if captures(model, cuda_graphs) else "eager"
+        return cls(model_key(model), device_name(model.device), dtype_name(model.dtype), verify, launch)
 
     @property
     def filename(self) -> str:
         device = re.sub(r"[^A-Za-z0-9.]+", "-", self.device).strip("-")
-        return f"{self.model}__{device}__{self.dtype}__{self.verify}.json"
+        return f"{self.model}__{device}__{self.dtype}__{self.verify}__{self.launch}.json"
 
 
 @dataclass
@@ -312,13 +321,14 @@ class BudgetResolver:
         if device.type != "cuda":
             _warn_once(f"hf_bole: no calibrated verification budget on {device.type}: {fallback}")
             return cls.fallback(batch_size)
-        key = TableKey.for_model(model, config.verify)
+        key = TableKey.for_model(model, config.verify, config.cuda_graphs)
         table = find_table(key)
         if table is None:
+            eager = " --no-cuda-graphs" if key.launch == "eager" and captures(model, True) else ""
             _warn_once(
                 f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
-                f"({key.device}), dtype and verify mode; {fallback}. Measure one with `python -m hf_bole.calibrate "
-                f"--model <checkpoint> --dtype {key.dtype} --verify {key.verify}`."
+                f"({key.device}), dtype, verify mode and launch ({key.launch}); {fallback}. Measure one with "
+                f"`python -m hf_bole.calibrate --model <checkpoint> --dtype {key.dtype} --verify {key.verify}{eager}`."
             )
             return cls.fallback(batch_size)
         return cls.from_table(table, config.epsilon)
@@ -400,6 +410,7 @@ def calibrate(
     prefill_chunk: int = 2048,
     seed: int = 0,
     progress: bool = True,
+    cuda_graphs: bool = True,
 ) -> BudgetTable:
     """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
@@ -421,9 +432,13 @@ def calibrate(
         prefill_chunk (`int`): tokens per row per prefill forward.
         seed (`int`): seeds the prompts and the trees.
         progress (`bool`): show a tqdm bar.
+        cuda_graphs (`bool`): time the forwards as `generate` with `bole_cuda_graphs=cuda_graphs` runs them:
+            replayed from CUDA graphs where `hf_bole.generation.graphs.captures` allows, launched from Python
+            otherwise. Replayed, `T_dec` is the roots-only verify forward replayed the same way (a one-token step
+            of every row; a plain `DynamicCache` step launched from Python would mostly time the host).
 
     Returns:
-        `BudgetTable` keyed by `TableKey.for_model(model, verify)`.
+        `BudgetTable` keyed by `TableKey.for_model(model, verify, cuda_graphs)`.
     """
     from hf_bole.models import check_supported_model
 
@@ -443,6 +458,7 @@ def calibrate(
     grid = {b: [n for n in nodes if n == 0 or b <= n <= b * tree_nodes] for b in batch_sizes}
     timer = _Timer(device, warmup, reps)
     generator = torch.Generator().manual_seed(seed)
+    key = TableKey.for_model(model, verify, cuda_graphs)
 
     total = sum(len(kv_lengths) * (1 + len(grid[b])) for b in batch_sizes)
     bar = _progress(total, progress)
@@ -453,8 +469,9 @@ def calibrate(
             timings: dict[int | None, float] = {}  # None: the decode step; N: the verify forward
             try:
                 _measure_bucket(
-                    model, b, kv, grid[b], timings, timer, topk, depth, verify, prefill_chunk, generator, bar
-                )
+                    model, b, kv, grid[b], timings, timer, topk, depth, verify, key.launch == "graphs",
+                    prefill_chunk, generator, bar,
+                )  # fmt: skip
             except torch.OutOfMemoryError:
                 logger.warning(f"hf_bole calibrate: out of memory at batch {b}, KV {kv}; kept {len(timings)} timings")
                 bar.update(1 + len(grid[b]) - len(timings))
@@ -484,21 +501,24 @@ def calibrate(
         "reps": reps,
         "seed": seed,
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
+        "t_dec": "roots-only verify forward, replayed" if key.launch == "graphs" else "plain DynamicCache step",
         "unit": "ms",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": _versions(),
     }
-    return BudgetTable(TableKey.for_model(model, verify), epsilon, entries, meta)
+    return BudgetTable(key, epsilon, entries, meta)
 
 
 def _measure_bucket(
     model, b: int, kv: int, grid: list[int], timings: dict, timer: _Timer, topk: int, depth: int, verify: str,
-    prefill_chunk: int, generator: torch.Generator, bar,
+    graphed: bool, prefill_chunk: int, generator: torch.Generator, bar,
 ) -> None:  # fmt: skip
     """Fills `timings[None]` (decode step) and `timings[N]` (verify forward) for one bucket, as they come.
 
-    The decode step is plain `generate`'s: a `DynamicCache`. Both run with hf_bole's SDPA backends
-    (`attention_backends`: cuDNN's per-shape planning would make either look several times slower)."""
+    Verify forwards run at the width `generate` gives them (`trimmed`), replayed from CUDA graphs when `graphed`.
+    The decode step is then the roots-only forward replayed the same way; otherwise plain `generate`'s step (a
+    `DynamicCache`). All run with hf_bole's SDPA backends (`attention_backends`: cuDNN's per-shape planning would
+    make any of them look several times slower)."""
     from transformers import DynamicCache
 
     from hf_bole.cache import BoleCache
@@ -516,24 +536,33 @@ def _measure_bucket(
         return cache
 
     with attention_backends():
-        plain = prefilled(DynamicCache(config=model.config))
-        step = functools.partial(
-            model, input_ids=prompt[:, -1:], use_cache=True, **{cache_argument(type(model).forward): plain}
-        )
-        timings[None] = timer(step)
-        del plain, step
-        bar.update(1)
         cache = prefilled(
             BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
         )
-        roots = prompt[:, -1]
+        if graphed:
+            forward = VerifyGraphs(model, cache, verify)
+        else:
+            forward = functools.partial(tree_forward, model, cache, verify=verify)
+        roots = prompt[:, -1:]
+        no_parents = torch.full((b, 1), -1, dtype=torch.long, device=device)
+        if graphed:
+            timings[None] = timer(functools.partial(forward, roots, no_parents))
+        else:
+            plain = prefilled(DynamicCache(config=model.config))
+            step = functools.partial(
+                model, input_ids=roots, use_cache=True, **{cache_argument(type(model).forward): plain}
+            )
+            timings[None] = timer(step)
+            del plain, step
+        bar.update(1)
         for n in grid:
             if n == 0:
-                ids, parents = roots[:, None], torch.full((b, 1), -1, dtype=torch.long, device=device)
+                ids, parents = roots, no_parents
             else:
-                vt = select_nodes(synthetic_draft_tree(b, topk, depth, generator, device), roots, n, ROW_CAP)
+                tree = synthetic_draft_tree(b, topk, depth, generator, device)
+                vt = trimmed(select_nodes(tree, roots[:, 0], n, ROW_CAP), graphed)
                 ids, parents = vt.input_ids, vt.parents
-            timings[n] = timer(functools.partial(tree_forward, model, cache, ids, parents, verify=verify))
+            timings[n] = timer(functools.partial(forward, ids, parents))
             bar.update(1)
 
 

@@ -17,17 +17,32 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.cache import BoleCache
-from hf_bole.models import TreeForwardOutput, tree_forward
+from hf_bole.generation.tree import VerifyTree
+from hf_bole.models import TreeForwardOutput, has_experts, tree_forward
 
 WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128)
 # Cache capacities are rounded up to this many slots, so that calls of similar lengths share one cache and its graphs.
 CAPACITY_STEP = 512
 
 
+def captures(model, cuda_graphs: bool) -> bool:
+    """Whether verify forwards of `model` replay from CUDA graphs: asked for (`bole_cuda_graphs`), on a CUDA
+    device, and no mixture-of-experts layers (their token routing has data-dependent shapes)."""
+    return cuda_graphs and model.device.type == "cuda" and not has_experts(model)
+
+
 def width_bucket(width: int, max_width: int) -> int:
     """The width a tree of `width` nodes is verified at: the next bucket, at most `max_width` (the padded width
     selection gives every row)."""
     return min(next((b for b in WIDTH_BUCKETS if b >= width), max_width), max_width)
+
+
+def trimmed(verify: VerifyTree, graphed: bool) -> VerifyTree:
+    """`verify` cut to the width its forward runs at. Selection pads every row to the most a row could get; the
+    forward costs by its width, so it runs at the widest row actually kept (a host read: it waits for drafting
+    and selection, not for a forward), or at the bucket of that width that has a CUDA graph."""
+    width = int(verify.num_nodes.max())
+    return verify.narrowed(width_bucket(width, verify.input_ids.shape[1]) if graphed else width)
 
 
 def capture(run, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -42,7 +42,7 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
-from hf_bole.generation.graphs import graphed_cache, width_bucket
+from hf_bole.generation.graphs import captures, graphed_cache, trimmed
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
@@ -324,9 +324,8 @@ def _decode(
 
     # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
     capacity = P + max_new + 2 * (per_row + 1)
-    graphed = bole.cuda_graphs and device.type == "cuda"
-    if graphed and has_experts(model):
-        graphed = False
+    graphed = captures(model, bole.cuda_graphs)
+    if bole.cuda_graphs and device.type == "cuda" and has_experts(model):
         logger.warning_once(
             "hf_bole: the model's mixture-of-experts layers route tokens with data-dependent shapes, which CUDA "
             "graphs cannot capture; its verify forwards run without them (bole_cuda_graphs=False says the same "
@@ -391,12 +390,7 @@ def _decode(
         tree = DraftTree(tokens=tree.tokens.to(device), parents=tree.parents.to(device), draft_logprobs=logprobs)
         # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
         kv_length = P - 1 + max(n for n, a in zip(state.n_gen, active) if a)
-        verify = select_nodes(tree, root, budget_for(sum(active), kv_length), per_row)
-        # Selection pads every row to the most a row could get; the forward costs by its width, so cut it to the
-        # widest row actually kept (a host read: it waits for drafting and selection, not for a forward), or to
-        # the bucket of that width that has a CUDA graph.
-        width = int(verify.num_nodes.max())
-        verify = verify.narrowed(width_bucket(width, verify.input_ids.shape[1]) if graphed else width)
+        verify = trimmed(select_nodes(tree, root, budget_for(sum(active), kv_length), per_row), graphed)
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents)
         timer.mark("verify")

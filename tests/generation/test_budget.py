@@ -86,7 +86,7 @@ def _table(key: TableKey | None = None) -> BudgetTable:
         BudgetEntry(b, kv, 2.0, NODES, [2.0 * r for r in rs], choose_budget(NODES, rs, 1.0, 0.1))
         for (b, kv), rs in ratios.items()
     ]
-    key = key or TableKey("qwen3_5_text-h64-l4-0123456789", "NVIDIA H200", "bfloat16", "closed_form")
+    key = key or TableKey("qwen3_5_text-h64-l4-0123456789", "NVIDIA H200", "bfloat16", "closed_form", "graphs")
     return BudgetTable(key, 0.1, entries, meta={"topk": 4})
 
 
@@ -121,21 +121,23 @@ def test_resolver_fixed_and_fallback(dense):
 def test_table_round_trip(budget_cache):
     table = _table()
     path = table.save(table.default_path())
-    assert path == budget_cache / "qwen3_5_text-h64-l4-0123456789__NVIDIA-H200__bfloat16__closed_form.json"
+    assert path == budget_cache / "qwen3_5_text-h64-l4-0123456789__NVIDIA-H200__bfloat16__closed_form__graphs.json"
     assert cache_dir() == budget_cache
     data = json.loads(path.read_text())
-    assert data["format"] == 1 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
-    key = {"model": table.key.model, "device": "NVIDIA H200", "dtype": "bfloat16", "verify": "closed_form"}
+    assert data["format"] == 2 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
+    key = {"model": table.key.model, "device": "NVIDIA H200", "dtype": "bfloat16", "verify": "closed_form",
+           "launch": "graphs"}  # fmt: skip
     assert data["key"] == key
     assert data["entries"][0] == {"batch_size": 1, "kv_length": 512, "t_dec": 2.0, "nodes": NODES,
                                   "t_ver": [2.0, 2.04, 2.1, 2.6], "budget": 32}  # fmt: skip
     assert BudgetTable.load(path) == table
     assert find_table(table.key) == table
-    assert find_table(TableKey(table.key.model, "NVIDIA H100", "bfloat16", "closed_form")) is None
-    assert find_table(TableKey(table.key.model, "NVIDIA H200", "bfloat16", "serial")) is None
+    assert find_table(TableKey(table.key.model, "NVIDIA H100", "bfloat16", "closed_form", "graphs")) is None
+    assert find_table(TableKey(table.key.model, "NVIDIA H200", "bfloat16", "serial", "graphs")) is None
+    assert find_table(TableKey(table.key.model, "NVIDIA H200", "bfloat16", "closed_form", "eager")) is None
     data["format"] = 0
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="format 0 is not 1: calibrate again"):
+    with pytest.raises(ValueError, match="format 0 is not 2: calibrate again"):
         find_table(table.key)  # a rewritten file is read again
 
 
@@ -153,7 +155,9 @@ def test_model_key():
 
 def _fake_gpu_model(monkeypatch):
     monkeypatch.setattr(budget_module, "device_name", lambda device: "NVIDIA Test GPU")
-    return SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config())
+    return SimpleNamespace(
+        device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config(), named_modules=lambda: iter(())
+    )
 
 
 def test_auto_without_table_warns_once(monkeypatch, caplog):
@@ -163,20 +167,27 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
     assert len(caplog.records) == 1  # once, however often generate is called
     message = caplog.records[0].getMessage()
     assert "no verification budget table" in message and "NVIDIA Test GPU" in message
-    assert "NVIDIA-Test-GPU__bfloat16__closed_form.json" in message and "python -m hf_bole.calibrate" in message
+    assert "NVIDIA-Test-GPU__bfloat16__closed_form__graphs.json" in message
+    assert "python -m hf_bole.calibrate --model <checkpoint> --dtype bfloat16 --verify closed_form`" in message
     assert "32 draft nodes per active request, at most 128" in message
     for resolver in resolvers:
         assert resolver.source == "fallback" and resolver(2, 1000) == 64 and resolver.max_budget == 128
     # another verify mode is another table, hence another warning
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         BudgetResolver.for_model(model, BoleConfig(verify="serial"), batch_size=4)
-    assert len(caplog.records) == 2 and "serial.json" in caplog.records[1].getMessage()
+    assert len(caplog.records) == 2 and "serial__graphs.json" in caplog.records[1].getMessage()
+    # forwards launched from Python (bole_cuda_graphs=False) cost differently: a table of their own
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        BudgetResolver.for_model(model, BoleConfig(cuda_graphs=False), batch_size=4)
+    message = caplog.records[2].getMessage()
+    assert "closed_form__eager.json" in message and "--verify closed_form --no-cuda-graphs`" in message
 
 
 def test_auto_finds_stored_table(monkeypatch, caplog):
     model = _fake_gpu_model(monkeypatch)
     key = TableKey.for_model(model)
-    assert key == TableKey(model_key(model.config), "NVIDIA Test GPU", "bfloat16", "closed_form")
+    assert key == TableKey(model_key(model.config), "NVIDIA Test GPU", "bfloat16", "closed_form", "graphs")
+    assert TableKey.for_model(model, cuda_graphs=False).launch == "eager"
     _table(key).save(_table(key).default_path())
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
@@ -260,6 +271,29 @@ def test_synthetic_draft_tree():
     assert sorted(set(tree.parents[0, 4:20].tolist())) == [0, 1, 2, 3]
 
 
+def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
+    """Selection pads every row to the most one row could get; the timed forward is as wide as the widest row
+    kept, as in the decoding loop (at batch 4 a budget of 8 leaves each row a few nodes, not 8)."""
+    import hf_bole.models
+
+    widths = []
+    forward = hf_bole.models.tree_forward
+    monkeypatch.setattr(hf_bole.models, "tree_forward", lambda m, c, ids, *a, **k: widths.append(ids.shape[1]) or forward(m, c, ids, *a, **k))  # noqa: E501
+    table = budget_module.calibrate(
+        dense, [4], [8], [0, 8], warmup=1, reps=1, progress=False, cuda_graphs=False
+    )  # fmt: skip
+    assert table.key.launch == "eager" and table.meta["t_dec"] == "plain DynamicCache step"
+    assert widths[:2] == [1, 1]  # roots only, warm-up and timed call
+    assert 2 <= max(widths[2:]) < 1 + 8
+
+
+@pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
+def test_calibrate_replays_graphs(dense):
+    table = budget_module.calibrate(dense, [1, 2], [16], [0, 2, 8], warmup=2, reps=3, progress=False)
+    assert table.key.launch == "graphs" and table.meta["t_dec"] == "roots-only verify forward, replayed"
+    assert all(e.t_dec > 0 and len(e.t_ver) == len(e.nodes) for e in table.entries)
+
+
 @pytest.mark.usefixtures("torch_gdn")  # a CPU model: fla-core's kernels, where importable, take GPU tensors only
 def test_cli_on_tiny_checkpoint(dense, tmp_path, budget_cache, capsys):
     folder = tmp_path / "tiny"
@@ -268,7 +302,7 @@ def test_cli_on_tiny_checkpoint(dense, tmp_path, budget_cache, capsys):
     argv = ["--model", str(folder), "--device", "cpu", "--dtype", "fp32", "--batch-sizes", "1", "2",
             "--kv-lengths", "8", "--nodes", "0", "4", "--warmup", "1", "--reps", "1", "--out", str(out)]  # fmt: skip
     assert calibrate_main(argv) == 0
-    key = TableKey(model_key(dense.config), "cpu", "float32", "closed_form")  # save/load keeps the key
+    key = TableKey(model_key(dense.config), "cpu", "float32", "closed_form", "eager")  # save/load keeps the key
     table = BudgetTable.load(out)
     assert table.key == key and table.epsilon == BoleConfig().epsilon
     assert [(e.batch_size, e.kv_length, e.nodes) for e in table.entries] == [(1, 8, [0, 4]), (2, 8, [0, 4])]
