@@ -69,7 +69,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}. {s['dtype']}, temperature {s['temperature']}, "
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth 3, topk 1), SDPA cuDNN "
-        f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {'on' if s.get('cuda_graphs') else 'off'}. "
+        f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {'on' if s.get('cuda_graphs') else 'off'}"
+        f"{', its verify forward compiled' if s.get('compile') else ''}. "
         f"Tokens/s per process: generated tokens up to and including "
         f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "
         f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept. Command: `{s['command']}`",

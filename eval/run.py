@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Python (bole_cuda_graphs=False; by default they replay verify forwards and MTP drafting from CUDA graphs)",
     )  # fmt: skip
     ap.add_argument(
+        "--compile", action="store_true", help="hf_bole modes run the verify forward through torch.compile (bole_compile)"
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
     )
     ap.add_argument("--output-dir", default="results/eval")
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
                         verify = mode.verify or "closed_form"
                         if (verify, n_rows) not in compiled:
-                            hf_bole.warmup(model, n_rows, verify=verify)
+                            hf_bole.warmup(model, n_rows, verify=verify, compile=args.compile)
                             compiled.add((verify, n_rows))
                     # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
                     graphed = mode.drafts and args.cuda_graphs and device.type == "cuda"
@@ -302,7 +305,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         )  # fmt: skip
 
     profiled = mode.drafts and args.profile
-    graphs = {"bole_cuda_graphs": args.cuda_graphs} if mode.drafts else {}
+    graphs = {"bole_cuda_graphs": args.cuda_graphs, "bole_compile": args.compile} if mode.drafts else {}
     if generation["do_sample"]:
         torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
     timer = metrics.FirstTokenTimer()

@@ -62,6 +62,11 @@ class BoleConfig:
             next call of the same batch size and verify mode (the returned `past_key_values` is that cache, reset by
             the next call); `False` frees them with the call. Mixture-of-experts layers (data-dependent shapes)
             cannot be captured: they run without graphs and say so once. No effect off CUDA.
+        compile (`bool`, *optional*, defaults to `False`):
+            Run the verify forward's decoder through `torch.compile`, which fuses the norms, gates and
+            projections between hf_bole's tree kernels (those stay outside the compiled graphs). The first verify
+            forwards of a model compile (seconds on a small model, longer on a large one); with `cuda_graphs` the
+            compiled forward is what the graphs capture.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.
@@ -85,6 +90,7 @@ class BoleConfig:
     ngram_max_size: int = 3
     ngram_min_size: int = 1
     cuda_graphs: bool = True
+    compile: bool = False
     profile: bool = False
 
     def __post_init__(self):
@@ -96,7 +102,7 @@ class BoleConfig:
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
-        for name in ("cuda_graphs", "profile"):
+        for name in ("cuda_graphs", "compile", "profile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BoleConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.verify not in VERIFY_MODES:

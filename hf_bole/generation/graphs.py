@@ -71,18 +71,19 @@ class _Graph:
 
 
 class VerifyGraphs:
-    """`tree_forward(model, cache, input_ids, parents, verify)` replayed from a CUDA graph per tree width.
+    """`tree_forward(model, cache, input_ids, parents, verify, compile)` replayed from a CUDA graph per tree width.
 
     Args:
         model: a Qwen3.5 model hf_bole supports, on a CUDA device.
         cache (`BoleCache`): created with a fixed `max_cache_len` (graphs keep its storage's addresses).
         verify (`str`): "closed_form" or "serial".
+        compile (`bool`): capture the `torch.compile`d forward (`tree_forward`'s `compile`).
     """
 
-    def __init__(self, model, cache: BoleCache, verify: str):
+    def __init__(self, model, cache: BoleCache, verify: str, compile: bool = False):
         if cache.max_cache_len is None:
             raise ValueError("CUDA graphs keep the cache's addresses: create the BoleCache with a fixed max_cache_len")
-        self.model, self.cache, self.verify = model, cache, verify
+        self.model, self.cache, self.verify, self.compile = model, cache, verify, compile
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
 
@@ -105,7 +106,7 @@ class VerifyGraphs:
         input_ids, parents = input_ids.clone(), parents.clone()
         # Tree mode leaves the committed state alone, so the forward may run any number of times.
         graph, out = capture(
-            lambda: tree_forward(self.model, self.cache, input_ids, parents, verify=self.verify),
+            lambda: tree_forward(self.model, self.cache, input_ids, parents, verify=self.verify, compile=self.compile),
             input_ids.device,
             self._pool,
         )
@@ -114,22 +115,24 @@ class VerifyGraphs:
         return _Graph(graph, input_ids, parents, out, self.cache.current_round())
 
 
-# model -> {(batch size, verify): (cache, graphs)}: one cache per batch size and verify mode, reused (reset) by
-# later calls that fit in it, replaced by a larger one when they do not.
+# model -> {(batch size, verify, compile): (cache, graphs)}: one cache per batch size and verify mode, reused
+# (reset) by later calls that fit in it, replaced by a larger one when they do not.
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def graphed_cache(model, batch_size: int, capacity: int, verify: str) -> tuple[BoleCache, VerifyGraphs]:
+def graphed_cache(
+    model, batch_size: int, capacity: int, verify: str, compile: bool = False
+) -> tuple[BoleCache, VerifyGraphs]:
     """An empty `BoleCache` of at least `capacity` slots per row for `model` on its CUDA device, and the verify
-    graphs that go with it; both are kept for the next call of the same batch size and verify mode."""
+    graphs that go with it; both are kept for the next call of the same batch size, verify mode and `compile`."""
     per_model = _STORE.setdefault(model, {})
-    key = (batch_size, verify)
+    key = (batch_size, verify, compile)
     held = per_model.get(key)
     if held is None or held[0].capacity < capacity:
         per_model.pop(key, None)  # the old cache and graphs go before the larger ones are allocated
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         device = model.get_input_embeddings().weight.device
         cache = BoleCache(model.config, batch_size, max_cache_len=capacity, device=device, dtype=model.dtype)
-        held = per_model[key] = (cache, VerifyGraphs(model, cache, verify))
+        held = per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile))
     held[0].reset()
     return held

@@ -332,10 +332,10 @@ def _decode(
             "without this warning)"
         )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
-        cache, verify_forward = graphed_cache(model, B, capacity, bole.verify)
+        cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile)
     else:
         cache = BoleCache(model.config, B, max_cache_len=capacity, device=device, dtype=model.dtype)
-        verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify)
+        verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify, compile=bole.compile)
     decoder = model.get_decoder()
     prefill = decoder(
         input_ids=input_ids,

@@ -22,7 +22,9 @@ WIDTHS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
 
 @torch.no_grad()
 @attention_backends()  # the attention kernels generate uses
-def warmup(model, batch_size: int, max_nodes: int = MAX_NODES, verify: str = "closed_form") -> list[int]:
+def warmup(
+    model, batch_size: int, max_nodes: int = MAX_NODES, verify: str = "closed_form", compile: bool = False
+) -> list[int]:
     r"""
     Runs one tree round (verify forward and commit) at every verify width that needs its own compiled kernels,
     up to `max_nodes`, on a scratch cache of `batch_size` rows, so that later `generate` calls of that batch size
@@ -33,6 +35,7 @@ def warmup(model, batch_size: int, max_nodes: int = MAX_NODES, verify: str = "cl
         batch_size (`int`): the rows of the `generate` calls to prepare (the verify kernels autotune per batch size).
         max_nodes (`int`): the widest tree a round verifies, root included (at most `MAX_NODES`).
         verify (`str`): "closed_form" or "serial", as `bole_verify`.
+        compile (`bool`): as `bole_compile`: the compiled forward is compiled here too.
 
     Returns:
         `list[int]`: the widths that were run.
@@ -60,7 +63,7 @@ def warmup(model, batch_size: int, max_nodes: int = MAX_NODES, verify: str = "cl
         # Node i's parent is (i - 1) // 2: a binary tree, as wide as asked and log-deep.
         parents = ((torch.arange(width, device=device) - 1).div(2, rounding_mode="floor")).expand(batch_size, -1)
         ids = torch.cat([root, torch.randint(1, vocab, (batch_size, width - 1), device=device)], dim=1)
-        tree_forward(model, cache, ids, parents, verify=verify)
+        tree_forward(model, cache, ids, parents, verify=verify, compile=compile)
         padded = path + [-1] * (width - len(path))  # as the acceptance walk gives it: [B, width], -1 after the leaf
         cache.commit(torch.tensor([padded] * batch_size, device=device))
         root = ids[:, path[-1] : path[-1] + 1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -146,6 +147,7 @@ def tree_forward(
     input_ids: torch.LongTensor,
     parents: torch.LongTensor,
     verify: str = "closed_form",
+    compile: bool = False,
 ) -> TreeForwardOutput:
     """Runs the model over a draft tree per row in one forward, from the committed state of `cache`.
 
@@ -162,6 +164,8 @@ def tree_forward(
             batch are padded with extra nodes of parent -1, whose outputs are meaningless.
         verify: "closed_form" (GDN layers keep per-node factors; the default) or "serial" (node by node with a
             state snapshot per node: the SGLang-Tree baseline).
+        compile: run the decoder through `torch.compile` (compiled once per decoder; hf_bole's tree kernels stay
+            outside the compiled graphs, the norms, gates and projections between them are fused).
 
     Returns:
         `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`.
@@ -192,12 +196,13 @@ def tree_forward(
             f"from this model's config"
         )
     ancestors = tree_ancestor_mask(parents)  # one tree for every layer: the mask, positions and GDN kernels share it
+    forward = _compiled(decoder) if compile else decoder
     with cache.tree_mode(parents, verify, ancestors=ancestors) as (mask, position_ids):
         if config._attn_implementation == "eager":
             dtype = decoder.get_input_embeddings().weight.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
         # Qwen3.5 takes mRoPE position ids: a text row and three rotary rows, all equal for text.
-        outputs = decoder(
+        outputs = forward(
             input_ids=input_ids,
             attention_mask={"full_attention": mask, "linear_attention": None},
             position_ids=position_ids[None].expand(4, -1, -1),
@@ -209,6 +214,16 @@ def tree_forward(
         )
     hidden_states = outputs.last_hidden_state
     return TreeForwardOutput(logits=model.get_output_embeddings()(hidden_states), hidden_states=hidden_states)
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled(decoder: torch.nn.Module):
+    """`torch.compile` of `decoder`'s forward, made once per decoder."""
+    if decoder not in _COMPILED:
+        _COMPILED[decoder] = torch.compile(decoder.forward)
+    return _COMPILED[decoder]
 
 
 @functools.cache
@@ -227,6 +242,13 @@ def _wrap(module: ModuleType, name: str, make_wrapper) -> None:
     setattr(module, name, wrapper)
 
 
+# A compiled tree forward (`tree_forward(..., compile=True)`) leaves hf_bole's kernels out of the compiled graphs:
+# their launchers check trees on the host and pick Triton configs. Plain calls never reach these.
+_tree_causal_conv1d = torch.compiler.disable(tree_causal_conv1d)
+_tree_gdn_verify = torch.compiler.disable(tree_gdn_verify)
+_tree_gdn_verify_serial = torch.compiler.disable(tree_gdn_verify_serial)
+
+
 def _tree_causal_conv1d_fn(original):
     @functools.wraps(original)
     def causal_conv1d_fn(*args, bole_tree: TreeBatch | None = None, **kwargs):
@@ -238,7 +260,7 @@ def _tree_causal_conv1d_fn(original):
         # The cache returned [committed window, node inputs] from `update_conv_state`: [B, D, W + N].
         num_nodes = bole_tree.parents.shape[1]
         window, x = hidden_states[..., :-num_nodes], hidden_states[..., -num_nodes:]
-        out = tree_causal_conv1d(x.transpose(1, 2), weight, bias, bole_tree.parents, window, activation)
+        out = _tree_causal_conv1d(x.transpose(1, 2), weight, bias, bole_tree.parents, window, activation)
         return out.transpose(1, 2)  # [B, D, N], as the layer expects
 
     return causal_conv1d_fn
@@ -265,11 +287,11 @@ def _tree_gated_delta_rule(original):
             group = key.shape[2] // bole_tree.key_heads
             query, key = query[:, :, ::group], key[:, :, ::group]
         if bole_tree.verify == "serial":
-            o, snapshots = tree_gdn_verify_serial(
+            o, snapshots = _tree_gdn_verify_serial(
                 query, key, value, g, beta, bole_tree.parents, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm
             )
             return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm, snapshots=snapshots)
-        o, u, log_decay = tree_gdn_verify(
+        o, u, log_decay = _tree_gdn_verify(
             query, key, value, g, beta, bole_tree.parents, initial_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm, ancestors=bole_tree.ancestors,
         )  # fmt: skip

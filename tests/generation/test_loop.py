@@ -163,6 +163,16 @@ def test_greedy_matches_plain_ngram(request, kind):
     assert torch.equal(bole(model, prompts, max_new_tokens=NEW, do_sample=False, bole_drafter="ngram"), ref)
 
 
+def test_greedy_matches_plain_compiled(dense):
+    """The verify forward through torch.compile (hf_bole's kernels left out of the compiled graphs)."""
+    import hf_bole.models.qwen3_5 as adapter
+
+    ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    out = bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, PROMPTS), bole_compile=True)
+    assert torch.equal(out, ref)
+    assert dense.get_decoder() in adapter._COMPILED  # compiled, not run eagerly
+
+
 def test_greedy_matches_plain_mtp(dense_with_mtp):
     ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
     out = bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
