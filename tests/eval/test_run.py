@@ -254,3 +254,14 @@ def test_budget_sweep_table():
     assert "- mbpp / bole / depth 5: 16: 17% at batch 1, 64: 25% at batch 8" in lines
     assert not any("chain" in line for line in lines)
     assert report.budget_sweep([row(1, 16, 100.0), row(1, "auto", 90.0)]) == []  # one fixed budget: no sweep
+
+
+def test_epsilon_sweep_runs_fixed_budgets_once():
+    """Epsilon only shapes the "auto" budget: a fixed budget is one mode, labelled without an epsilon."""
+    from types import SimpleNamespace
+
+    from eval.modes import make_modes
+
+    args = SimpleNamespace(depth=[5], topk=4, budget=[16, "auto"], epsilon=[0.05, 0.1])
+    labels = [m.label for m in make_modes("bole", 4, args)]
+    assert labels == ["bole b16", "bole bauto e0.05", "bole bauto e0.1"]
