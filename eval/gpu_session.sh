@@ -2,33 +2,35 @@
 # The GPU work left open, as parts that each fit one device command (10 minutes): `bash eval/gpu_session.sh PART`.
 # Every step has its own time limit and writes under $OUT (default results/gpu_session), so a step that overruns
 # costs only itself; the harness keeps finished rows in results.partial.jsonl. At most 8 files come back from a
-# device: each part writes few.
+# device: each part writes few. Carry .whl/fla_core-*.whl: fla-core is what a user of Qwen3.5 has installed, and
+# with it transformers runs prefill and plain decoding's GDN layers through fla's kernels (set FLA=0 to leave it out).
 #
-#   checks   the test suite on CUDA (kernel tests with fla-core importable when .whl/ carries its wheel)
-#   house    the harness on the house model: four modes + ar-static, batch 1 and 8, MBPP and GSM8K, phases profiled
-#   budget   the house model's calibration table, then a fixed-budget and epsilon sweep with CUDA graphs
-#   shapes   the 9B shape with the oracle drafter, CUDA graphs: ar and bole at batch 1, 8 and 16, phases profiled
-#   kernels  the full kernel benchmark grid (eval/bench_kernels.py)
-#   profile  torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
-#   profile9b  the same over ar and bole (CUDA graphs) on the 9B shape at batch 1
-#   graphs   the house harness, ar vs bole with and without hf_bole's CUDA graphs (--no-cuda-graphs), phases
-#   fla      with fla-core importable: its GDN kernels against transformers' torch reference, then the model tests
-#   verify   at once: the CUDA-graph tests and the model tests with fla; then the house harness with fla and CUDA
-#            graphs, ar vs bole at batch 1 and 8
+#   checks     the test suite on CUDA (kernel tests, then model, cache and generation tests with fla importable)
+#   verify     at once: the CUDA-graph tests and the model tests with fla; then the house harness, ar vs bole, batch
+#              1 and 8 (about 5 minutes)
+#   house      the harness on the house model: ar, ar-static, chain, tree-serial, bole, batch 1 and 8, MBPP and GSM8K
+#   speed9b    issue 8 at batch 1: the 9B shape, oracle at ~4 tokens/round, depth 6, 256 new tokens, ar, ar-static
+#              (transformers' static cache with torch.compile) and bole
+#   batch9b    the same at batch 8 and 16, and tree-serial against bole at batch 16 with 64-node trees
+#   compile    bole with and without bole_compile (torch.compile of the verify forward): house and 9B, batch 1
+#   budget     the house model's calibration table (graph replays), then a fixed-budget and epsilon sweep
+#   budget9b   the same for the 9B shape (oracle drafter)
+#   kernels    the full kernel benchmark grid (eval/bench_kernels.py)
+#   profile    torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
+#   profile9b  the same over ar and bole on the 9B shape at batch 1
+#   fla        fla-core's GDN kernels against transformers' torch reference, then the model tests with fla
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|house|budget|shapes|kernels|profile|profile9b|graphs|fla|verify}
+PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|compile|budget|budget9b|kernels|profile|profile9b|fla}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# fla-core (carried in .whl/) is what a user of Qwen3.5 has installed: transformers then runs the GDN layers of
-# prefill and plain decoding with it. With it importable, 14 model tests failed on 2026-11-30: hf_bole's seam
-# re-ordered the recurrence's arguments and fla-core 0.6 took beta as gk (fixed; checked on CPU under the Triton
-# interpreter). The `fla` part checks the fix on the GPU; the other parts import fla-core only with FLA=1 until then.
-if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
-    if [ "$PART" = fla ] || [ "$PART" = verify ] || [ "${FLA:-0}" = 1 ]; then export PYTHONPATH=/tmp/site-fla:$PYTHONPATH; fi
+if [ "${FLA:-1}" = 1 ] && ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
+    export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
 fi
+# installed (not only on PYTHONPATH) so that transformers finds custom_generate/requirements.txt's hf-bole
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 python3 -c "import torch, triton, transformers, importlib.util as u; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, 'fla', u.find_spec('fla') is not None)"
 step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail on screen
@@ -39,31 +41,60 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail 
     echo "exit $?"
     grep -E "passed|failed|FAILED|Error|^\|" "$OUT/$name.log" | tail -30
 }
+harness() {  # harness NAME SECONDS ARGS...: eval/run.py into /tmp/NAME, its table and rows copied to $OUT
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" python3 eval/run.py --output-dir "/tmp/$name" "$@"
+    cp "/tmp/$name/results.md" "$OUT/$name.md" 2>/dev/null
+    cp "/tmp/$name/results.jsonl" "$OUT/$name.jsonl" 2>/dev/null || cp "/tmp/$name/results.partial.jsonl" "$OUT/$name.jsonl"
+}
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
+SHAPE9B="--shape 9B --depth 6 --max-new-tokens 256 --profile"
 case $PART in
 checks)
     step tests 300 bash eval/gpu_tests.sh
     ;;
+verify)
+    step graph_tests 200 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py \
+        tests/generation/test_mtp.py tests/generation/test_budget.py &
+    step tests_with_fla 240 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache \
+        tests/generation/test_loop.py &
+    wait
+    harness house_graphs 300 --datasets mbpp gsm8k --modes ar bole --batch-sizes 1 8 --num-prompts 8 \
+        --max-new-tokens 128 --profile
+    ;;
 house)
-    step house 540 python3 eval/run.py --datasets mbpp gsm8k --modes ar ar-static chain tree-serial bole \
-        --batch-sizes 1 8 --num-prompts 8 --max-new-tokens 128 --profile --output-dir "$OUT/house"
+    harness house 540 --datasets mbpp gsm8k --modes ar ar-static chain tree-serial bole --batch-sizes 1 8 \
+        --num-prompts 8 --max-new-tokens 128 --profile
     ;;
-budget)  # the house model's calibration table, then a fixed-budget and epsilon sweep over it with CUDA graphs
-    step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \
-        --batch-sizes 1 4 8 16 --kv-lengths 1024 --out "$OUT/budget_house.json" --plot /tmp/budget_house.png
-    step sweep 200 python3 eval/run.py --datasets gsm8k --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
-        --max-new-tokens 64 --budget 16 32 64 128 auto --epsilon 0.05 0.1 0.25 --output-dir /tmp/sweep
-    cp /tmp/sweep/results.md "$OUT/sweep_results.md"
-    cp /tmp/sweep/results.jsonl /tmp/sweep/results.partial.jsonl "$OUT/" 2>/dev/null
+speed9b)  # ar at batch 1 takes ~40 ms a step: 4 prompts, each timed 3 times
+    harness speed9b_b1 560 $SHAPE9B --modes ar ar-static bole --batch-sizes 1 --num-prompts 4
     ;;
-shapes)  # the issue-8 settings: 256 new tokens, depth 6, oracle at ~4 tokens/round, CUDA graphs
-    step shape_9b 330 python3 eval/run.py --shape 9B --modes ar bole --batch-sizes 1 8 --depth 6 \
-        --num-prompts 8 --max-new-tokens 256 --profile --output-dir /tmp/shape_9b
-    step shape_9b_b16 200 python3 eval/run.py --shape 9B --modes ar bole --batch-sizes 16 --depth 6 \
-        --num-prompts 16 --max-new-tokens 256 --profile --output-dir /tmp/shape_9b_b16
-    for d in shape_9b shape_9b_b16; do
-        cp /tmp/$d/results.md "$OUT/$d.md"; cp /tmp/$d/results.jsonl "$OUT/$d.jsonl" 2>/dev/null
-        cp /tmp/$d/results.partial.jsonl "$OUT/$d.partial.jsonl" 2>/dev/null
+batch9b)
+    harness speed9b_b8 250 $SHAPE9B --modes ar ar-static bole --batch-sizes 8 --num-prompts 8
+    harness serial9b_b16 300 $SHAPE9B --modes ar tree-serial bole --batch-sizes 16 --num-prompts 16 --budget 1024
+    ;;
+compile)
+    for c in "" --compile; do
+        harness "house_b1${c//-/_}" 200 --datasets gsm8k --modes bole --batch-sizes 1 --num-prompts 8 \
+            --max-new-tokens 128 --profile $c
+        harness "speed9b_b1${c//-/_}" 140 $SHAPE9B --modes bole --batch-sizes 1 --num-prompts 2 $c
     done
+    ;;
+budget)
+    step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \
+        --batch-sizes 1 4 8 16 --kv-lengths 1024 --out "$OUT/budget_house.json" --plot "$OUT/budget_house.png"
+    harness sweep_house 400 --datasets gsm8k --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+        --max-new-tokens 64 --budget 16 32 64 128 auto --epsilon 0.1 0.25 0.5
+    ;;
+budget9b)
+    step calibrate_9b 200 python3 -m hf_bole.calibrate --shape 9B --dtype bf16 --batch-sizes 1 4 8 16 \
+        --kv-lengths 512 --reps 5 --out "$OUT/budget_9b.json" --plot "$OUT/budget_9b.png"
+    harness sweep_9b 350 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+        --max-new-tokens 64 --repeats 1 --budget 16 32 64 128 auto --epsilon 0.1 0.25 0.5
+    ;;
+kernels)
+    step kernels 540 bash eval/gpu_kernels.sh
     ;;
 profile)
     for b in 1 8; do
@@ -75,34 +106,9 @@ profile9b)
     step profile_9b_b1 150 python3 eval/profile_round.py --shape 9B --modes ar bole --depth 6 --batch-sizes 1 \
         --num-prompts 2 --max-new-tokens 64 --json "$OUT/profile_9b_b1.json"
     ;;
-graphs)
-    for g in "" --no-cuda-graphs; do
-        step "house${g//-/_}" 270 python3 eval/run.py --datasets mbpp gsm8k --modes ar bole --batch-sizes 1 8 \
-            --num-prompts 8 --max-new-tokens 128 --profile $g --output-dir "/tmp/house${g//-/_}"
-        cp "/tmp/house${g//-/_}"/results*.jsonl "/tmp/house${g//-/_}/results.md" "$OUT/" 2>/dev/null
-        for f in "$OUT"/results*; do mv "$f" "${f%/*}/house${g//-/_}_${f##*/}"; done
-    done
-    ;;
 fla)
     step fla_check 300 python3 eval/gpu_fla_check.py
-    step tests_with_fla 250 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
-        tests/models tests/cache tests/generation
-    ;;
-verify)
-    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
-    PYTEST="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
-    step graph_tests 200 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py \
-        tests/generation/test_mtp.py &
-    step tests_with_fla 240 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache \
-        tests/generation/test_loop.py &
-    wait
-    step house_graphs 300 python3 eval/run.py --datasets mbpp gsm8k --modes ar bole --batch-sizes 1 8 \
-        --num-prompts 8 --max-new-tokens 128 --profile --output-dir /tmp/house_graphs
-    cp /tmp/house_graphs/results.md "$OUT/house_graphs.md"
-    cp /tmp/house_graphs/results*.jsonl "$OUT/" 2>/dev/null
-    ;;
-kernels)
-    step kernels 540 bash eval/gpu_kernels.sh
+    step tests_with_fla 250 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation
     ;;
 *)
     echo "unknown part $PART" >&2

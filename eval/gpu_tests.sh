@@ -2,8 +2,9 @@
 # On a GPU machine: every test on CUDA. Kernel tests pick the GPU through their `device` fixture; model, cache and
 # generation tests run with HF_BOLE_TEST_DEVICE=cuda (every tensor and model made on the GPU), once on the image's
 # transformers and once more on each transformers wheel given as an argument. Logs go to $OUT (default results/).
-# Wheels in .whl/ (fla-core) are installed to /tmp/site-fla and used by the kernel tests only: transformers would
-# route the model's GDN layers to fla, and the model tests check our kernels against transformers' own torch path.
+# Wheels in .whl/ (fla-core) are installed to /tmp/site-fla and put on the path of every test: transformers then
+# runs plain decoding's GDN layers through fla, as for a user who installed it (tests that compare with transformers'
+# forward at fp32 tolerances switch back to its torch path: the `torch_gdn` fixture).
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -22,7 +23,8 @@ PYTHONPATH=/tmp/site-fla:$PYTHONPATH $PYTEST tests/kernels 2>&1 | tee "$OUT/gpu_
 # installed (not only on PYTHONPATH) so that transformers finds custom_generate/requirements.txt's hf-bole
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 echo "== models, cache, generation (CUDA, image transformers)"
-HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation 2>&1 | tee "$OUT/gpu_tests_model.log" | tail -25
+PYTHONPATH=/tmp/site-fla:$PYTHONPATH HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation 2>&1 \
+    | tee "$OUT/gpu_tests_model.log" | tail -25
 
 for wheel in "$@"; do
     site=/tmp/site-$(basename "$wheel" .whl)
