@@ -407,13 +407,15 @@ def _decode(
         timer.mark("commit")
 
         lengths = torch.where(active_t, accepted.accept_lengths, 0)
-        state.emit(accepted.tokens, lengths)
+        # What the drafter has not seen: the accepted paths, [B, L] up to the longest (paths are padded to the
+        # tree's width; the host has just read the lengths for the stopping rules).
+        L = state.emit(accepted.tokens, lengths)
         rounds.append(lengths)
         streamed.flush()
 
-        L = path.shape[1]
+        path = path[:, :L]
         new_hidden = out.hidden_states.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, out.hidden_states.shape[-1]))
-        new_tokens = accepted.tokens.clamp(min=0)
+        new_tokens = accepted.tokens[:, :L].clamp(min=0)
         new_mask = path >= 0
         new_positions = positions[:, None] + torch.arange(L, device=device)
         root = accepted.bonus
@@ -467,9 +469,9 @@ class _Rows:
         limit = self.limit()
         return [not self.frozen[b] and self.n_gen[b] < limit for b in range(self.B)]
 
-    def emit(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+    def emit(self, tokens: torch.Tensor, lengths: torch.Tensor) -> int:
         """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row, token by token through
-        the stopping rules."""
+        the stopping rules; returns the largest of `lengths`."""
         B, L = tokens.shape
         start = torch.tensor(self.n_gen, device=tokens.device)
         steps = torch.arange(L, device=tokens.device)
@@ -497,6 +499,7 @@ class _Rows:
                 ):
                     self.finished_at[b] = self.n_gen[b]
                     self.frozen[b] = self.stopping.pads_finished
+        return max(row[0] for row in host)
 
     def output_length(self) -> int:
         return min(self.limit(), max(self.n_gen))

@@ -9,6 +9,7 @@ import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+from hf_bole.generation.drafters import mtp as mtp_module
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.drafters.mtp import MTPDrafter
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
@@ -267,7 +268,9 @@ def test_propose_extension_in_pieces():
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([300, 40])
-    bounds = [[0, 7, 10, 200, 290, 300], [0, 1, 2, 17, 39, 40]]  # entries [bounds[i], bounds[i + 1]) per round
+    # Calls bringing in up to depth + 1 = 4 entries replay graphs; longer ones run eagerly (the sixth grows the
+    # cache past 256 entries, which drops the graphs).
+    bounds = [[0, 7, 10, 12, 200, 203, 290, 293, 300], [0, 1, 2, 4, 17, 20, 37, 39, 40]]  # entries [bounds[i], bounds[i + 1]) per round
     drafter = _drafter(model, mtp, depth=3, topk=2)
     for r in range(1, len(bounds[0])):
         starts, ends = [bound[r - 1] for bound in bounds], [bound[r] for bound in bounds]
@@ -338,8 +341,8 @@ def _rounds(drafter, rows, bounds):
 
 
 def test_draft_over_the_whole_cache_length():
-    """What CUDA graphs rely on: attending over every slot of the cache (unused ones masked out) drafts the same
-    trees as attending over the slots in use."""
+    """What CUDA graphs rely on: extending and drafting while attending over every slot of the cache (unused ones
+    masked out) drafts the same trees as attending over the slots in use."""
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([30, 12])
@@ -348,13 +351,53 @@ def test_draft_over_the_whole_cache_length():
     eager = drafter.propose(ctx)
     # the roots again: extending by the same entries rewrites the same slots with the same values
     cache, committed = drafter._cache, torch.tensor([30, 12])
+    cache.num_keys = cache.key.shape[2]
+    assert cache.num_keys > cache.offset + 30  # slots past the longest row take part
     root_hidden, root_position = drafter._extend(
         cache, ctx.hidden_states, ctx.next_tokens, ctx.new_mask, ctx.positions, committed
     )
-    cache.num_keys = cache.key.shape[2]
-    assert cache.num_keys > cache.offset + 30  # slots past the longest row take part
     whole = drafter._draft(cache, root_hidden, root_position, committed, eager.num_nodes)
     _assert_same_trees(whole, eager)
+
+
+class _RecordedGraph:
+    """Stands in for a CUDA graph on any device: `replay` runs the captured call again and writes its results into
+    the buffers the capture returned, which is what a replay does."""
+
+    def __init__(self, run, out):
+        self.run, self.out = run, out
+
+    def replay(self):
+        new = self.run()
+        for name in ("tokens", "parents", "draft_logprobs"):
+            getattr(self.out, name).copy_(getattr(new, name))
+
+    def pool(self):
+        return None
+
+
+def test_replayed_rounds_read_their_static_inputs(monkeypatch):
+    """The graphed path's bookkeeping on any device (a recorded call in place of a CUDA graph): every round's
+    inputs reach the captured extension and expansion through its static buffers, one capture per (batch size,
+    new entries, tree size), the prompt eagerly."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([60, 40])
+    bounds = [[0, 7, 10, 12, 15, 17, 20], [0, 1, 2, 4, 7, 9, 12]]
+    graphed = _drafter(model, mtp, 3, 2)
+    captured = []
+
+    def record(run, device, pool=None):
+        out = run()
+        captured.append(out)
+        return _RecordedGraph(run, out), out
+
+    monkeypatch.setattr(mtp_module, "capture", record)
+    monkeypatch.setattr(graphed, "_replays", lambda device: True)
+    for tree, eager in zip(_rounds(graphed, rows, bounds), _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
+        _assert_same_trees(tree, eager)
+    # new entries per call: 7 (the prompt: eager), then 3, 2, 3, 2, 3
+    assert sorted(key[1] for key in graphed._graphs) == [2, 3] and len(captured) == 2
 
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
@@ -363,17 +406,19 @@ def test_cuda_graphs_match_eager_drafting():
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([300, 40])
-    bounds = [[0, 7, 10, 200, 290, 300], [0, 1, 2, 17, 39, 40]]
+    # Calls bringing in up to depth + 1 = 4 entries replay graphs; longer ones run eagerly (the sixth grows the
+    # cache past 256 entries, which drops the graphs).
+    bounds = [[0, 7, 10, 12, 200, 203, 290, 293, 300], [0, 1, 2, 4, 17, 20, 37, 39, 40]]
     graphed = MTPDrafter(
         mtp, model.get_input_embeddings(), model.get_output_embeddings(), model.get_decoder().rotary_emb,
         depth=3, topk=2, cuda_graphs=True,
     )  # fmt: skip
-    first = _rounds(graphed, rows, [b[:2] for b in bounds])
+    first = _rounds(graphed, rows, [b[:3] for b in bounds])
     assert graphed._graphs  # captured, not drafted eagerly
     # Memory of the first graphs' pool still held when the cache grows and they are dropped (the harness hit
     # PyTorch's allocator assert when the next capture reused that pool).
     held = next(iter(graphed._graphs.values())).tree
-    later = _rounds(graphed, rows, [b[1:] for b in bounds])
+    later = _rounds(graphed, rows, [b[2:] for b in bounds])
     for tree, eager in zip(first + later, _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
         _assert_same_trees(tree, eager)
     assert held.tokens.is_cuda

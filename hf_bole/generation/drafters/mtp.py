@@ -60,8 +60,9 @@ class MTPDrafter:
         max_nodes (`int`, *optional*):
             A cap on nodes per row on top of each call's `ctx.max_nodes`.
         cuda_graphs (`bool`, *optional*, defaults to `False`):
-            On CUDA, replay the tree expansion (`_draft`) from a CUDA graph per (batch size, tree size); see
-            `BoleConfig.cuda_graphs`.
+            On CUDA, replay a round's drafting (the cache extension by the accepted entries, then the tree
+            expansion) from a CUDA graph per (batch size, new entries, tree size); see `BoleConfig.cuda_graphs`.
+            Calls that bring in more than `depth + 1` entries (the prompt) run eagerly.
 
     Example:
         ```python
@@ -99,7 +100,7 @@ class MTPDrafter:
                 "hf_bole: the MTP drafter's layer is a mixture of experts, which CUDA graphs cannot capture; it drafts "
                 "without them (bole_cuda_graphs=False says the same without this warning)"
             )
-        self._graphs: dict[tuple[int, int], _GraphedDraft] = {}  # (batch size, nodes) -> captured `_draft`
+        self._graphs: dict[tuple[int, int, int], _GraphedDraft] = {}  # (batch size, new entries, nodes) -> graph
         self._graph_pool = None
 
     @classmethod
@@ -175,14 +176,21 @@ class MTPDrafter:
             new_mask = torch.ones(batch_size, num_new, dtype=torch.bool, device=device)
         lengths = [len(seq) - 1 for seq in ctx.sequences]
         cache = self._reserve(batch_size, max(lengths), device)
-        # attend over the slots in use only, not the whole capacity
-        cache.num_keys = cache.offset + max(lengths)
         committed = torch.tensor(lengths, device=device)  # [B] entries after this call
-        root_hidden, root_position = self._extend(cache, hidden, ctx.next_tokens, new_mask, ctx.positions, committed)
+        positions = ctx.positions
+        if positions is None:  # each entry's index in its row
+            positions = committed[:, None] - new_mask.sum(1, keepdim=True) + new_mask.cumsum(1) - 1
+        inputs = (hidden, ctx.next_tokens, new_mask, positions, committed)
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
-        if self.cuda_graphs and device.type == "cuda":
-            return self._draft_graphed(cache, root_hidden, root_position, committed, num_nodes)
+        # A round brings in its accepted path, at most depth + 1 entries; more is a prompt, drafted eagerly.
+        if self._replays(device) and num_new <= self.depth + 1:
+            return self._propose_graphed(cache, inputs, num_nodes)
+        cache.num_keys = cache.offset + max(lengths)  # attend over the slots in use only, not the whole capacity
+        root_hidden, root_position = self._extend(cache, *inputs)
         return self._draft(cache, root_hidden, root_position, committed, num_nodes)
+
+    def _replays(self, device: torch.device) -> bool:
+        return self.cuda_graphs and device.type == "cuda"
 
     def _reserve(self, batch_size: int, length: int, device: torch.device) -> _MTPKVCache:
         """The cache, reallocated for a new batch size or device, grown when `length` entries do not fit."""
@@ -237,16 +245,16 @@ class MTPDrafter:
         hidden: torch.Tensor,
         next_tokens: torch.Tensor,
         new_mask: torch.Tensor,
-        positions: torch.Tensor | None,
+        positions: torch.Tensor,
         committed: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes the new entries behind each row's earlier ones; returns the root output `[B, hidden]` and the
-        root entry's position `[B]`."""
+        """Writes the new entries `[B, A]` (`positions`: their rotary positions) behind each row's earlier ones;
+        returns the root output `[B, hidden]` and the root entry's position `[B]`."""
         batch_size, num_new = next_tokens.shape
         start = committed - new_mask.sum(1)  # [B] entries already cached
         index = start[:, None] + new_mask.cumsum(1) - 1  # [B, A] each entry's index in its row
         slots = torch.where(new_mask, cache.offset + index, cache.TRASH)
-        positions = torch.where(new_mask, index if positions is None else positions, 0)
+        positions = torch.where(new_mask, positions, 0)
         keys = torch.arange(cache.num_keys, device=slots.device)
         # [B, 1, A, L]: a real entry sees the row's entries up to itself; padding sees only the trash slot, so its
         # softmax stays finite without touching real entries
@@ -260,29 +268,30 @@ class MTPDrafter:
         rows = torch.arange(batch_size, device=slots.device)
         return out[rows, last], positions[rows, last]
 
-    def _draft_graphed(
-        self,
-        cache: _MTPKVCache,
-        root_hidden: torch.Tensor,
-        root_position: torch.Tensor,
-        committed: torch.Tensor,
-        num_nodes: int,
-    ) -> DraftTree:
-        """`_draft` replayed from a CUDA graph captured once per (batch size, `num_nodes`) and cache buffers.
+    def _propose_graphed(self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...], num_nodes: int) -> DraftTree:
+        """`_extend` then `_draft`, replayed from a CUDA graph captured once per (batch size, new entries,
+        `num_nodes`) and cache buffers; `inputs` are `_extend`'s (hidden, next tokens, mask, positions, committed).
 
-        Shapes must not change between replays, so every level attends over the cache's whole length rather than
-        the slots in use: the extra slots are masked out and add exactly zero."""
+        Shapes must not change between replays, so attention covers the cache's whole length rather than the slots
+        in use: the extra slots are masked out and add exactly zero."""
         cache.num_keys = cache.key.shape[2]
-        key = (root_hidden.shape[0], num_nodes)
+        hidden = inputs[0]
+        key = (hidden.shape[0], hidden.shape[1], num_nodes)
         graphed = self._graphs.get(key)
         if graphed is None:
-            inputs = (root_hidden.clone(), root_position.clone(), committed.clone())
-            # `_draft` writes only the tree's scratch slots, which every call overwrites: it may run twice.
-            graph, tree = capture(lambda: self._draft(cache, *inputs, num_nodes), root_hidden.device, self._graph_pool)
+            static = tuple(x.clone() for x in inputs)
+
+            def run() -> DraftTree:
+                # Writing the same entries again rewrites the same slots with the same values, and `_draft` writes
+                # only the tree's scratch slots: the pair may run twice, as `capture` does.
+                root_hidden, root_position = self._extend(cache, *static)
+                return self._draft(cache, root_hidden, root_position, static[-1], num_nodes)
+
+            graph, tree = capture(run, hidden.device, self._graph_pool)
             self._graph_pool = graph.pool()
-            graphed = self._graphs[key] = _GraphedDraft(graph, inputs, tree)
-        for static, value in zip(graphed.inputs, (root_hidden, root_position, committed)):
-            static.copy_(value)
+            graphed = self._graphs[key] = _GraphedDraft(graph, static, tree)
+        for buffer, value in zip(graphed.inputs, inputs):
+            buffer.copy_(value)
         graphed.graph.replay()
         out = graphed.tree  # the graph's own buffers, overwritten by the next replay: hand out copies
         return DraftTree(tokens=out.tokens.clone(), parents=out.parents.clone(), draft_logprobs=out.draft_logprobs.clone())
@@ -351,7 +360,7 @@ class MTPDrafter:
 @dataclass
 class _GraphedDraft:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # root hidden [B, hidden], root position [B], committed [B]
+    inputs: tuple[torch.Tensor, ...]  # `_extend`'s: hidden [B, A, hidden], next tokens, mask, positions [B, A], committed [B]
     tree: DraftTree  # its outputs
 
 
