@@ -121,6 +121,13 @@ def check_supported_model(model: torch.nn.Module) -> None:
             f"{config._attn_implementation!r} cannot take; load the model with attn_implementation='sdpa' "
             f"(or 'eager')"
         )
+    # The cache keeps every layer's state in one stacked tensor per kind, on one device.
+    placement = set(getattr(model, "hf_device_map", {}).values())
+    if len(placement) > 1:
+        raise ValueError(
+            f"hf_bole keeps the tree cache on one device, but this model is spread over {sorted(map(str, placement))} "
+            f"(device_map); load it on one device (device_map={{'': 0}} or .to('cuda')) to decode with hf_bole"
+        )
 
 
 def install_adapter(config) -> None:

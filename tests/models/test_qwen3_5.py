@@ -169,6 +169,19 @@ def test_check_supported_model():
     assert len(SUPPORTED_CLASSES) == 4
 
 
+def test_models_spread_over_devices_are_refused():
+    """accelerate's device_map records the placement in `hf_device_map`: one device is fine, several are not yet
+    (the tree cache lives on one device), and generate says so before it decodes anything."""
+    model = build_model()
+    model.hf_device_map = {"": 0}
+    check_supported_model(model)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
+    with pytest.raises(ValueError, match=r"spread over \['0', '1'\] \(device_map\); load it on one device"):
+        check_supported_model(model)
+    with pytest.raises(ValueError, match="spread over"):
+        model.generate(torch.tensor([[5, 17, 33]]), max_new_tokens=2, custom_generate="hf_bole", bole_drafter="ngram")
+
+
 def test_tree_forward_errors():
     model = build_model()
     cache = BoleCache(model.config, batch_size=3, max_cache_len=10)
