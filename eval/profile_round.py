@@ -6,7 +6,9 @@
 Takes eval/run.py's arguments (model, shape, modes, tree settings; the first batch size and dataset are used). Each
 mode runs `hf_bole.warmup` and its first batch twice untimed, then once under the profiler. Per mode it prints wall
 time, the summed time of GPU kernels (one stream: their sum is the busy time), the host's share (1 - busy / wall:
-time the GPU waits for Python, launches and synchronisations) and the ops that cost most on the host and on the GPU.
+time the GPU waits for Python, launches and synchronisations) and the ops that cost most on the host and on the GPU;
+for hf_bole's modes also, per round and phase (draft, select, verify, ...), the host time spent in the phase's code
+and the GPU time of the kernels it launched.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_bole  # noqa: E402
 from eval import run  # noqa: E402
 from eval.modes import make_modes  # noqa: E402
+from hf_bole.generation.phases import PHASES  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -34,6 +37,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--top", type=int, default=15, help="ops listed per table")
     ours, rest = ap.parse_known_args(argv)
     args = run.parse_args(rest)
+    args.profile = True  # hf_bole's phases become profiler ranges (bole::draft, ...): the per-phase table
     cuda = args.device == "cuda"  # on a CPU the tables still run (a check of the script), with no GPU time
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(args.device)
     dtype = run.DTYPES[args.dtype] or (torch.bfloat16 if cuda else torch.float32)
@@ -78,6 +82,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"| {s['mode']} | {s['wall_ms']:.1f} | {s['gpu_busy_ms']:.1f} | {s['host_share']:.0%} | {s['kernels']} "
             f"| {s['tokens']} | {s['ms_per_token']:.2f} | {s['mean_accepted'] or '-'} |"
         )
+    phased = [s for s in summaries if s["phases"]]
+    if phased:
+        print("\nPer round and phase: host ms in the phase's code | ms of GPU kernels it launched (graph replays "
+              "included where the profiler sees them)")  # fmt: skip
+        print("| mode | " + " | ".join(PHASES) + " |")
+        print("|---|" + "---:|" * len(PHASES))
+        for s in phased:
+            cells = (f"{s['phases'][p]['host_ms']:.2f} \\| {s['phases'][p]['gpu_ms']:.2f}" for p in PHASES)
+            print(f"| {s['mode']} | " + " | ".join(cells) + " |")
     if ours.json:
         Path(ours.json).write_text(json.dumps({"model": label, "dataset": dataset, "batch_size": batch_size,
                                                "settings": vars(args), "modes": summaries}, indent=1, default=str))  # fmt: skip
@@ -86,7 +99,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
     events = prof.key_averages()
-    device_time = lambda e: e.self_device_time_total  # noqa: E731
+    device_time = lambda e: e.device_time_total  # noqa: E731  (a range's: the kernels launched inside it)
+    self_device_time = lambda e: e.self_device_time_total  # noqa: E731
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     tokens = max(len(t) for t in record["tokens"])
@@ -95,8 +109,15 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
     print(events.table(sort_by="self_cpu_time_total", row_limit=top))
     if kernels:
         print(events.table(sort_by="self_device_time_total", row_limit=top))
+    rounds = (record["round_time_ms"] or {}).get("rounds", 0)
+    ranges = {e.key.removeprefix("bole::"): e for e in events if e.key.startswith("bole::")}
+    phases = {
+        phase: {"host_ms": ranges[phase].cpu_time_total / 1e3 / rounds, "gpu_ms": device_time(ranges[phase]) / 1e3 / rounds}
+        for phase in PHASES if phase in ranges
+    } if rounds else None  # fmt: skip
     return {
         "mode": label,
+        "phases": phases,
         "wall_ms": wall * 1e3,
         "gpu_busy_ms": busy_us / 1e3,
         "host_share": max(0.0, 1 - busy_us / 1e6 / wall),
@@ -105,7 +126,7 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
         "ms_per_token": wall * 1e3 / tokens,
         "mean_accepted": round(sum(a for a in accepts if a) / max(1, sum(1 for a in accepts if a)), 2) if accepts else None,
         "top_host_ops": [(e.key, e.self_cpu_time_total / 1e3) for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]],
-        "top_gpu_ops": [(e.key, device_time(e) / 1e3) for e in sorted(events, key=lambda e: -device_time(e))[:top]],
+        "top_gpu_ops": [(e.key, self_device_time(e) / 1e3) for e in sorted(events, key=lambda e: -self_device_time(e))[:top]],
     }
 
 

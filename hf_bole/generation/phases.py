@@ -12,8 +12,9 @@ PHASES = ("draft", "select", "verify", "accept", "commit", "host")
 class PhaseTimer:
     """Marks the end of every phase of every round without synchronising inside the round: on CUDA a timing event
     on the current stream (all read once, by `totals_ms`), elsewhere the host clock. On CUDA a phase is therefore
-    device-timeline time, idle gaps included: "host" is the time the GPU waits for the host's bookkeeping. A
-    disabled timer does nothing.
+    device-timeline time, idle gaps included: "host" is the time the GPU waits for the host's bookkeeping. Each
+    phase is also a `bole::<phase>` range for torch's profiler (`eval/profile_round.py` reads the host time and the
+    kernels of each). A disabled timer does nothing.
 
     Example:
 
@@ -30,15 +31,26 @@ class PhaseTimer:
         self.enabled, self.cuda = enabled, device.type == "cuda"
         self.marks: list[tuple[str | None, object]] = []  # (phase that ends here, or None at a round's start; time)
         self.rounds = 0
+        self._range: torch.profiler.record_function | None = None  # the profiler range of the phase under way
 
     def round_start(self) -> None:
         if self.enabled:
             self.rounds += 1
             self.marks.append((None, self._now()))
+            self._enter(PHASES[0])
 
     def mark(self, phase: str) -> None:
         if self.enabled:
             self.marks.append((phase, self._now()))
+            self._range.__exit__(None, None, None)
+            self._range = None
+            following = PHASES.index(phase) + 1
+            if following < len(PHASES):
+                self._enter(PHASES[following])
+
+    def _enter(self, phase: str) -> None:
+        self._range = torch.profiler.record_function(f"bole::{phase}")
+        self._range.__enter__()
 
     def _now(self):
         if not self.cuda:

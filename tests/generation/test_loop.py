@@ -109,14 +109,19 @@ def test_greedy_matches_plain_oracle(request, kind, rows):
 
 
 def test_profile_times_every_phase(dense):
-    out = bole(
-        dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, PROMPTS),
-        bole_budget=64, bole_profile=True, return_dict_in_generate=True,
-    )  # fmt: skip
+    """CUDA events or the host clock per phase, and a profiler range per phase (what eval/profile_round.py reads)."""
+    drafter = oracle_for(dense, PROMPTS)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = bole(
+            dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=drafter,
+            bole_budget=64, bole_profile=True, return_dict_in_generate=True,
+        )  # fmt: skip
     times = out.round_time_ms
     assert times["rounds"] == out.accept_lengths.shape[1]
     assert set(times) == {"draft", "select", "verify", "accept", "commit", "host", "rounds"}
     assert all(times[p] > 0 for p in ("draft", "select", "verify", "accept", "commit", "host"))
+    ranges = {e.key: e.count for e in prof.key_averages() if e.key.startswith("bole::")}
+    assert ranges == {f"bole::{p}": times["rounds"] for p in ("draft", "select", "verify", "accept", "commit", "host")}
 
 
 def test_rounds_run_without_cudnn_attention(dense):
