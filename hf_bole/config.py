@@ -55,10 +55,11 @@ class BoleConfig:
         ngram_min_size (`int`, *optional*, defaults to 1):
             The shortest suffix it falls back to when longer ones never occurred before.
         cuda_graphs (`bool`, *optional*, defaults to `True`):
-            On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/graphs.py`)
-            and the MTP drafter's tree expansion from one per (batch size, tree size), instead of launching their
-            kernels one by one from Python (house model on an H200: 1.6 ms per verify forward replayed, about 10
-            eager). The first round of each width captures its graph. The cache and graphs stay allocated for the
+            On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/graphs.py`),
+            node selection from one per tree shape and budget, and the MTP drafter's round (cache extension and tree
+            expansion) from one per (batch size, new entries, tree size), instead of launching their kernels one by
+            one from Python (house model on an H200: 1.6 ms per verify forward replayed, about 10 eager). The first
+            round of each width captures its graph. The cache and graphs stay allocated for the
             next call of the same batch size and verify mode (the returned `past_key_values` is that cache, reset by
             the next call); `False` frees them with the call. Mixture-of-experts layers (data-dependent shapes)
             cannot be captured: they run without graphs and say so once. No effect off CUDA.

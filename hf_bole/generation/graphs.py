@@ -1,12 +1,13 @@
-"""The verify forward replayed from CUDA graphs (`bole_cuda_graphs=True`): one graph per tree width, kept across
-`generate` calls together with the cache whose addresses the graphs hold.
+"""The verify forward and node selection replayed from CUDA graphs (`bole_cuda_graphs=True`): one graph per tree
+width, kept across `generate` calls together with the cache whose addresses the graphs hold.
 
 A verify forward launches hundreds of kernels from Python (every layer, the GDN seams, the LM head); on a small or
 mid-size model the GPU then waits for the host most of the time (`results/profile_h200.md`). Replaying a captured
 graph launches them all at once. Nothing in the forward reads the device on the host (tested), its shapes depend
 only on the batch size, the tree width and the cache's capacity, and the cache's state lives in tensors that keep
 their addresses; so a graph captured once per width is valid for every later round of that width. Tree widths
-are padded to a few buckets (padding nodes are children of the committed state and are never accepted).
+are padded to a few buckets (padding nodes are children of the committed state and are never accepted). Node
+selection (`SelectGraphs`) replays the same way, one graph per tree shape and budget.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.cache import BoleCache
-from hf_bole.generation.tree import VerifyTree
+from hf_bole.generation.select import select_nodes
+from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.models import TreeForwardOutput, has_experts, tree_forward
 
 WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128)
@@ -115,6 +117,34 @@ class VerifyGraphs:
         return _Graph(graph, input_ids, parents, out, self.cache.current_round())
 
 
+class SelectGraphs:
+    """`select_nodes(tree, root_tokens, budget, max_nodes_per_row)` replayed from a CUDA graph per (tree shape,
+    budget, cap): selection is a hundred small ops (ranks by two stable sorts, compaction), launched while the GPU
+    waits for the round's tree. Returns the graph's buffers, valid until the next call."""
+
+    def __init__(self):
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], VerifyTree]] = {}
+        self._pool = None
+
+    def __call__(self, tree: DraftTree, root_tokens: torch.Tensor, budget: int, max_nodes_per_row: int) -> VerifyTree:
+        inputs = (tree.tokens, tree.parents, tree.draft_logprobs, root_tokens)
+        key = (tuple(tree.tokens.shape), tree.draft_logprobs.dtype, budget, max_nodes_per_row)
+        if key not in self._graphs:
+            static = tuple(x.clone() for x in inputs)
+
+            def run() -> VerifyTree:
+                return select_nodes(DraftTree(*static[:3]), static[3], budget, max_nodes_per_row)
+
+            graph, out = capture(run, root_tokens.device, self._pool)
+            self._pool = graph.pool()
+            self._graphs[key] = (graph, static, out)
+        graph, static, out = self._graphs[key]
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        return out
+
+
 # model -> {(batch size, verify, compile): (cache, graphs)}: one cache per batch size and verify mode, reused
 # (reset) by later calls that fit in it, replaced by a larger one when they do not.
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -136,3 +166,11 @@ def graphed_cache(
         held = per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile))
     held[0].reset()
     return held
+
+
+_SELECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graphed_select(model) -> SelectGraphs:
+    """The selection graphs of `model`'s `generate` calls, kept across calls like its verify graphs."""
+    return _SELECT.setdefault(model, SelectGraphs())

@@ -42,7 +42,7 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
-from hf_bole.generation.graphs import captures, graphed_cache, trimmed
+from hf_bole.generation.graphs import captures, graphed_cache, graphed_select, trimmed
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
@@ -333,9 +333,11 @@ def _decode(
         )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
         cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile)
+        select = graphed_select(model)
     else:
         cache = BoleCache(model.config, B, max_cache_len=capacity, device=device, dtype=model.dtype)
         verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify, compile=bole.compile)
+        select = select_nodes
     decoder = model.get_decoder()
     prefill = decoder(
         input_ids=input_ids,
@@ -390,7 +392,7 @@ def _decode(
         tree = DraftTree(tokens=tree.tokens.to(device), parents=tree.parents.to(device), draft_logprobs=logprobs)
         # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
         kv_length = P - 1 + max(n for n, a in zip(state.n_gen, active) if a)
-        verify = trimmed(select_nodes(tree, root, budget_for(sum(active), kv_length), per_row), graphed)
+        verify = trimmed(select(tree, root, budget_for(sum(active), kv_length), per_row), graphed)
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents)
         timer.mark("verify")

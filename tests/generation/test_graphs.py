@@ -3,12 +3,17 @@ and replay against plain decoding on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import hf_bole
 from hf_bole import BoleCache
-from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, graphed_cache, width_bucket
+from hf_bole.generation import graphs as graphs_module
+from hf_bole.generation.budget import synthetic_draft_tree
+from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, SelectGraphs, graphed_cache, width_bucket
+from hf_bole.generation.select import select_nodes
 from hf_bole.models import has_experts, tree_forward
 from tests.models.tiny import batch_trees, build_model, prefill
 
@@ -108,3 +113,56 @@ def test_cuda_graphs_generate_matches_plain(verify):
 def test_mixture_of_experts_models_are_not_captured():
     """Expert routing has data-dependent shapes: such models (and MTP layers) verify and draft without graphs."""
     assert has_experts(build_model("moe")) and not has_experts(build_model("dense"))
+
+
+class _RecordedGraph:
+    """Stands in for a CUDA graph on any device: `replay` runs the captured call again and writes its results into
+    the tensors the capture returned, which is what a replay does."""
+
+    def __init__(self, run, out):
+        self.run, self.out = run, out
+
+    def replay(self):
+        new = self.run()
+        for field in dataclasses.fields(self.out):
+            getattr(self.out, field.name).copy_(getattr(new, field.name))
+
+    def pool(self):
+        return None
+
+
+def test_replayed_selection_reads_its_static_inputs(monkeypatch):
+    """Selection from graphs (a recorded call in place of a CUDA graph): each call's trees reach the captured
+    selection through its static buffers, one capture per (tree shape, dtype, budget, cap)."""
+    captured = []
+
+    def record(run, device, pool=None):
+        out = run()
+        captured.append(out)
+        return _RecordedGraph(run, out), out
+
+    monkeypatch.setattr(graphs_module, "capture", record)
+    select = SelectGraphs()
+    generator = torch.Generator().manual_seed(0)
+    for budget in (4, 4, 9, 4, 9):
+        tree = synthetic_draft_tree(3, 3, 3, generator)
+        roots = torch.randint(0, 50, (3,), generator=generator)
+        replayed, direct = select(tree, roots, budget, 7), select_nodes(tree, roots, budget, 7)
+        for field in dataclasses.fields(direct):
+            torch.testing.assert_close(getattr(replayed, field.name), getattr(direct, field.name), rtol=0, atol=0)
+    assert len(captured) == 2  # budgets 4 and 9
+
+
+def test_selection_reads_nothing_on_the_host(monkeypatch):
+    """What capturing selection relies on: after the trees' one parents check, `select_nodes` reads nothing back."""
+    tree = synthetic_draft_tree(3, 3, 3, torch.Generator().manual_seed(1))
+    roots = torch.tensor([1, 2, 3])
+    select_nodes(tree, roots, 6, 7)  # the parents check reads them here, once
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+        record = lambda self, *a, _original=original, _name=name, **k: reads.append(_name) or _original(self, *a, **k)  # noqa: E731
+        monkeypatch.setattr(torch.Tensor, name, record)
+    select_nodes(tree, roots, 6, 7)
+    monkeypatch.undo()
+    assert reads == []
