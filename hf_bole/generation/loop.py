@@ -392,7 +392,12 @@ def _decode(
         tree = DraftTree(tokens=tree.tokens.to(device), parents=tree.parents.to(device), draft_logprobs=logprobs)
         # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
         kv_length = P - 1 + max(n for n, a in zip(state.n_gen, active) if a)
-        verify = trimmed(select(tree, root, budget_for(sum(active), kv_length), per_row), graphed)
+        verify = select(tree, root, budget_for(sum(active), kv_length), per_row)
+        if not (graphed and sum(active) == 1):
+            # Cut the forward to the widest row kept: a host read, which waits for drafting and selection. A single
+            # row replayed from graphs keeps the width of its budget (what the budget deems nearly free), so that
+            # the forward is enqueued behind them without that wait.
+            verify = trimmed(verify, graphed)
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents)
         timer.mark("verify")

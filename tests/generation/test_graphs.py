@@ -108,6 +108,10 @@ def test_cuda_graphs_generate_matches_plain(verify):
             ids, custom_generate="hf_bole", bole_drafter="ngram", bole_cuda_graphs=True, bole_verify=verify, **kwargs
         )
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # One row: its forward keeps the width of its budget, without reading the widest row kept.
+    one = {**kwargs, "attention_mask": mask[1:2]}
+    single = model.generate(ids[1:2], custom_generate="hf_bole", bole_drafter="ngram", bole_verify=verify, **one)
+    torch.testing.assert_close(single, model.generate(ids[1:2], **one), rtol=0, atol=0)
 
 
 def test_mixture_of_experts_models_are_not_captured():
