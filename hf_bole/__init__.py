@@ -7,9 +7,12 @@
 from hf_bole.cache import BoleCache
 from hf_bole.config import BoleConfig
 from hf_bole.generation import DraftContext, DraftTree, NgramDrafter
-from hf_bole.generation.loop import BoleGenerateOutput, generate, install_generate_hooks
+from hf_bole.generation.loop import BoleGenerateOutput, generate, install_generate_hooks, release
 from hf_bole.generation.warmup import warmup
 
 install_generate_hooks()
 
-__all__ = ["BoleCache", "BoleConfig", "BoleGenerateOutput", "DraftContext", "DraftTree", "NgramDrafter", "generate", "warmup"]
+__all__ = [
+    "BoleCache", "BoleConfig", "BoleGenerateOutput", "DraftContext", "DraftTree", "NgramDrafter", "generate", "release",
+    "warmup",
+]  # fmt: skip

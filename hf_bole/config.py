@@ -59,10 +59,11 @@ class BoleConfig:
             node selection from one per tree shape and budget, and the MTP drafter's round (cache extension and tree
             expansion) from one per (batch size, new entries, tree size), instead of launching their kernels one by
             one from Python (house model on an H200: 1.6 ms per verify forward replayed, about 10 eager). The first
-            round of each width captures its graph. The cache and graphs stay allocated for the
-            next call of the same batch size and verify mode (the returned `past_key_values` is that cache, reset by
-            the next call); `False` frees them with the call. Mixture-of-experts layers (data-dependent shapes)
-            cannot be captured: they run without graphs and say so once. No effect off CUDA.
+            round of each width captures its graph. The cache and graphs stay allocated for the next call of the
+            same batch size and verify mode (the returned `past_key_values` is that cache, reset by the next call);
+            `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers
+            (data-dependent shapes) cannot be captured: they run without graphs and say so once. No effect off
+            CUDA.
         compile (`bool`, *optional*, defaults to `False`):
             Run the verify forward's decoder through `torch.compile`, which fuses the norms, gates and
             projections between hf_bole's tree kernels (those stay outside the compiled graphs). The first verify

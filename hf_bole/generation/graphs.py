@@ -174,3 +174,9 @@ _SELECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def graphed_select(model) -> SelectGraphs:
     """The selection graphs of `model`'s `generate` calls, kept across calls like its verify graphs."""
     return _SELECT.setdefault(model, SelectGraphs())
+
+
+def drop_graphs(model) -> None:
+    """Forgets the caches and graphs kept for `model`'s next calls (their memory is freed once unreferenced)."""
+    _STORE.pop(model, None)
+    _SELECT.pop(model, None)

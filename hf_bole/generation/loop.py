@@ -42,7 +42,7 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
-from hf_bole.generation.graphs import captures, graphed_cache, graphed_select, trimmed
+from hf_bole.generation.graphs import captures, drop_graphs, graphed_cache, graphed_select, trimmed
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
@@ -188,6 +188,22 @@ def install_generate_hooks() -> None:
 
 
 _MTP_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def release(model) -> None:
+    """Frees what hf_bole keeps on the device for `model` between `generate` calls: the tree caches and CUDA graphs
+    of `bole_cuda_graphs` (one cache per batch size, as long as its longest call) and the MTP drafter with its own
+    cache and graphs. The next call builds them again.
+
+    Example:
+
+    ```python
+    >>> out = model.generate(input_ids, custom_generate="hf_bole", max_new_tokens=256)
+    >>> hf_bole.release(model)  # before loading something else onto the GPU
+    ```
+    """
+    drop_graphs(model)
+    _MTP_DRAFTERS.pop(model, None)
 
 
 def _make_drafter(model, config: BoleConfig):

@@ -168,6 +168,22 @@ def test_greedy_matches_plain_ngram(request, kind):
     assert torch.equal(bole(model, prompts, max_new_tokens=NEW, do_sample=False, bole_drafter="ngram"), ref)
 
 
+def test_release_frees_what_calls_keep(dense_with_mtp):
+    """`hf_bole.release(model)` drops the MTP drafter and the graphed caches kept for the next call; that call
+    builds them again and decodes the same."""
+    from hf_bole.generation import graphs, loop
+
+    model = dense_with_mtp
+    first = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
+    assert model in loop._MTP_DRAFTERS
+    graphs.graphed_cache(model, 2, 64, "closed_form")  # what a CUDA call keeps (its graphs capture on first use)
+    graphs.graphed_select(model)
+    hf_bole.release(model)
+    assert model not in loop._MTP_DRAFTERS and model not in graphs._STORE and model not in graphs._SELECT
+    again = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
+    assert torch.equal(again, first) and model in loop._MTP_DRAFTERS
+
+
 def test_greedy_matches_plain_compiled(dense):
     """The verify forward through torch.compile (hf_bole's kernels left out of the compiled graphs)."""
     import hf_bole.models.qwen3_5 as adapter
