@@ -111,10 +111,12 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
         print(events.table(sort_by="self_device_time_total", row_limit=top))
     rounds = (record["round_time_ms"] or {}).get("rounds", 0)
     ranges = {e.key.removeprefix("bole::"): e for e in events if e.key.startswith("bole::")}
-    phases = {
-        phase: {"host_ms": ranges[phase].cpu_time_total / 1e3 / rounds, "gpu_ms": device_time(ranges[phase]) / 1e3 / rounds}
-        for phase in PHASES if phase in ranges
-    } if rounds else None  # fmt: skip
+    phases = None
+    if rounds:
+        phases = {
+            phase: {"host_ms": e.cpu_time_total / 1e3 / rounds, "gpu_ms": device_time(e) / 1e3 / rounds}
+            for phase, e in ranges.items()
+        }
     return {
         "mode": label,
         "phases": phases,
@@ -126,7 +128,9 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
         "ms_per_token": wall * 1e3 / tokens,
         "mean_accepted": round(sum(a for a in accepts if a) / max(1, sum(1 for a in accepts if a)), 2) if accepts else None,
         "top_host_ops": [(e.key, e.self_cpu_time_total / 1e3) for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]],
-        "top_gpu_ops": [(e.key, self_device_time(e) / 1e3) for e in sorted(events, key=lambda e: -self_device_time(e))[:top]],
+        "top_gpu_ops": [
+            (e.key, self_device_time(e) / 1e3) for e in sorted(events, key=lambda e: -self_device_time(e))[:top]
+        ],
     }
 
 

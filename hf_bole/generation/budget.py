@@ -18,11 +18,12 @@ splits `N` across requests as in the decoding loop.
 
 A table is keyed by the model's text config (`model_key`), the device name, the dtype, the verify mode and the
 launch ("graphs" or "eager"), and holds one entry per (batch size, KV length) bucket with the raw timings, so a
-different epsilon applies at look-up without measuring again. Tables live in `$HF_BOLE_CACHE/budgets/` (default `~/.cache/hf_bole/budgets/`), one JSON
-file per key (`TableKey.filename`). Look-up takes the batch bucket at or below the number of active requests and,
-within it, the KV bucket at or below the longest active request's committed length (the smallest bucket when
-below all of them): bucket i covers the range up to the next bucket. That is optimistic between buckets (a larger
-batch or a longer context turns compute-bound a little sooner), so put buckets where the budget changes fast.
+different epsilon applies at look-up without measuring again. Tables live in `$HF_BOLE_CACHE/budgets/` (default
+`~/.cache/hf_bole/budgets/`), one JSON file per key (`TableKey.filename`). Look-up takes the batch bucket at or
+below the number of active requests and, within it, the KV bucket at or below the longest active request's
+committed length (the smallest bucket when below all of them): bucket i covers the range up to the next bucket.
+That is optimistic between buckets (a larger batch or a longer context turns compute-bound a little sooner), so
+put buckets where the budget changes fast.
 
 Example:
 
@@ -535,25 +536,24 @@ def _measure_bucket(
             decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
         return cache
 
+    roots = prompt[:, -1:]
+    no_parents = torch.full((b, 1), -1, dtype=torch.long, device=device)
     with attention_backends():
-        cache = prefilled(
-            BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
-        )
-        if graphed:
-            forward = VerifyGraphs(model, cache, verify)
-        else:
-            forward = functools.partial(tree_forward, model, cache, verify=verify)
-        roots = prompt[:, -1:]
-        no_parents = torch.full((b, 1), -1, dtype=torch.long, device=device)
-        if graphed:
-            timings[None] = timer(functools.partial(forward, roots, no_parents))
-        else:
+        if not graphed:  # plain decoding's step, its cache freed before the tree cache is filled
             plain = prefilled(DynamicCache(config=model.config))
             step = functools.partial(
                 model, input_ids=roots, use_cache=True, **{cache_argument(type(model).forward): plain}
             )
             timings[None] = timer(step)
             del plain, step
+        cache = prefilled(
+            BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
+        )
+        if graphed:
+            forward = VerifyGraphs(model, cache, verify)
+            timings[None] = timer(functools.partial(forward, roots, no_parents))
+        else:
+            forward = functools.partial(tree_forward, model, cache, verify=verify)
         bar.update(1)
         for n in grid:
             if n == 0:

@@ -278,7 +278,11 @@ def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
 
     widths = []
     forward = hf_bole.models.tree_forward
-    monkeypatch.setattr(hf_bole.models, "tree_forward", lambda m, c, ids, *a, **k: widths.append(ids.shape[1]) or forward(m, c, ids, *a, **k))  # noqa: E501
+    def recorded(model, cache, ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return forward(model, cache, ids, *args, **kwargs)
+
+    monkeypatch.setattr(hf_bole.models, "tree_forward", recorded)
     table = budget_module.calibrate(
         dense, [4], [8], [0, 8], warmup=1, reps=1, progress=False, cuda_graphs=False
     )  # fmt: skip

@@ -189,7 +189,8 @@ def test_greedy_matches_plain_compiled(dense):
     import hf_bole.models.qwen3_5 as adapter
 
     ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
-    out = bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, PROMPTS), bole_compile=True)
+    drafter = oracle_for(dense, PROMPTS)
+    out = bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=drafter, bole_compile=True)
     assert torch.equal(out, ref)
     assert dense.get_decoder() in adapter._COMPILED  # compiled, not run eagerly
 

@@ -360,7 +360,8 @@ class MTPDrafter:
 @dataclass
 class _GraphedDraft:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # `_extend`'s: hidden [B, A, hidden], next tokens, mask, positions [B, A], committed [B]
+    # `_extend`'s: hidden [B, A, hidden]; next tokens, mask, positions [B, A]; committed [B]
+    inputs: tuple[torch.Tensor, ...]
     tree: DraftTree  # its outputs
 
 
