@@ -15,6 +15,7 @@ from hf_bole.generation.budget import synthetic_draft_tree
 from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, SelectGraphs, graphed_cache, width_bucket
 from hf_bole.generation.select import select_nodes
 from hf_bole.models import has_experts, tree_forward
+from tests.generation.recorded_graph import recording_capture
 from tests.models.tiny import batch_trees, build_model, prefill
 
 PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
@@ -119,33 +120,11 @@ def test_mixture_of_experts_models_are_not_captured():
     assert has_experts(build_model("moe")) and not has_experts(build_model("dense"))
 
 
-class _RecordedGraph:
-    """Stands in for a CUDA graph on any device: `replay` runs the captured call again and writes its results into
-    the tensors the capture returned, which is what a replay does."""
-
-    def __init__(self, run, out):
-        self.run, self.out = run, out
-
-    def replay(self):
-        new = self.run()
-        for field in dataclasses.fields(self.out):
-            getattr(self.out, field.name).copy_(getattr(new, field.name))
-
-    def pool(self):
-        return None
-
-
 def test_replayed_selection_reads_its_static_inputs(monkeypatch):
     """Selection from graphs (a recorded call in place of a CUDA graph): each call's trees reach the captured
     selection through its static buffers, one capture per (tree shape, dtype, budget, cap)."""
     captured = []
-
-    def record(run, device, pool=None):
-        out = run()
-        captured.append(out)
-        return _RecordedGraph(run, out), out
-
-    monkeypatch.setattr(graphs_module, "capture", record)
+    monkeypatch.setattr(graphs_module, "capture", recording_capture(captured))
     select = SelectGraphs()
     generator = torch.Generator().manual_seed(0)
     for budget in (4, 4, 9, 4, 9):

@@ -13,6 +13,7 @@ from hf_bole.generation.drafters import mtp as mtp_module
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.drafters.mtp import MTPDrafter
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
+from tests.generation.recorded_graph import recording_capture
 
 VOCAB, HIDDEN = 61, 64
 
@@ -363,22 +364,6 @@ def test_draft_over_the_whole_cache_length():
     _assert_same_trees(whole, eager)
 
 
-class _RecordedGraph:
-    """Stands in for a CUDA graph on any device: `replay` runs the captured call again and writes its results into
-    the buffers the capture returned, which is what a replay does."""
-
-    def __init__(self, run, out):
-        self.run, self.out = run, out
-
-    def replay(self):
-        new = self.run()
-        for name in ("tokens", "parents", "draft_logprobs"):
-            getattr(self.out, name).copy_(getattr(new, name))
-
-    def pool(self):
-        return None
-
-
 def test_replayed_rounds_read_their_static_inputs(monkeypatch):
     """The graphed path's bookkeeping on any device (a recorded call in place of a CUDA graph): every round's
     inputs reach the captured extension and expansion through its static buffers, one capture per (batch size,
@@ -389,13 +374,7 @@ def test_replayed_rounds_read_their_static_inputs(monkeypatch):
     bounds = [[0, 7, 10, 12, 15, 17, 20], [0, 1, 2, 4, 7, 9, 12]]
     graphed = _drafter(model, mtp, 3, 2)
     captured = []
-
-    def record(run, device, pool=None):
-        out = run()
-        captured.append(out)
-        return _RecordedGraph(run, out), out
-
-    monkeypatch.setattr(mtp_module, "capture", record)
+    monkeypatch.setattr(mtp_module, "capture", recording_capture(captured))
     monkeypatch.setattr(graphed, "_replays", lambda device: True)
     for tree, eager in zip(_rounds(graphed, rows, bounds), _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
         _assert_same_trees(tree, eager)
