@@ -19,8 +19,10 @@
 #   profile    torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
 #   profile9b  the same over ar and bole on the 9B shape at batch 1
 #   fla        fla-core's GDN kernels against transformers' torch reference, then the model tests with fla
+#   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
+#              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|compile|budget|budget9b|kernels|profile|profile9b|fla}
+PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|compile|budget|budget9b|kernels|profile|profile9b|fla|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -37,8 +39,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail 
     local name=$1 limit=$2
     shift 2
     echo "== $name (at most ${limit} s)"
+    local start=$SECONDS
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "exit $?"
+    echo "exit $?, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
     grep -E "passed|failed|FAILED|Error|^\|" "$OUT/$name.log" | tail -30
 }
 harness() {  # harness NAME SECONDS ARGS...: eval/run.py into /tmp/NAME, its table and rows copied to $OUT
@@ -109,6 +112,12 @@ profile9b)
 fla)
     step fla_check 300 python3 eval/gpu_fla_check.py
     step tests_with_fla 250 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation
+    ;;
+dp)
+    DP="--datasets mbpp gsm8k --modes ar bole --batch-sizes 1 --num-prompts 16 --max-new-tokens 128 --repeats 1"
+    harness dp_one 280 $DP
+    step dp_two 280 accelerate launch --num_processes 2 eval/run.py $DP --output-dir /tmp/dp_two
+    cp /tmp/dp_two/results.md "$OUT/dp_two.md" 2>/dev/null
     ;;
 *)
     echo "unknown part $PART" >&2

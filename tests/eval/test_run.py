@@ -265,3 +265,30 @@ def test_epsilon_sweep_runs_fixed_budgets_once():
     args = SimpleNamespace(depth=[5], topk=4, budget=[16, "auto"], epsilon=[0.05, 0.1])
     labels = [m.label for m in make_modes("bole", 4, args)]
     assert labels == ["bole b16", "bole bauto e0.05", "bole bauto e0.1"]
+
+
+# Everything a row says about the decoded content, which sharding the prompts across processes must not change.
+CONTENT = ("dataset", "mode", "batch_size", "num_prompts", "output_tokens", "mean_accepted_tokens", "accept_histogram",
+           "exact_share", "divergences", "quality")  # fmt: skip
+
+
+def test_data_parallel_matches_one_process(checkpoint, tmp_path):
+    """Two processes (torchrun, gloo on the CPU), each decoding half of the prompts, gather rows whose content
+    equals one process's: what `accelerate launch --num_processes 2 eval/run.py` does across GPUs."""
+    import subprocess
+    import sys
+
+    args = ["--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "4", "--max-new-tokens", "8",
+            "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "bole", "--batch-sizes", "1", "2",
+            "--device", "cpu"]  # fmt: skip
+    run.main([*args, "--output-dir", str(tmp_path / "one")])
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "eval/run.py", *args,
+         "--output-dir", str(tmp_path / "two")],
+        cwd=run.HOUSE_CHECKPOINT.parents[2], check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    one, two = (
+        [json.loads(line) for line in (tmp_path / d / "results.jsonl").read_text().splitlines()] for d in ("one", "two")
+    )
+    assert [r["num_processes"] for r in two] == [2] * len(one) and len(one) == 4
+    assert [{k: r[k] for k in CONTENT} for r in two] == [{k: r[k] for k in CONTENT} for r in one]
