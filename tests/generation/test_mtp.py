@@ -269,12 +269,7 @@ def test_propose_extension_in_pieces():
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([300, 40])
-    # Calls bringing in up to depth + 1 = 4 entries replay graphs; longer ones run eagerly (the sixth grows the
-    # cache past 256 entries, which drops the graphs).
-    bounds = [
-        [0, 7, 10, 12, 200, 203, 290, 293, 300],
-        [0, 1, 2, 4, 17, 20, 37, 39, 40],
-    ]  # entries [bounds[i], bounds[i + 1]) per round
+    bounds = [[0, 7, 10, 200, 290, 300], [0, 1, 2, 17, 39, 40]]  # entries [bounds[i], bounds[i + 1]) per round
     drafter = _drafter(model, mtp, depth=3, topk=2)
     for r in range(1, len(bounds[0])):
         starts, ends = [bound[r - 1] for bound in bounds], [bound[r] for bound in bounds]
