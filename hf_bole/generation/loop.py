@@ -47,7 +47,7 @@ from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import attention_backends, cache_argument, check_supported_model, has_experts, tree_forward
+from hf_bole.models import attention_backends, cache_argument, check_supported_model, tree_forward
 
 logger = logging.get_logger(__name__)
 
@@ -341,7 +341,7 @@ def _decode(
     # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
     capacity = P + max_new + 2 * (per_row + 1)
     graphed = captures(model, bole.cuda_graphs)
-    if bole.cuda_graphs and device.type == "cuda" and has_experts(model):
+    if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses mixture-of-experts layers
         logger.warning_once(
             "hf_bole: the model's mixture-of-experts layers route tokens with data-dependent shapes, which CUDA "
             "graphs cannot capture; its verify forwards run without them (bole_cuda_graphs=False says the same "
