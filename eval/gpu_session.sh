@@ -12,6 +12,7 @@
 #   speed9b    issue 8 at batch 1: the 9B shape, oracle at ~4 tokens/round, depth 6, 256 new tokens, ar, ar-static
 #              (transformers' static cache with torch.compile) and bole
 #   batch9b    the same at batch 8 and 16, and tree-serial against bole at batch 16 with 64-node trees
+#   compile9b  the 9B shape's profile, then bole with and without bole_compile at batch 1
 #   compile    bole with and without bole_compile (torch.compile of the verify forward): house and 9B, batch 1
 #   budget     the house model's calibration table (graph replays), then a fixed-budget and epsilon sweep
 #   budget9b   the same for the 9B shape (oracle drafter)
@@ -22,7 +23,7 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
 #              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|compile|budget|budget9b|kernels|profile|profile9b|fla|dp}
+PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|compile9b|compile|budget|budget9b|kernels|profile|profile9b|fla|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -76,6 +77,21 @@ speed9b)  # ar at batch 1 takes ~40 ms a step: 4 prompts, each timed 3 times
 batch9b)
     harness speed9b_b8 250 $SHAPE9B --modes ar ar-static bole --batch-sizes 8 --num-prompts 8
     harness serial9b_b16 300 $SHAPE9B --modes ar tree-serial bole --batch-sizes 16 --num-prompts 16 --budget 1024
+    ;;
+final)  # this session's last call: the CUDA tests fixed after the first call, batch 16 with tree-serial, the 9B table
+    step fixed_tests 90 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_budget.py \
+        tests/generation/test_graphs.py -k "auto or replayed_selection"
+    harness serial9b_b16 240 $SHAPE9B --modes ar ar-static tree-serial bole --batch-sizes 16 --num-prompts 16 \
+        --budget 1024 --repeats 1
+    step calibrate_9b 170 python3 -m hf_bole.calibrate --shape 9B --dtype bf16 --batch-sizes 1 4 8 16 \
+        --kv-lengths 512 --reps 5 --out "$OUT/budget_9b.json" --plot "$OUT/budget_9b.png"
+    ;;
+compile9b)  # the 9B shape only, and its profile
+    step profile_9b_b1 150 python3 eval/profile_round.py --shape 9B --modes bole --depth 6 --batch-sizes 1 \
+        --num-prompts 2 --max-new-tokens 64 --json "$OUT/profile_9b_b1.json"
+    for c in "" --compile; do
+        harness "speed9b_b1${c//-/_}" 200 $SHAPE9B --modes bole --batch-sizes 1 --num-prompts 2 $c
+    done
     ;;
 compile)
     for c in "" --compile; do

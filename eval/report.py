@@ -45,7 +45,8 @@ def add_speedups(rows: list[dict]) -> None:
     ar = {(r["dataset"], r["batch_size"]): r["output_tokens_per_s"] for r in rows if r["mode"] == "ar"}
     for r in rows:
         base = ar.get((r["dataset"], r["batch_size"]))
-        r["speedup_over_ar"] = r["output_tokens_per_s"] / base if base else None
+        tokens_per_s = r["output_tokens_per_s"]
+        r["speedup_over_ar"] = tokens_per_s / base if base and tokens_per_s is not None else None
 
 
 def write_jsonl(rows: list[dict], header: dict, path: Path) -> None:
@@ -86,7 +87,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         exact = f"{100 * r['exact_share']:.0f}%" if r["exact_share"] is not None else "–"
         lines.append(
             f"| {r['dataset']} | {r['mode']} | {r['batch_size']} | {r['num_prompts']} | "
-            f"{_fmt(r['output_tokens_per_s'])} | {_fmt(r['speedup_over_ar'], '.2f')} | {_fmt(r['ttft_ms'])} | "
+            f"{r.get('error') or _fmt(r['output_tokens_per_s'])} | {_fmt(r['speedup_over_ar'], '.2f')} | {_fmt(r['ttft_ms'])} | "
             f"{_fmt(r['tpot_ms'])} | {_fmt(r['mean_accepted_tokens'], '.2f')} | {exact} | {quality} | "
             f"{_fmt(peak, '.2f')} | {_fmt(tree, '.2f')} |"
         )
@@ -127,7 +128,9 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     for ax, ds in zip(axes[0], datasets):
         for mode in modes:
             pts = sorted(
-                (r["batch_size"], r["output_tokens_per_s"]) for r in rows if r["dataset"] == ds and r["mode"] == mode
+                (r["batch_size"], r["output_tokens_per_s"])
+                for r in rows
+                if r["dataset"] == ds and r["mode"] == mode and r["output_tokens_per_s"] is not None
             )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         ax.set(

@@ -13,6 +13,7 @@ Writes results.jsonl, results.md and PNG plots to --output-dir and prints the ta
 from __future__ import annotations
 
 import argparse
+import gc
 import shlex
 import sys
 import time
@@ -125,7 +126,6 @@ def _budget(value: str) -> int | str:
 def main(argv: list[str] | None = None) -> list[dict]:
     from accelerate import Accelerator
     from accelerate.utils import gather_object
-    from tqdm.auto import tqdm
 
     args = parse_args(argv)
     accelerator = Accelerator(cpu=args.device == "cpu")
@@ -164,38 +164,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
             reference: list[dict] = []
             results: dict[str, list[dict]] = {}
+            failed: dict[str, str] = {}  # mode label -> why it has no figures (this process)
             for mode in (m for name in run_modes for m in make_modes(name, batch_size, args)):
-                name = mode.name
-                if (name, batch_size) not in warmed and batches:
-                    # Untimed: first calls pay for kernel compilation, autotuning and allocator growth; every tree
-                    # width a later round may reach gets its kernels compiled here too (hf_bole.warmup).
-                    for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
-                        verify = mode.verify or "closed_form"
-                        if (verify, n_rows) not in compiled:
-                            hf_bole.warmup(model, n_rows, verify=verify, compile=args.compile)
-                            compiled.add((verify, n_rows))
-                    # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
-                    graphed = mode.drafts and args.cuda_graphs and device.type == "cuda"
-                    for k, batch in enumerate(batches if graphed else batches[:1]):
-                        run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
-                    warmed.add((name, batch_size))
-                bar = tqdm(
-                    batches, desc=f"{dataset} {mode.label} batch {batch_size}", disable=not accelerator.is_main_process
-                )
-                records = [
-                    median_run(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
-                    for k, batch in enumerate(bar)
-                ]
-                if name == "ar":
+                try:
+                    records = run_mode(
+                        model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference,
+                        dataset, warmed, compiled, accelerator.is_main_process, device,
+                    )
+                except torch.OutOfMemoryError as error:
+                    # A mode that does not fit (tree-serial's per-node states on large trees) is a result, not a
+                    # crash: its row says so and the modes after it still run.
+                    records, failed[mode.label] = [], "out of memory"
+                    print(f"{dataset} {mode.label} batch {batch_size}: {str(error).splitlines()[0]}", file=sys.stderr)
+                if mode.label in failed:  # freed here: inside the except block its traceback still holds the tensors
+                    hf_bole.release(model)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                if mode.name == "ar":
                     reference = records
                 results[mode.label] = gather_object(records)
+            failures = dict(pair for per_process in gather_object([failed]) for pair in per_process.items())
             if accelerator.is_main_process:
                 for mode in (m for name in args.modes for m in make_modes(name, batch_size, args)):
-                    rows.append(
-                        summarize(
-                            dataset, prompts, mode, batch_size, results[mode.label], args, accelerator.num_processes
-                        )
+                    row = summarize(
+                        dataset, prompts, mode, batch_size, results[mode.label], args, accelerator.num_processes
                     )
+                    rows.append({**row, "error": failures.get(mode.label)})
                 # A run cut short (a time limit) still leaves every finished row behind.
                 report.write_jsonl(rows, header, out / "results.partial.jsonl")
 
@@ -209,6 +203,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(table)
         print(f"wrote {out / 'results.jsonl'}, {out / 'results.md'} and plots")
     return rows
+
+
+def run_mode(
+    model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference, dataset, warmed, compiled,
+    show_progress, device,
+) -> list[dict]:
+    """One mode's records over `batches`, after its untimed warm-up (once per mode and batch size)."""
+    from tqdm.auto import tqdm
+
+    if (mode.name, batch_size) not in warmed and batches:
+        # Untimed: first calls pay for kernel compilation, autotuning and allocator growth; every tree width a later
+        # round may reach gets its kernels compiled here too (hf_bole.warmup).
+        for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
+            verify = mode.verify or "closed_form"
+            if (verify, n_rows) not in compiled:
+                hf_bole.warmup(model, n_rows, verify=verify, compile=args.compile)
+                compiled.add((verify, n_rows))
+        # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
+        graphed = mode.drafts and args.cuda_graphs and device.type == "cuda"
+        for k, batch in enumerate(batches if graphed else batches[:1]):
+            run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
+        warmed.add((mode.name, batch_size))
+    bar = tqdm(batches, desc=f"{dataset} {mode.label} batch {batch_size}", disable=not show_progress)
+    return [
+        median_run(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
+        for k, batch in enumerate(bar)
+    ]
 
 
 def set_backends(args) -> None:

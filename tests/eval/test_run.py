@@ -107,6 +107,30 @@ def test_run_ar_static(checkpoint, tmp_path):
     assert static["speedup_over_ar"] > 0
 
 
+def test_mode_out_of_memory_is_a_row(checkpoint, tmp_path, monkeypatch):
+    """A mode that runs out of memory (tree-serial's per-node states on large trees) gets a row that says so; the
+    modes after it still run and are still checked against `ar`."""
+    run_batch = run.run_batch
+
+    def failing(model, tokenizer, prompts, batch, mode, *args):
+        if mode.name == "tree-serial":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 800.00 MiB.")
+        return run_batch(model, tokenizer, prompts, batch, mode, *args)
+
+    monkeypatch.setattr(run, "run_batch", failing)
+    rows = run.main([
+        "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "8",
+        "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "tree-serial", "bole", "--depth", "3",
+        "--topk", "2", "--output-dir", str(tmp_path), "--device", "cpu",
+    ])  # fmt: skip
+    ar, serial, bole = rows
+    assert serial["error"] == "out of memory" and serial["output_tokens_per_s"] is None
+    assert serial["speedup_over_ar"] is None and serial["num_prompts"] == 0
+    assert ar["error"] is None and bole["error"] is None
+    assert bole["exact_share"] == 1.0 and bole["speedup_over_ar"] > 0
+    assert "| gsm8k | tree-serial | 1 | 0 | out of memory | – |" in (tmp_path / "results.md").read_text()
+
+
 def test_run_shape_oracle(checkpoint, tmp_path):
     """A random model of a checkpoint's shape, random prompts, the oracle drafter: high acceptance, exact."""
     rows = run.main([

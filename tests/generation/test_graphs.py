@@ -129,7 +129,7 @@ def test_replayed_selection_reads_its_static_inputs(monkeypatch):
     generator = torch.Generator().manual_seed(0)
     for budget in (4, 4, 9, 4, 9):
         tree = synthetic_draft_tree(3, 3, 3, generator)
-        roots = torch.randint(0, 50, (3,), generator=generator)
+        roots = torch.randint(0, 50, (3,), generator=generator, device=generator.device)
         replayed, direct = select(tree, roots, budget, 7), select_nodes(tree, roots, budget, 7)
         for field in dataclasses.fields(direct):
             torch.testing.assert_close(getattr(replayed, field.name), getattr(direct, field.name), rtol=0, atol=0)
