@@ -66,9 +66,9 @@ class BoleConfig:
             CUDA.
         compile (`bool`, *optional*, defaults to `False`):
             Run the verify forward's decoder through `torch.compile`, which fuses the norms, gates and
-            projections between hf_bole's tree kernels (those stay outside the compiled graphs). The first verify
-            forwards of a model compile (seconds on a small model, longer on a large one); with `cuda_graphs` the
-            compiled forward is what the graphs capture.
+            projections around hf_bole's tree kernels (custom ops in the one compiled graph). The first verify
+            forwards of a model compile (seconds on a small model, over a minute on a 9B one); with `cuda_graphs`
+            the compiled forward is what the graphs capture.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.

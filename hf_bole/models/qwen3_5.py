@@ -34,7 +34,9 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
-from hf_bole.kernels import tree_ancestor_mask, tree_causal_conv1d, tree_gdn_verify, tree_gdn_verify_serial
+from hf_bole import kernels
+from hf_bole.kernels import ops as kernel_ops
+from hf_bole.kernels import tree_ancestor_mask
 
 SUPPORTED_CLASSES = (
     "Qwen3_5ForCausalLM",
@@ -171,8 +173,8 @@ def tree_forward(
             batch are padded with extra nodes of parent -1, whose outputs are meaningless.
         verify: "closed_form" (GDN layers keep per-node factors; the default) or "serial" (node by node with a
             state snapshot per node: the SGLang-Tree baseline).
-        compile: run the decoder through `torch.compile` (compiled once per decoder; hf_bole's tree kernels stay
-            outside the compiled graphs, the norms, gates and projections between them are fused).
+        compile: run the decoder through `torch.compile` (compiled once per decoder, into one graph: hf_bole's
+            tree kernels are opaque ops in it, the norms, gates and projections around them are fused).
 
     Returns:
         `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`.
@@ -249,11 +251,10 @@ def _wrap(module: ModuleType, name: str, make_wrapper) -> None:
     setattr(module, name, wrapper)
 
 
-# A compiled tree forward (`tree_forward(..., compile=True)`) leaves hf_bole's kernels out of the compiled graphs:
-# their launchers check trees on the host and pick Triton configs. Plain calls never reach these.
-_tree_causal_conv1d = torch.compiler.disable(tree_causal_conv1d)
-_tree_gdn_verify = torch.compiler.disable(tree_gdn_verify)
-_tree_gdn_verify_serial = torch.compiler.disable(tree_gdn_verify_serial)
+def _kernels():
+    """hf_bole's tree kernels as called from a forward: their `torch.library` ops while `torch.compile` traces one
+    (`tree_forward(..., compile=True)`: opaque nodes, one graph for the whole model), the functions otherwise."""
+    return kernel_ops if torch.compiler.is_compiling() else kernels
 
 
 def _tree_causal_conv1d_fn(original):
@@ -267,7 +268,7 @@ def _tree_causal_conv1d_fn(original):
         # The cache returned [committed window, node inputs] from `update_conv_state`: [B, D, W + N].
         num_nodes = bole_tree.parents.shape[1]
         window, x = hidden_states[..., :-num_nodes], hidden_states[..., -num_nodes:]
-        out = _tree_causal_conv1d(x.transpose(1, 2), weight, bias, bole_tree.parents, window, activation)
+        out = _kernels().tree_causal_conv1d(x.transpose(1, 2), weight, bias, bole_tree.parents, window, activation)
         return out.transpose(1, 2)  # [B, D, N], as the layer expects
 
     return causal_conv1d_fn
@@ -294,11 +295,11 @@ def _tree_gated_delta_rule(original):
             group = key.shape[2] // bole_tree.key_heads
             query, key = query[:, :, ::group], key[:, :, ::group]
         if bole_tree.verify == "serial":
-            o, snapshots = _tree_gdn_verify_serial(
+            o, snapshots = _kernels().tree_gdn_verify_serial(
                 query, key, value, g, beta, bole_tree.parents, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm
             )
             return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm, snapshots=snapshots)
-        o, u, log_decay = _tree_gdn_verify(
+        o, u, log_decay = _kernels().tree_gdn_verify(
             query, key, value, g, beta, bole_tree.parents, initial_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm, ancestors=bole_tree.ancestors,
         )  # fmt: skip

@@ -185,7 +185,7 @@ def test_release_frees_what_calls_keep(dense_with_mtp):
 
 
 def test_greedy_matches_plain_compiled(dense):
-    """The verify forward through torch.compile (hf_bole's kernels left out of the compiled graphs)."""
+    """The verify forward through torch.compile (hf_bole's kernels as custom ops in its one graph)."""
     import hf_bole.models.qwen3_5 as adapter
 
     ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)

@@ -130,6 +130,36 @@ def test_serial_matches_closed_form():
     assert closed.transient_bytes["factors"] > 0 and closed.transient_bytes["snapshots"] == 0
 
 
+@pytest.mark.parametrize("verify", ["closed_form", "serial"])
+def test_compiled_tree_forward_is_one_graph(verify, monkeypatch):
+    """Under torch.compile the tree kernels are custom ops, not graph breaks: dynamo traces the whole decoder into
+    one graph, which gives the logits of the eager forward."""
+    import hf_bole.models.qwen3_5 as adapter
+
+    explained = []
+
+    def explaining(decoder):
+        def forward(**kwargs):
+            explained.append(torch._dynamo.explain(decoder.forward)(**kwargs))
+            return decoder.forward(**kwargs)
+
+        return forward
+
+    monkeypatch.setattr(adapter, "_compiled", explaining)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(4)
+    model = build_model()
+    caches = [BoleCache(model.config, batch_size=3) for _ in range(2)]
+    parents = batch_trees(make_trees("ragged", gen))
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    for cache in caches:
+        tokens[:, 0] = prefill(model, cache, PROMPTS)
+    eager = tree_forward(model, caches[0], tokens, parents, verify=verify)
+    traced = tree_forward(model, caches[1], tokens, parents, verify=verify, compile=True)
+    (explanation,) = explained
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    torch.testing.assert_close(traced.logits, eager.logits, rtol=0, atol=0)
+
+
 @torch.no_grad()
 def test_plain_forward_matches_upstream():
     """Prefill and one-token decodes through a BoleCache give upstream's logits (positions as given, or the

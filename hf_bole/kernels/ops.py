@@ -1,0 +1,101 @@
+"""The tree kernels as `torch.library` custom ops, for a `torch.compile`d verify forward.
+
+Dynamo cannot trace a Triton launcher that checks its inputs and picks configs on the host. Left as a
+`torch.compiler.disable`d call, each kernel splits the model's graph: a 32-layer Qwen3.5 compiled into about a hundred
+graphs, with nothing fused across the cuts. As custom ops the kernels are opaque nodes of one graph: their fake
+(meta) forms below give the output shapes, and at run time the op calls the same function as an eager forward.
+
+Same signatures as the functions in `hf_bole.kernels`, keyword arguments included.
+"""
+
+from typing import Optional  # the op schemas are read from these annotations at run time: no `X | None`
+
+import torch
+
+from hf_bole.kernels.tree_gdn import tree_causal_conv1d as _tree_causal_conv1d
+from hf_bole.kernels.tree_gdn import tree_gdn_verify as _tree_gdn_verify
+from hf_bole.kernels.tree_gdn import tree_gdn_verify_serial as _tree_gdn_verify_serial
+
+
+@torch.library.custom_op("hf_bole::tree_gdn_verify", mutates_args=())
+def _verify_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: Optional[torch.Tensor],
+    ancestors: Optional[torch.Tensor],
+    scale: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _tree_gdn_verify(
+        q, k, v, g, beta, parents, initial_state,
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, ancestors=ancestors,
+    )  # fmt: skip
+
+
+@_verify_op.register_fake
+def _(q, k, v, g, beta, parents, initial_state, ancestors, scale, use_qk_l2norm_in_kernel):
+    B, T, H, V = v.shape
+    return torch.empty_like(v), v.new_empty(B, T, H, V, dtype=torch.float32), v.new_empty(B, T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_bole::tree_gdn_verify_serial", mutates_args=())
+def _verify_serial_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: Optional[torch.Tensor],
+    scale: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _tree_gdn_verify_serial(
+        q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+    )
+
+
+@_verify_serial_op.register_fake
+def _(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel):
+    B, T, H, V = v.shape
+    return torch.empty_like(v), v.new_empty(B, T, H, k.shape[-1], V, dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_bole::tree_causal_conv1d", mutates_args=())
+def _conv_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    parents: torch.Tensor,
+    conv_state: torch.Tensor,
+    activation: Optional[str],
+) -> torch.Tensor:
+    return _tree_causal_conv1d(x, weight, bias, parents, conv_state, activation)
+
+
+@_conv_op.register_fake
+def _(x, weight, bias, parents, conv_state, activation):
+    return x.new_empty(x.shape)
+
+
+def tree_gdn_verify(
+    q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False, ancestors=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hf_bole.kernels.tree_gdn_verify` (default `dot_precision`) as one node of a compiled graph."""
+    return _verify_op(q, k, v, g, beta, parents, initial_state, ancestors, scale, use_qk_l2norm_in_kernel)
+
+
+def tree_gdn_verify_serial(
+    q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hf_bole.kernels.tree_gdn_verify_serial` as one node of a compiled graph."""
+    return _verify_serial_op(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
+
+
+def tree_causal_conv1d(x, weight, bias, parents, conv_state, activation="silu") -> torch.Tensor:
+    """`hf_bole.kernels.tree_causal_conv1d` as one node of a compiled graph."""
+    return _conv_op(x, weight, bias, parents, conv_state, activation)
