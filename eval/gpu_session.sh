@@ -12,6 +12,8 @@
 #   speed9b    issue 8 at batch 1: the 9B shape, oracle at ~4 tokens/round, depth 6, 256 new tokens, ar, ar-static
 #              (transformers' static cache with torch.compile) and bole
 #   batch9b    the same at batch 8 and 16, and tree-serial against bole at batch 16 with 64-node trees
+#   final      the CUDA tests fixed in the fifth session, batch 16 with tree-serial, the 9B budget table
+#   large      the 27B and 35B-A3B shapes at batch 1: ar, ar-static, bole
 #   compile9b  the 9B shape's profile, then bole with and without bole_compile at batch 1
 #   compile    bole with and without bole_compile (torch.compile of the verify forward): house and 9B, batch 1
 #   budget     the house model's calibration table (graph replays), then a fixed-budget and epsilon sweep
@@ -23,7 +25,7 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
 #              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|compile9b|compile|budget|budget9b|kernels|profile|profile9b|fla|dp}
+PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|kernels|profile|profile9b|fla|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -85,6 +87,12 @@ final)  # this session's last call: the CUDA tests fixed after the first call, b
         --budget 1024 --repeats 1
     step calibrate_9b 170 python3 -m hf_bole.calibrate --shape 9B --dtype bf16 --batch-sizes 1 4 8 16 \
         --kv-lengths 512 --reps 5 --out "$OUT/budget_9b.json" --plot "$OUT/budget_9b.png"
+    ;;
+large)  # issue 8's larger shapes at batch 1 (35B-A3B is mixture-of-experts: its verify runs without CUDA graphs)
+    for shape in 27B 35B-A3B; do
+        harness "shape_${shape}_b1" 290 --shape $shape --depth 6 --max-new-tokens 128 --profile \
+            --modes ar bole ar-static --batch-sizes 1 --num-prompts 2 --repeats 1  # ar-static last: its compile may fail on MoE
+    done
     ;;
 compile9b)  # the 9B shape only, and its profile
     step profile_9b_b1 150 python3 eval/profile_round.py --shape 9B --modes bole --depth 6 --batch-sizes 1 \
