@@ -85,9 +85,10 @@ def markdown(rows: list[dict], header: dict) -> str:
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] is not None else None
         tree = sum(r["transient_bytes"].values()) / 2**20 if r["transient_bytes"] else None
         exact = f"{100 * r['exact_share']:.0f}%" if r["exact_share"] is not None else "–"
+        tokens_per_s = r.get("error") or _fmt(r["output_tokens_per_s"])  # a mode that ran out of memory says so
         lines.append(
             f"| {r['dataset']} | {r['mode']} | {r['batch_size']} | {r['num_prompts']} | "
-            f"{r.get('error') or _fmt(r['output_tokens_per_s'])} | {_fmt(r['speedup_over_ar'], '.2f')} | {_fmt(r['ttft_ms'])} | "
+            f"{tokens_per_s} | {_fmt(r['speedup_over_ar'], '.2f')} | {_fmt(r['ttft_ms'])} | "
             f"{_fmt(r['tpot_ms'])} | {_fmt(r['mean_accepted_tokens'], '.2f')} | {exact} | {quality} | "
             f"{_fmt(peak, '.2f')} | {_fmt(tree, '.2f')} |"
         )
