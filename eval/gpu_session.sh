@@ -14,8 +14,8 @@
 #   batch9b    the same at batch 8 and 16, and tree-serial against bole at batch 16 with 64-node trees
 #   final      the CUDA tests fixed in the fifth session, batch 16 with tree-serial, the 9B budget table
 #   large      the 27B and 35B-A3B shapes at batch 1: ar, ar-static, bole
-#   compile9b  the 9B shape's profile, then bole with and without bole_compile at batch 1
-#   compile    bole with and without bole_compile (torch.compile of the verify forward): house and 9B, batch 1
+#   compile9b  the 9B shape at batch 1: ar, ar-static, and bole with and without bole_compile, in one run
+#   compile    the house model at batch 1: ar, and bole with and without bole_compile, in one run
 #   budget     the house model's calibration table (graph replays), then a fixed-budget and epsilon sweep
 #   budget9b   the same for the 9B shape (oracle drafter)
 #   kernels    the full kernel benchmark grid (eval/bench_kernels.py)
@@ -94,19 +94,13 @@ large)  # issue 8's larger shapes at batch 1 (35B-A3B is mixture-of-experts: its
             --modes ar bole ar-static --batch-sizes 1 --num-prompts 2 --repeats 1  # ar-static last: its compile may fail on MoE
     done
     ;;
-compile9b)  # the 9B shape only, and its profile
-    step profile_9b_b1 150 python3 eval/profile_round.py --shape 9B --modes bole --depth 6 --batch-sizes 1 \
-        --num-prompts 2 --max-new-tokens 64 --json "$OUT/profile_9b_b1.json"
-    harness speed9b_b1 150 $SHAPE9B --modes bole --batch-sizes 1 --num-prompts 2
+compile9b)  # the 9B shape at batch 1: ar, ar-static, bole eager and compiled side by side in one run
     # one graph for 32 layers, compiled again once tree widths vary (dynamic shapes): give it room
-    harness speed9b_b1__compile 330 $SHAPE9B --modes bole --batch-sizes 1 --num-prompts 2 --compile
+    harness speed9b_b1_compile 560 $SHAPE9B --modes ar ar-static bole --batch-sizes 1 --num-prompts 2 --compile off on
     ;;
 compile)
-    for c in "" --compile; do
-        harness "house_b1${c//-/_}" 200 --datasets gsm8k --modes bole --batch-sizes 1 --num-prompts 8 \
-            --max-new-tokens 128 --profile $c
-        harness "speed9b_b1${c//-/_}" 140 $SHAPE9B --modes bole --batch-sizes 1 --num-prompts 2 $c
-    done
+    harness house_b1_compile 300 --datasets gsm8k --modes ar bole --batch-sizes 1 --num-prompts 8 \
+        --max-new-tokens 128 --profile --compile off on
     ;;
 budget)
     step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \

@@ -7,8 +7,9 @@ chain        hf_bole with topk 1, depth 3 (the SGLang/vLLM MTP default), every r
 tree-serial  the same trees as bole, verified node by node with a state snapshot per node (SGLang-Tree)
 bole         hf_bole's closed form with the tree settings given (defaults: hf_bole.BoleConfig)
 
-Sweeps: several `--depth`, `--budget` or `--epsilon` values run `tree-serial` and `bole` once per combination;
-each then carries a label such as `bole d5 b64` (only the swept settings are named).
+Sweeps: several `--depth`, `--budget` or `--epsilon` values, or `--compile off on`, run `tree-serial` and `bole`
+once per combination; each then carries a label such as `bole d5 b64` or `bole compiled` (only the swept settings
+are named).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Mode:
     budget: int | str | None = None
     epsilon: float | None = None
     verify: str | None = None
+    compile: bool = False  # the verify forward through torch.compile (bole_compile)
     label: str = ""  # the name plus the swept settings; the name alone when nothing is swept
 
     def __post_init__(self):
@@ -46,7 +48,7 @@ class Mode:
         if not self.drafts:
             return {}
         settings = {f"bole_{k}": v for k, v in self.settings().items() if v is not None}  # None: hf_bole's default
-        return dict(custom_generate="hf_bole", bole_drafter=drafter, **settings)
+        return dict(custom_generate="hf_bole", bole_drafter=drafter, bole_compile=self.compile, **settings)
 
     def settings(self) -> dict:
         return {
@@ -60,12 +62,16 @@ class Mode:
 
 def make_modes(name: str, batch_size: int, args) -> list[Mode]:
     """`name` at `batch_size`: one mode, or for `tree-serial` and `bole` one per combination of the run's tree
-    settings (`args.depth`, `.budget`, `.epsilon` are lists; `.topk` one value)."""
+    settings (`args.depth`, `.budget`, `.epsilon` and `.compile` are lists; `.topk` one value)."""
     if name in ("ar", "ar-static"):
         return [Mode(name)]
     if name == "chain":
         # SGLang/vLLM verify every request's 3 drafted tokens: the budget is the whole batch's chains.
-        return [Mode(name, depth=CHAIN_DEPTH, topk=1, budget=CHAIN_DEPTH * batch_size, verify="closed_form")]
+        return [
+            Mode(name, depth=CHAIN_DEPTH, topk=1, budget=CHAIN_DEPTH * batch_size, verify="closed_form",
+                 compile=compiled, label=name + " compiled" * (compiled and len(args.compile) > 1))
+            for compiled in args.compile
+        ]  # fmt: skip
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; modes are {', '.join(MODES)}")
     # With budget "auto" each verify mode reads its own calibration table (hf_bole.generation.budget); both fall
@@ -73,12 +79,13 @@ def make_modes(name: str, batch_size: int, args) -> list[Mode]:
     verify = "serial" if name == "tree-serial" else "closed_form"
     swept = {k: len(getattr(args, k)) > 1 for k in ("depth", "budget", "epsilon")}
     modes = []
-    for depth, budget, epsilon in itertools.product(args.depth, args.budget, args.epsilon):
+    for compiled, depth, budget, epsilon in itertools.product(args.compile, args.depth, args.budget, args.epsilon):
         if budget != "auto" and epsilon != args.epsilon[0]:
             continue  # epsilon only shapes the "auto" budget: a fixed budget runs once
         tags = [f"{k[0]}{v}" for k, v in (("depth", depth), ("budget", budget), ("epsilon", epsilon)) if swept[k]]
         if budget != "auto" and swept["epsilon"]:
             tags.pop()  # no epsilon in a fixed budget's label
+        tags += ["compiled"] * (compiled and len(args.compile) > 1)
         label = " ".join([name, *tags])
-        modes.append(Mode(name, depth, args.topk, budget, epsilon, verify, label))
+        modes.append(Mode(name, depth, args.topk, budget, epsilon, verify, compiled, label))
     return modes

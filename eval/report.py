@@ -71,7 +71,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth 3, topk 1), SDPA cuDNN "
         f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {'on' if s.get('cuda_graphs') else 'off'}"
-        f"{', its verify forward compiled' if s.get('compile') else ''}. "
+        f"{_compiled(s.get('compile'))}. "
         f"Tokens/s per process: generated tokens up to and including "
         f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "
         f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept. Command: `{s['command']}`",
@@ -236,3 +236,11 @@ def budget_sweep(rows: list[dict]) -> list[str]:
 def _one(values: list) -> str:
     """A setting given once, or the values a sweep ran (each row's mode names its own)."""
     return str(values[0]) if len(values) == 1 else "swept over " + "/".join(map(str, values))
+
+
+def _compiled(compile: bool | list[bool] | None) -> str:
+    """What the header says of `--compile`: a bool in older results, the swept values since."""
+    values = compile if isinstance(compile, list) else [bool(compile)]
+    if len(values) > 1:
+        return ", hf_bole modes run with and without compiling their verify forward (rows marked 'compiled')"
+    return ", its verify forward compiled" if values[0] else ""

@@ -82,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Python (bole_cuda_graphs=False; by default they replay verify forwards and MTP drafting from CUDA graphs)",
     )  # fmt: skip
     ap.add_argument(
-        "--compile", action="store_true", help="hf_bole modes run the verify forward through torch.compile (bole_compile)"
-    )
+        "--compile", nargs="*", choices=["off", "on"], default=["off"], help="hf_bole modes run the verify forward "
+        "through torch.compile (bole_compile); bare: on; `off on`: a sweep, each hf_bole mode both ways",
+    )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
     )
@@ -103,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("random-weight shapes have no MTP head: use --drafter oracle (default) or ngram with --shape")
     if args.drafter == "oracle" and args.temperature > 0:
         ap.error("the oracle drafter knows greedy continuations only: use --temperature 0 with it")
+    args.compile = [c == "on" for c in dict.fromkeys(args.compile or ["on"])]
     if args.repeats is None:
         args.repeats = 3 if args.device.startswith("cuda") else 1
     for name in ("batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "topk", "repeats"):
@@ -155,8 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # ar runs whenever another mode needs its greedy outputs: the oracle drafts from them.
     run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle") + args.modes
-    warmed: set[tuple[str, int]] = set()  # (mode, batch size)
-    compiled: set[tuple[str, int]] = set()  # (verify mode, rows) through hf_bole.warmup
+    warmed: set[tuple[str, int]] = set()  # (mode label, batch size)
+    compiled: set[tuple[str, int, bool]] = set()  # (verify mode, rows, compile) through hf_bole.warmup
     rows = []
     for dataset, prompts in prompt_sets.items():
         for batch_size in args.batch_sizes:
@@ -167,10 +169,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             failed: dict[str, str] = {}  # mode label -> why it has no figures (this process)
             for mode in (m for name in run_modes for m in make_modes(name, batch_size, args)):
                 try:
-                    records = run_mode(
-                        model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference,
-                        dataset, warmed, compiled, accelerator.is_main_process, device,
-                    )
+                    if mode.name == "ar" and "ar" not in args.modes:
+                        # Only the oracle's continuations are wanted: one untimed pass, no figures.
+                        records = [run_batch(model, tokenizer, prompts, b, mode, args, generation, []) for b in batches]
+                    else:
+                        records = run_mode(
+                            model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference,
+                            dataset, warmed, compiled, accelerator.is_main_process, device,
+                        )
                 except torch.OutOfMemoryError as error:
                     # A mode that does not fit (tree-serial's per-node states on large trees) is a result, not a
                     # crash: its row says so and the modes after it still run.
@@ -212,19 +218,20 @@ def run_mode(
     """One mode's records over `batches`, after its untimed warm-up (once per mode and batch size)."""
     from tqdm.auto import tqdm
 
-    if (mode.name, batch_size) not in warmed and batches:
-        # Untimed: first calls pay for kernel compilation, autotuning and allocator growth; every tree width a later
-        # round may reach gets its kernels compiled here too (hf_bole.warmup).
+    if (mode.label, batch_size) not in warmed and batches:
+        # Untimed, for every mode of a sweep: first calls pay for kernel compilation, autotuning and allocator
+        # growth, and each budget meets tree widths (graphs) of its own; every tree width a later round may reach
+        # gets its kernels compiled here too (hf_bole.warmup).
         for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
-            verify = mode.verify or "closed_form"
-            if (verify, n_rows) not in compiled:
-                hf_bole.warmup(model, n_rows, verify=verify, compile=args.compile)
-                compiled.add((verify, n_rows))
+            key = (mode.verify or "closed_form", n_rows, mode.compile)
+            if key not in compiled:
+                hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile)
+                compiled.add(key)
         # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
         graphed = mode.drafts and args.cuda_graphs and device.type == "cuda"
         for k, batch in enumerate(batches if graphed else batches[:1]):
             run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
-        warmed.add((mode.name, batch_size))
+        warmed.add((mode.label, batch_size))
     bar = tqdm(batches, desc=f"{dataset} {mode.label} batch {batch_size}", disable=not show_progress)
     return [
         median_run(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
@@ -326,7 +333,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         )  # fmt: skip
 
     profiled = mode.drafts and args.profile
-    graphs = {"bole_cuda_graphs": args.cuda_graphs, "bole_compile": args.compile} if mode.drafts else {}
+    graphs = {"bole_cuda_graphs": args.cuda_graphs} if mode.drafts else {}
     if generation["do_sample"]:
         torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
     timer = metrics.FirstTokenTimer()
@@ -402,6 +409,7 @@ def summarize(
         "batch_size": batch_size,
         "drafter": args.drafter if mode.drafts else None,
         **{f"tree_{k}": v for k, v in mode.settings().items()},
+        "compiled": mode.compile if mode.drafts else None,
         "num_prompts": len(order),
         "num_processes": num_processes,
         "output_tokens": n_tokens,

@@ -286,9 +286,28 @@ def test_epsilon_sweep_runs_fixed_budgets_once():
 
     from eval.modes import make_modes
 
-    args = SimpleNamespace(depth=[5], topk=4, budget=[16, "auto"], epsilon=[0.05, 0.1])
+    args = SimpleNamespace(depth=[5], topk=4, budget=[16, "auto"], epsilon=[0.05, 0.1], compile=[False])
     labels = [m.label for m in make_modes("bole", 4, args)]
     assert labels == ["bole b16", "bole bauto e0.05", "bole bauto e0.1"]
+
+
+def test_compile_sweep_modes():
+    """`--compile off on`: every hf_bole mode once eager and once compiled, the compiled one labelled and passing
+    bole_compile; without a sweep the label stays the mode's name."""
+    from types import SimpleNamespace
+
+    from eval.modes import make_modes
+
+    args = run.parse_args(["--compile", "off", "on", "--budget", "16", "auto"])
+    assert args.compile == [False, True]
+    modes = make_modes("bole", 1, args) + make_modes("chain", 1, args)
+    assert [m.label for m in modes] == [
+        "bole b16", "bole bauto", "bole b16 compiled", "bole bauto compiled", "chain", "chain compiled"
+    ]
+    assert [m.generate_kwargs("mtp")["bole_compile"] for m in modes] == [False, False, True, True, False, True]
+    assert run.parse_args(["--compile"]).compile == [True] and run.parse_args([]).compile == [False]
+    one = SimpleNamespace(depth=[5], topk=4, budget=[16], epsilon=[0.1], compile=[True])
+    assert [m.label for m in make_modes("bole", 1, one)] == ["bole"]
 
 
 # Everything a row says about the decoded content, which sharding the prompts across processes must not change.
