@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="time forwards launched from Python, for "
         "generate(..., bole_cuda_graphs=False) (default: replayed from CUDA graphs, as generate runs them)",
     )  # fmt: skip
+    ap.add_argument(
+        "--compile", action="store_true", help="time the torch.compile'd verify forward, for generate(..., "
+        "bole_compile=True) (it compiles first: a minute or more on a large model)",
+    )  # fmt: skip
     ap.add_argument("--topk", type=int, default=defaults.topk, help="shape of the synthetic draft trees")
     ap.add_argument("--depth", type=int, default=defaults.depth, help="shape of the synthetic draft trees")
     ap.add_argument("--warmup", type=int, default=3)
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     table = calibrate(
         model, args.batch_sizes, args.kv_lengths, args.nodes, epsilon=args.epsilon, verify=args.verify,
         topk=args.topk, depth=args.depth, warmup=args.warmup, reps=args.reps, prefill_chunk=args.prefill_chunk,
-        seed=args.seed, cuda_graphs=args.cuda_graphs,
+        seed=args.seed, cuda_graphs=args.cuda_graphs, compile=args.compile,
     )  # fmt: skip
     written = [] if args.no_save else [table.save(table.default_path())]
     if args.out is not None:

@@ -156,13 +156,16 @@ class TableKey:
     device: str  # `device_name`
     dtype: str  # e.g. "bfloat16"
     verify: str  # "closed_form" or "serial"
-    launch: str  # "graphs" (forwards replayed from CUDA graphs) or "eager" (kernels launched from Python)
+    # "graphs" (forwards replayed from CUDA graphs) or "eager" (kernels launched from Python), prefixed "compiled-"
+    # for the torch.compile'd forward (`bole_compile`)
+    launch: str
 
     @classmethod
-    def for_model(cls, model, verify: str = "closed_form", cuda_graphs: bool = True) -> TableKey:
-        """The key of the forwards `generate` runs for `model` with `bole_verify=verify` and
-        `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so)."""
-        launch = "graphs" if captures(model, cuda_graphs) else "eager"
+    def for_model(cls, model, verify: str = "closed_form", cuda_graphs: bool = True, compile: bool = False) -> TableKey:
+        """The key of the forwards `generate` runs for `model` with `bole_verify=verify`,
+        `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so) and
+        `bole_compile=compile`."""
+        launch = "compiled-" * compile + ("graphs" if captures(model, cuda_graphs) else "eager")
         return cls(model_key(model), device_name(model.device), dtype_name(model.dtype), verify, launch)
 
     @property
@@ -322,10 +325,11 @@ class BudgetResolver:
         if device.type != "cuda":
             _warn_once(f"hf_bole: no calibrated verification budget on {device.type}: {fallback}")
             return cls.fallback(batch_size)
-        key = TableKey.for_model(model, config.verify, config.cuda_graphs)
+        key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile)
         table = find_table(key)
         if table is None:
-            eager = " --no-cuda-graphs" if key.launch == "eager" and captures(model, True) else ""
+            eager = " --no-cuda-graphs" if key.launch.endswith("eager") and captures(model, True) else ""
+            eager += " --compile" * config.compile
             _warn_once(
                 f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
                 f"({key.device}), dtype, verify mode and launch ({key.launch}); {fallback}. Measure one with "
@@ -412,6 +416,7 @@ def calibrate(
     seed: int = 0,
     progress: bool = True,
     cuda_graphs: bool = True,
+    compile: bool = False,
 ) -> BudgetTable:
     """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
@@ -437,9 +442,10 @@ def calibrate(
             replayed from CUDA graphs where `hf_bole.generation.graphs.captures` allows, launched from Python
             otherwise. Replayed, `T_dec` is the roots-only verify forward replayed the same way (a one-token step
             of every row; a plain `DynamicCache` step launched from Python would mostly time the host).
+        compile (`bool`): time the `torch.compile`d verify forward (`bole_compile`); it compiles on its first call.
 
     Returns:
-        `BudgetTable` keyed by `TableKey.for_model(model, verify, cuda_graphs)`.
+        `BudgetTable` keyed by `TableKey.for_model(model, verify, cuda_graphs, compile)`.
     """
     from hf_bole.models import check_supported_model
 
@@ -459,7 +465,7 @@ def calibrate(
     grid = {b: [n for n in nodes if n == 0 or b <= n <= b * tree_nodes] for b in batch_sizes}
     timer = _Timer(device, warmup, reps)
     generator = torch.Generator().manual_seed(seed)
-    key = TableKey.for_model(model, verify, cuda_graphs)
+    key = TableKey.for_model(model, verify, cuda_graphs, compile)
 
     total = sum(len(kv_lengths) * (1 + len(grid[b])) for b in batch_sizes)
     bar = _progress(total, progress)
@@ -470,8 +476,8 @@ def calibrate(
             timings: dict[int | None, float] = {}  # None: the decode step; N: the verify forward
             try:
                 _measure_bucket(
-                    model, b, kv, grid[b], timings, timer, topk, depth, verify, key.launch == "graphs",
-                    prefill_chunk, generator, bar,
+                    model, b, kv, grid[b], timings, timer, topk, depth, verify, key.launch.endswith("graphs"),
+                    compile, prefill_chunk, generator, bar,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 logger.warning(f"hf_bole calibrate: out of memory at batch {b}, KV {kv}; kept {len(timings)} timings")
@@ -502,7 +508,7 @@ def calibrate(
         "reps": reps,
         "seed": seed,
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-        "t_dec": "roots-only verify forward, replayed" if key.launch == "graphs" else "plain DynamicCache step",
+        "t_dec": "roots-only verify forward, replayed" if key.launch.endswith("graphs") else "plain DynamicCache step",
         "unit": "ms",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": _versions(),
@@ -512,7 +518,7 @@ def calibrate(
 
 def _measure_bucket(
     model, b: int, kv: int, grid: list[int], timings: dict, timer: _Timer, topk: int, depth: int, verify: str,
-    graphed: bool, prefill_chunk: int, generator: torch.Generator, bar,
+    graphed: bool, compile: bool, prefill_chunk: int, generator: torch.Generator, bar,
 ) -> None:  # fmt: skip
     """Fills `timings[None]` (decode step) and `timings[N]` (verify forward) for one bucket, as they come.
 
@@ -550,10 +556,10 @@ def _measure_bucket(
             BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
         )
         if graphed:
-            forward = VerifyGraphs(model, cache, verify)
+            forward = VerifyGraphs(model, cache, verify, compile)
             timings[None] = timer(functools.partial(forward, roots, no_parents))
         else:
-            forward = functools.partial(tree_forward, model, cache, verify=verify)
+            forward = functools.partial(tree_forward, model, cache, verify=verify, compile=compile)
         bar.update(1)
         for n in grid:
             if n == 0:

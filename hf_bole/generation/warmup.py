@@ -49,6 +49,10 @@ def warmup(
     if not 1 <= max_nodes <= MAX_NODES:
         raise ValueError(f"max_nodes must be in [1, {MAX_NODES}] (the kernels' largest tree), got {max_nodes}")
     widths = sorted({w for w in WIDTHS if w < max_nodes} | {max_nodes})
+    if compile:
+        # Width 1 would compile the whole forward once more (torch.compile specialises sizes 1), for forwards
+        # that generate runs only when a round keeps no draft node, and never from CUDA graphs (width >= 4).
+        widths = widths[1:] if len(widths) > 1 else widths
     embeddings = model.get_input_embeddings().weight
     device, vocab = embeddings.device, embeddings.shape[0]
     prompt = torch.randint(1, vocab, (batch_size, 4), device=device)

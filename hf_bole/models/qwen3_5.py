@@ -229,9 +229,13 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _compiled(decoder: torch.nn.Module):
-    """`torch.compile` of `decoder`'s forward, made once per decoder."""
+    """`torch.compile` of `decoder`'s forward, made once per decoder.
+
+    Dynamic from the first call: tree widths, batch sizes and cache capacities all vary, and each size first met
+    static would compile the whole model again (minutes on a 9B one). Sizes 0 and 1 still get graphs of their own
+    (a roots-only forward, batch 1), so one batch size compiles at most twice."""
     if decoder not in _COMPILED:
-        _COMPILED[decoder] = torch.compile(decoder.forward)
+        _COMPILED[decoder] = torch.compile(decoder.forward, dynamic=True)
     return _COMPILED[decoder]
 
 

@@ -181,6 +181,11 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
         BudgetResolver.for_model(model, BoleConfig(cuda_graphs=False), batch_size=4)
     message = caplog.records[2].getMessage()
     assert "closed_form__eager.json" in message and "--verify closed_form --no-cuda-graphs`" in message
+    # so does the compiled forward (bole_compile=True)
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        BudgetResolver.for_model(model, BoleConfig(compile=True), batch_size=4)
+    message = caplog.records[3].getMessage()
+    assert "closed_form__compiled-graphs.json" in message and "--verify closed_form --compile`" in message
 
 
 def test_auto_finds_stored_table(monkeypatch, caplog):
@@ -188,6 +193,7 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
     key = TableKey.for_model(model)
     assert key == TableKey(model_key(model.config), "NVIDIA Test GPU", "bfloat16", "closed_form", "graphs")
     assert TableKey.for_model(model, cuda_graphs=False).launch == "eager"
+    assert TableKey.for_model(model, compile=True).launch == "compiled-graphs"
     _table(key).save(_table(key).default_path())
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
@@ -293,6 +299,23 @@ def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
     assert table.key.launch == "eager" and table.meta["t_dec"] == "plain DynamicCache step"
     assert widths[:2] == [1, 1]  # roots only, warm-up and timed call
     assert 2 <= max(widths[2:]) < 1 + 8
+
+
+def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
+    """`compile=True` times the forward `bole_compile=True` runs, under a key of its own."""
+    import hf_bole.models.qwen3_5 as adapter
+
+    compiled = []
+
+    def traced(decoder):
+        compiled.append(decoder)
+        return torch.compile(decoder.forward, backend="eager")
+
+    monkeypatch.setattr(adapter, "_compiled", traced)
+    table = budget_module.calibrate(
+        dense, [1], [8], [0, 2], warmup=1, reps=1, progress=False, cuda_graphs=False, compile=True
+    )  # fmt: skip
+    assert table.key.launch == "compiled-eager" and compiled and set(compiled) == {dense.get_decoder()}
 
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_bole.generation import DraftTree, select_nodes
+from hf_bole.generation.select import compiled_select_nodes
 
 INF = float("-inf")
 
@@ -177,13 +178,7 @@ def _reference(tree: DraftTree, budget: int, cap: int) -> list[set[int]]:
     ],
 )
 def test_select_matches_reference_on_random_trees(B, N, budget, cap):
-    g = torch.Generator(torch.get_default_device()).manual_seed(N)
-    # random topological parents, coarse probabilities (many ties), ragged rows
-    parents = torch.stack([torch.randint(-1, i, (B,), generator=g) for i in range(N)], dim=1)  # parent < own index
-    probs = torch.tensor([0.25, 0.5, 1.0])[torch.randint(0, 3, (B, N), generator=g)]
-    lengths = torch.randint(0, N + 1, (B,), generator=g)
-    probs[torch.arange(N)[None, :] >= lengths[:, None]] = 0.0  # padding at the end of each row: no children
-    tree = _tree(torch.randint(0, 1000, (B, N), generator=g).tolist(), parents.tolist(), probs.tolist())
+    tree = _random_tree(B, N)
     roots = torch.arange(B)
     vt = select_nodes(tree, roots, budget=budget, max_nodes_per_row=cap)
     kept = _kept(vt)
@@ -195,3 +190,24 @@ def test_select_matches_reference_on_random_trees(B, N, budget, cap):
         assert len(kept[b]) <= cap
         assert all(tree.parents[b, i].item() in kept[b] | {-1} for i in kept[b])  # prefix-connected
     _check_structure(vt, tree, roots)
+
+
+def test_compiled_select_matches_eager():
+    """`bole_compile`'s selection (inductor) keeps exactly the nodes of the eager one, laid out the same, on
+    ragged trees with many ties."""
+    for B, N, budget, cap in ((3, 13, 11, 4), (5, 40, 63, 127), (4, 63, 3, 127)):
+        tree, roots = _random_tree(B, N), torch.arange(B)
+        compiled = compiled_select_nodes()(tree, roots, budget, cap)
+        eager = select_nodes(tree, roots, budget, cap)
+        for name, value in vars(eager).items():
+            torch.testing.assert_close(getattr(compiled, name), value, rtol=0, atol=0, msg=name)
+
+
+def _random_tree(B: int, N: int) -> DraftTree:
+    g = torch.Generator(torch.get_default_device()).manual_seed(N)
+    # random topological parents, coarse probabilities (many ties), ragged rows
+    parents = torch.stack([torch.randint(-1, i, (B,), generator=g) for i in range(N)], dim=1)  # parent < own index
+    probs = torch.tensor([0.25, 0.5, 1.0])[torch.randint(0, 3, (B, N), generator=g)]
+    lengths = torch.randint(0, N + 1, (B,), generator=g)
+    probs[torch.arange(N)[None, :] >= lengths[:, None]] = 0.0  # padding at the end of each row: no children
+    return _tree(torch.randint(0, 1000, (B, N), generator=g).tolist(), parents.tolist(), probs.tolist())
