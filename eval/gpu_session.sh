@@ -18,6 +18,7 @@
 #   compile    the house model at batch 1: ar, and bole with and without bole_compile, in one run
 #   budget     the house model's calibration table (graph replays), then a fixed-budget and epsilon sweep
 #   budget9b   the same for the 9B shape (oracle drafter)
+#   batch9bc   the 9B shape at batch 8 with and without bole_compile against ar-static; 35B-A3B at batch 1
 #   sweep9b    budget9b's sweep only, on the committed 9B table (results/budget_h200_9b/budget_9b.json)
 #   kernels    the full kernel benchmark grid (eval/bench_kernels.py)
 #   profile    torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
@@ -26,7 +27,7 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
 #              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|kernels|profile|profile9b|fla|dp}
+PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|kernels|profile|profile9b|fla|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -123,6 +124,13 @@ print("installed", table.save(table.default_path()))
 PY
     harness sweep_9b 560 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
         --max-new-tokens 64 --budget 16 32 64 128 auto --epsilon 0.1 0.25 0.5 --profile
+    ;;
+batch9bc)  # sixth session's last call: the 9B shape at batch 8, bole eager and compiled against ar-static (budget
+    # 32: sweep9b's best at batch 8), then the 35B-A3B shape at batch 1 (no CUDA graphs: mixture of experts)
+    harness speed9b_b8_compile 320 $SHAPE9B --modes ar ar-static bole --batch-sizes 8 --num-prompts 8 --budget 32 \
+        --compile off on
+    harness shape_35B-A3B_b1 230 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
+        --batch-sizes 1 --num-prompts 2 --repeats 1
     ;;
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh
