@@ -165,39 +165,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
             with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
                 batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
             reference: list[dict] = []
-            results: dict[str, list[dict]] = {}
-            failed: dict[str, str] = {}  # mode label -> why it has no figures (this process)
             for mode in (m for name in run_modes for m in make_modes(name, batch_size, args)):
+                reference_only = mode.name == "ar" and "ar" not in args.modes  # the oracle's continuations
+                error = None
                 try:
-                    if mode.name == "ar" and "ar" not in args.modes:
-                        # Only the oracle's continuations are wanted: one untimed pass, no figures.
+                    if reference_only:  # one untimed pass, no figures
                         records = [run_batch(model, tokenizer, prompts, b, mode, args, generation, []) for b in batches]
                     else:
                         records = run_mode(
                             model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference,
                             dataset, warmed, compiled, accelerator.is_main_process, device,
                         )
-                except torch.OutOfMemoryError as error:
+                except torch.OutOfMemoryError as oom:
                     # A mode that does not fit (tree-serial's per-node states on large trees) is a result, not a
                     # crash: its row says so and the modes after it still run.
-                    records, failed[mode.label] = [], "out of memory"
-                    print(f"{dataset} {mode.label} batch {batch_size}: {str(error).splitlines()[0]}", file=sys.stderr)
-                if mode.label in failed:  # freed here: inside the except block its traceback still holds the tensors
+                    records, error = [], "out of memory"
+                    print(f"{dataset} {mode.label} batch {batch_size}: {str(oom).splitlines()[0]}", file=sys.stderr)
+                if error is not None:  # freed here: inside the except block its traceback still holds the tensors
                     hf_bole.release(model)
                     gc.collect()
                     torch.cuda.empty_cache()
                 if mode.name == "ar":
                     reference = records
-                results[mode.label] = gather_object(records)
-            failures = dict(pair for per_process in gather_object([failed]) for pair in per_process.items())
-            if accelerator.is_main_process:
-                for mode in (m for name in args.modes for m in make_modes(name, batch_size, args)):
-                    row = summarize(
-                        dataset, prompts, mode, batch_size, results[mode.label], args, accelerator.num_processes
-                    )
-                    rows.append({**row, "error": failures.get(mode.label)})
-                # A run cut short (a time limit) still leaves every finished row behind.
-                report.write_jsonl(rows, header, out / "results.partial.jsonl")
+                gathered = gather_object(records)
+                errors = [e for e in gather_object([error]) if e is not None]  # from every process
+                if accelerator.is_main_process and not reference_only:
+                    row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
+                    rows.append({**row, "error": errors[0] if errors else None})
+                    # A run cut short (a time limit) still leaves every finished mode's row behind.
+                    report.write_jsonl(rows, header, out / "results.partial.jsonl")
 
     if accelerator.is_main_process:
         report.add_speedups(rows)

@@ -131,6 +131,26 @@ def test_mode_out_of_memory_is_a_row(checkpoint, tmp_path, monkeypatch):
     assert "| gsm8k | tree-serial | 1 | 0 | out of memory | – |" in (tmp_path / "results.md").read_text()
 
 
+def test_run_cut_short_keeps_finished_modes(checkpoint, tmp_path, monkeypatch):
+    """A run stopped inside a mode (a device time limit) leaves the rows of every mode that finished before it."""
+    run_batch = run.run_batch
+
+    def stopped(model, tokenizer, prompts, batch, mode, *args):
+        if mode.name == "bole":
+            raise KeyboardInterrupt  # what a time limit's signal ends a run with
+        return run_batch(model, tokenizer, prompts, batch, mode, *args)
+
+    monkeypatch.setattr(run, "run_batch", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run.main([
+            "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "4",
+            "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "chain", "bole", "--depth", "2",
+            "--topk", "2", "--output-dir", str(tmp_path), "--device", "cpu",
+        ])  # fmt: skip
+    partial = [json.loads(line) for line in (tmp_path / "results.partial.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in partial if "mode" in r] == ["ar", "chain"]
+
+
 def test_run_shape_oracle(checkpoint, tmp_path):
     """A random model of a checkpoint's shape, random prompts, the oracle drafter: high acceptance, exact."""
     rows = run.main([
