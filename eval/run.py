@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out.mkdir(parents=True, exist_ok=True)
 
     # ar runs whenever another mode needs its greedy outputs: the oracle drafts from them.
-    run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle") + args.modes
+    drafting = any(m not in ("ar", "ar-static") for m in args.modes)
+    run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle" and drafting) + args.modes
     warmed: set[tuple[str, int]] = set()  # (mode label, batch size)
     compiled: set[tuple[str, int, bool]] = set()  # (verify mode, rows, compile) through hf_bole.warmup
     rows = []

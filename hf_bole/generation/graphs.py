@@ -20,7 +20,7 @@ import torch
 from hf_bole.cache import BoleCache
 from hf_bole.generation.select import compiled_select_nodes, select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
-from hf_bole.models import TreeForwardOutput, has_experts, tree_forward
+from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, tree_forward
 
 WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128)
 # Cache capacities are rounded up to this many slots, so that calls of similar lengths share one cache and its graphs.
@@ -29,8 +29,9 @@ CAPACITY_STEP = 512
 
 def captures(model, cuda_graphs: bool) -> bool:
     """Whether verify forwards of `model` replay from CUDA graphs: asked for (`bole_cuda_graphs`), on a CUDA
-    device, and no mixture-of-experts layers (their token routing has data-dependent shapes)."""
-    return cuda_graphs and model.device.type == "cuda" and not has_experts(model)
+    device, and no mixture-of-experts layers whose experts implementation routes tokens with data-dependent shapes
+    (`graph_unsafe_experts`: transformers' "eager"; its default "grouped_mm" is captured)."""
+    return cuda_graphs and model.device.type == "cuda" and not graph_unsafe_experts(model)
 
 
 def width_bucket(width: int, max_width: int) -> int:

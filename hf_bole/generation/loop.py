@@ -341,11 +341,14 @@ def _decode(
     # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
     capacity = P + max_new + 2 * (per_row + 1)
     graphed = captures(model, bole.cuda_graphs)
-    if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses mixture-of-experts layers
+    if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
+        implementation = model.config.get_text_config(decoder=True)._experts_implementation
         logger.warning_once(
-            "hf_bole: the model's mixture-of-experts layers route tokens with data-dependent shapes, which CUDA "
-            "graphs cannot capture; its verify forwards run without them (bole_cuda_graphs=False says the same "
-            "without this warning)"
+            f"hf_bole: the model's mixture-of-experts layers run experts_implementation={implementation!r}, whose "
+            f"token routing CUDA graphs cannot capture; its verify forwards run without them, launched from Python. "
+            f"Load the model with experts_implementation='grouped_mm' (or call "
+            f"model.set_experts_implementation('grouped_mm')) to replay them from graphs; bole_cuda_graphs=False "
+            f"says the same without this warning"
         )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
         cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile)

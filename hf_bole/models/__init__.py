@@ -7,7 +7,7 @@ from hf_bole.models.qwen3_5 import (
     attention_backends,
     cache_argument,
     check_supported_model,
-    has_experts,
+    graph_unsafe_experts,
     install_adapter,
     tree_forward,
 )
@@ -19,7 +19,7 @@ __all__ = [
     "attention_backends",
     "cache_argument",
     "check_supported_model",
-    "has_experts",
+    "graph_unsafe_experts",
     "install_adapter",
     "tree_forward",
 ]

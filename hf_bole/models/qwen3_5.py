@@ -95,10 +95,22 @@ class TreeForwardOutput:
     hidden_states: torch.Tensor
 
 
-def has_experts(module: torch.nn.Module) -> bool:
-    """Whether `module` holds a mixture-of-experts block, whose token routing has data-dependent shapes (a CUDA
-    graph cannot capture it)."""
-    return any(name.endswith("experts") for name, _ in module.named_modules())
+# transformers' experts implementations that keep shapes fixed: every token's top-k experts in one grouped or
+# batched matmul. "eager" loops in Python over the experts that received tokens (a host read, data-dependent
+# shapes); others (kernels from the Hub) are not known to be capturable.
+GRAPH_SAFE_EXPERTS = ("grouped_mm", "batched_mm")
+
+
+def graph_unsafe_experts(module: torch.nn.Module) -> list[str]:
+    """The mixture-of-experts blocks of `module` whose experts implementation (`config._experts_implementation`,
+    set by `from_pretrained(..., experts_implementation=...)` or `set_experts_implementation`) a CUDA graph cannot
+    capture: any but `GRAPH_SAFE_EXPERTS`. Empty for dense models."""
+    return [
+        name
+        for name, m in module.named_modules()
+        if name.endswith("experts")
+        and getattr(getattr(m, "config", None), "_experts_implementation", None) not in GRAPH_SAFE_EXPERTS
+    ]
 
 
 def check_supported_model(model: torch.nn.Module) -> None:

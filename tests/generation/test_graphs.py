@@ -14,7 +14,7 @@ from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
 from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, SelectGraphs, graphed_cache, width_bucket
 from hf_bole.generation.select import select_nodes
-from hf_bole.models import has_experts, tree_forward
+from hf_bole.models import graph_unsafe_experts, tree_forward
 from tests.generation.recorded_graph import recording_capture
 from tests.models.tiny import batch_trees, build_model, prefill
 
@@ -22,11 +22,17 @@ PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 
 
-@pytest.mark.parametrize("verify", ["closed_form", "serial"])
-def test_verify_forward_reads_nothing_on_the_host(monkeypatch, verify):
+@pytest.mark.parametrize(
+    "verify, experts",
+    [("closed_form", None), ("serial", None), ("closed_form", "grouped_mm"), ("closed_form", "batched_mm")],
+)
+def test_verify_forward_reads_nothing_on_the_host(monkeypatch, verify, experts):
     """A graph replays device work only: the verify forward must not read the device on the host, also once rows
-    differ in length. (The parents check is the one read, made once per tree tensor and skipped while capturing.)"""
-    model = build_model()
+    differ in length. (The parents check is the one read, made once per tree tensor and skipped while capturing.)
+    So too a mixture-of-experts model under transformers' grouped or batched experts implementations."""
+    model = build_model("moe" if experts else "dense")
+    if experts:
+        model.set_experts_implementation(experts)
     cache = BoleCache(model.config, batch_size=3, max_cache_len=64)
     prefill(model, cache, PROMPTS)
     parents = batch_trees([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0]])
@@ -115,9 +121,27 @@ def test_cuda_graphs_generate_matches_plain(verify):
     torch.testing.assert_close(single, model.generate(ids[1:2], **one), rtol=0, atol=0)
 
 
-def test_mixture_of_experts_models_are_not_captured():
-    """Expert routing has data-dependent shapes: such models (and MTP layers) verify and draft without graphs."""
-    assert has_experts(build_model("moe")) and not has_experts(build_model("dense"))
+def test_eager_experts_are_not_captured(monkeypatch):
+    """transformers' "eager" experts loop over the experts hit, reading the routing on the host: models (and MTP
+    layers) running them verify and draft without graphs; "grouped_mm" (the default) and "batched_mm" are captured."""
+    moe = build_model("moe")
+    assert not graph_unsafe_experts(build_model("dense"))
+    for implementation, unsafe in (("grouped_mm", False), ("batched_mm", False), ("eager", True)):
+        moe.set_experts_implementation(implementation)
+        assert bool(graph_unsafe_experts(moe)) == unsafe
+        monkeypatch.setattr(type(moe), "device", property(lambda self: torch.device("cuda")))
+        assert graphs_module.captures(moe, cuda_graphs=True) != unsafe
+        monkeypatch.undo()
+    # what the "eager" experts would read while a graph captures (the reason they are refused)
+    cache = BoleCache(moe.config, batch_size=3, max_cache_len=64)
+    prefill(moe, cache, PROMPTS)
+    parents = batch_trees([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0]])
+    tree_forward(moe, cache, torch.ones_like(parents), parents)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self, _o=torch.Tensor.__bool__: reads.append(1) or _o(self))
+    tree_forward(moe, cache, torch.ones_like(parents), parents)
+    monkeypatch.undo()
+    assert reads
 
 
 def test_replayed_selection_reads_its_static_inputs(monkeypatch):

@@ -30,7 +30,7 @@ from transformers.utils import logging
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
-from hf_bole.models import attention_backends, has_experts
+from hf_bole.models import attention_backends, graph_unsafe_experts
 from hf_bole.models.mtp import Qwen3_5MTP
 
 logger = logging.get_logger(__name__)
@@ -93,12 +93,14 @@ class MTPDrafter:
         self.mtp, self.embed_tokens, self.lm_head, self.rotary_emb = mtp, embed_tokens, lm_head, rotary_emb
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         self._cache: _MTPKVCache | None = None
-        # A mixture-of-experts layer routes tokens with data-dependent shapes, which a CUDA graph cannot hold.
-        self.cuda_graphs = cuda_graphs and not has_experts(mtp)
+        # Experts run by transformers' "eager" implementation route tokens with data-dependent shapes, which a CUDA
+        # graph cannot hold (the layer's config is a copy of the target's, made when the drafter was built).
+        self.cuda_graphs = cuda_graphs and not graph_unsafe_experts(mtp)
         if cuda_graphs and not self.cuda_graphs:
             logger.warning_once(
-                "hf_bole: the MTP drafter's layer is a mixture of experts, which CUDA graphs cannot capture; it drafts "
-                "without them (bole_cuda_graphs=False says the same without this warning)"
+                f"hf_bole: the MTP drafter's layer is a mixture of experts with experts_implementation="
+                f"{mtp.config._experts_implementation!r}, which CUDA graphs cannot capture; it drafts without them "
+                f"('grouped_mm' can be captured; bole_cuda_graphs=False says the same without this warning)"
             )
         self._graphs: dict[tuple[int, int, int], _GraphedDraft] = {}  # (batch size, new entries, nodes) -> graph
         self._graph_pool = None
