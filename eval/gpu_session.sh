@@ -112,23 +112,24 @@ compile)
 budget)
     step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \
         --batch-sizes 1 4 8 16 --kv-lengths 1024 --out "$OUT/budget_house.json" --plot "$OUT/budget_house.png"
-    harness sweep_house 400 --datasets gsm8k --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
-        --max-new-tokens 64 --budget 16 32 64 128 auto --epsilon 0.1 0.25 0.5
+    harness sweep_house 420 --datasets gsm8k --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+        --max-new-tokens 128 --budget 16 32 64 128 auto --profile
     ;;
 budget9b)
     step calibrate_9b 200 python3 -m hf_bole.calibrate --shape 9B --dtype bf16 --batch-sizes 1 4 8 16 \
         --kv-lengths 512 --reps 5 --out "$OUT/budget_9b.json" --plot "$OUT/budget_9b.png"
-    harness sweep_9b 350 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
-        --max-new-tokens 64 --repeats 1 --budget 16 32 64 128 auto --epsilon 0.1 0.25 0.5
+    harness sweep_9b 380 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+        --max-new-tokens 128 --budget 16 32 64 128 auto --profile
     ;;
-sweep9b)  # budget9b's sweep on the table the fifth session measured (results/budget_h200_9b), not measured again
+sweep9b)  # budget9b's sweep on the table the fifth session measured (results/budget_h200_9b), not measured again:
+    # 128 new tokens (with 64, prefill was a quarter of a batch-1 call), the default epsilon (0.25)
     python3 - <<'PY'
 from hf_bole.generation.budget import BudgetTable
 table = BudgetTable.load("results/budget_h200_9b/budget_9b.json")
 print("installed", table.save(table.default_path()))
 PY
     harness sweep_9b 560 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
-        --max-new-tokens 64 --budget 16 32 64 128 auto --epsilon 0.1 0.25 0.5 --profile
+        --max-new-tokens 128 --budget 16 32 64 128 auto --profile
     ;;
 batch9bc)  # sixth session's last call: the 9B shape at batch 8, bole eager and compiled against ar-static (budget
     # 32: sweep9b's best at batch 8), then the 35B-A3B shape at batch 1 (no CUDA graphs: mixture of experts)

@@ -16,7 +16,7 @@ class _Drafter:
 def test_defaults_are_valid():
     config = BoleConfig()
     settings = (config.depth, config.topk, config.budget, config.epsilon, config.verify, config.drafter)
-    assert settings == (5, 4, "auto", 0.1, "closed_form", "mtp")
+    assert settings == (5, 4, "auto", 0.25, "closed_form", "mtp")
 
 
 @pytest.mark.parametrize(
