@@ -116,9 +116,10 @@ def select_nodes(
 @functools.cache
 def compiled_select_nodes():
     """`select_nodes` through `torch.compile` (`bole_compile`): its ~50 small ops fused into a few kernels (on the
-    9B shape at batch 1 the selection took 0.9 ms of a 9 ms round replayed from a graph, eager). Shapes and the
-    budget are compiled in: one compilation per (tree shape, budget, cap), a few seconds each."""
-    return torch.compile(select_nodes, dynamic=False)
+    9B shape at batch 1 the selection took 0.9 ms of a 9 ms round replayed from a graph, eager). The first call
+    compiles for its shapes and budget; the first call with others compiles once more, with both symbolic, for all
+    later ones (a few seconds each)."""
+    return torch.compile(select_nodes)
 
 
 def _rank(key: torch.Tensor, depth: torch.Tensor) -> torch.LongTensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -407,11 +408,16 @@ def test_cuda_graphs_match_eager_drafting():
         _assert_same_trees(tree, eager)
 
 
-def test_cuda_graphs_refused_for_experts():
-    """A mixture-of-experts MTP layer routes with data-dependent shapes: no capture (and a warning)."""
+def test_cuda_graphs_refused_for_eager_experts(caplog):
+    """An MTP layer whose experts run transformers' "eager" implementation routes with data-dependent shapes: no
+    capture, and a warning that names it; under "grouped_mm" (the default) it is captured."""
     model = _model(moe=True)
-    drafter = MTPDrafter(
-        _mtp(model), model.get_input_embeddings(), model.get_output_embeddings(), model.get_decoder().rotary_emb,
-        depth=2, topk=2, cuda_graphs=True,
-    )  # fmt: skip
-    assert not drafter.cuda_graphs
+    for implementation, captured in (("grouped_mm", True), ("eager", False)):
+        model.set_experts_implementation(implementation)  # the MTP layer copies the target's config when built
+        with caplog.at_level(logging.WARNING):
+            drafter = MTPDrafter(
+                _mtp(model), model.get_input_embeddings(), model.get_output_embeddings(),
+                model.get_decoder().rotary_emb, depth=2, topk=2, cuda_graphs=True,
+            )  # fmt: skip
+        assert drafter.cuda_graphs == captured
+    assert "experts_implementation='eager'" in caplog.text
