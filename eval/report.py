@@ -41,12 +41,14 @@ def machine() -> dict:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Sets `speedup_over_ar` of every row whose (dataset, batch size) also ran `ar`."""
-    ar = {(r["dataset"], r["batch_size"]): r["output_tokens_per_s"] for r in rows if r["mode"] == "ar"}
-    for r in rows:
-        base = ar.get((r["dataset"], r["batch_size"]))
-        tokens_per_s = r["output_tokens_per_s"]
-        r["speedup_over_ar"] = tokens_per_s / base if base and tokens_per_s is not None else None
+    """Sets `speedup_over_ar` and `speedup_over_ar_static` of every row whose (dataset, batch size) also ran that
+    baseline (issue 8 reports both of transformers' configurations)."""
+    for baseline in ("ar", "ar-static"):
+        base = {(r["dataset"], r["batch_size"]): r["output_tokens_per_s"] for r in rows if r["mode"] == baseline}
+        for r in rows:
+            b, tokens_per_s = base.get((r["dataset"], r["batch_size"])), r["output_tokens_per_s"]
+            speedup = tokens_per_s / b if b and tokens_per_s is not None else None
+            r[f"speedup_over_{baseline.replace('-', '_')}"] = speedup
 
 
 def write_jsonl(rows: list[dict], header: dict, path: Path) -> None:
@@ -76,9 +78,9 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "
         f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept. Command: `{s['command']}`",
         "",
-        "| dataset | mode | batch | prompts | tokens/s | speedup | TTFT ms | TPOT ms | accepted/round | exact | quality | "
-        "peak GiB | tree state MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| dataset | mode | batch | prompts | tokens/s | speedup | ÷ ar-static | TTFT ms | TPOT ms | accepted/round | "
+        "exact | quality | peak GiB | tree state MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         quality = ", ".join(f"{k} {v:.3g}" for k, v in (r["quality"] or {}).items()) or "–"
@@ -88,7 +90,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         tokens_per_s = r.get("error") or _fmt(r["output_tokens_per_s"])  # a mode that ran out of memory says so
         lines.append(
             f"| {r['dataset']} | {r['mode']} | {r['batch_size']} | {r['num_prompts']} | "
-            f"{tokens_per_s} | {_fmt(r['speedup_over_ar'], '.2f')} | {_fmt(r['ttft_ms'])} | "
+            f"{tokens_per_s} | {_fmt(r['speedup_over_ar'], '.2f')} | {_fmt(r.get('speedup_over_ar_static'), '.2f')} | "
+            f"{_fmt(r['ttft_ms'])} | "
             f"{_fmt(r['tpot_ms'])} | {_fmt(r['mean_accepted_tokens'], '.2f')} | {exact} | {quality} | "
             f"{_fmt(peak, '.2f')} | {_fmt(tree, '.2f')} |"
         )

@@ -102,9 +102,11 @@ def test_run_ar_static(checkpoint, tmp_path):
         "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "ar-static", "--output-dir", str(tmp_path),
         "--device", "cpu",
     ])  # fmt: skip
-    (static,) = [r for r in rows if r["mode"] == "ar-static"]
+    ar, static = rows
     assert static["exact_share"] == 1.0 and static["mean_accepted_tokens"] is None
-    assert static["speedup_over_ar"] > 0
+    assert static["speedup_over_ar"] > 0 and static["speedup_over_ar_static"] == 1.0
+    assert ar["speedup_over_ar_static"] == pytest.approx(1 / static["speedup_over_ar"])
+    assert "| speedup | ÷ ar-static |" in (tmp_path / "results.md").read_text()
 
 
 def test_mode_out_of_memory_is_a_row(checkpoint, tmp_path, monkeypatch):
