@@ -19,6 +19,7 @@
 #   budget     the house model's calibration table (graph replays), then a fixed-budget and epsilon sweep
 #   budget9b   the same for the 9B shape (oracle drafter)
 #   batch9bc   the 9B shape at batch 8 with and without bole_compile against ar-static; 35B-A3B at batch 1
+#   verify6    the sixth session's CPU-only changes on a GPU: MoE graphs, compiled selection, dynamic compile
 #   large27    the 27B shape at batch 1, ar and bole, one prompt (under 3 minutes)
 #   sweep9b    budget9b's sweep only, on the committed 9B table (results/budget_h200_9b/budget_9b.json)
 #   kernels    the full kernel benchmark grid (eval/bench_kernels.py)
@@ -28,7 +29,7 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
 #              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|kernels|profile|profile9b|fla|dp}
+PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -141,6 +142,14 @@ batch9bc)  # sixth session's last call: the 9B shape at batch 8, bole eager and 
 large27)  # the 27B shape at batch 1, ar and bole only, one prompt: what fits in the last 3 minutes of a session
     harness shape_27B_b1 140 --shape 27B --depth 6 --max-new-tokens 128 --profile --modes ar bole --batch-sizes 1 \
         --num-prompts 1 --repeats 1
+    ;;
+verify6)  # what the sixth session built without a GPU: mixture-of-experts graphs (grouped_mm), compiled selection,
+    # the dynamic compile of the verify forward (its speed against e068a7c's 7.11 ms verify at 9B batch 1)
+    step tests6 150 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py tests/generation/test_mtp.py \
+        tests/generation/test_select.py -k "graphs or compiled or experts or host"
+    harness shape_35B-A3B_b1_graphs 200 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
+        --batch-sizes 1 --num-prompts 2 --repeats 1
+    harness speed9b_b1_dynamic 230 $SHAPE9B --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on
     ;;
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh

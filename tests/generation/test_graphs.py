@@ -102,10 +102,14 @@ def test_resumed_round_commits_its_own_forward():
 
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
-@pytest.mark.parametrize("verify", ["closed_form", "serial"])
-def test_cuda_graphs_generate_matches_plain(verify):
-    """Greedy output with replayed verify forwards equals plain generate, over two calls that share the cache."""
-    model = build_model()
+@pytest.mark.parametrize("verify, kind", [("closed_form", "dense"), ("serial", "dense"), ("closed_form", "moe")])
+def test_cuda_graphs_generate_matches_plain(verify, kind):
+    """Greedy output with replayed verify forwards equals plain generate, over two calls that share the cache; a
+    mixture of experts under transformers' grouped_mm experts is captured too."""
+    model = build_model(kind)
+    if kind == "moe":
+        model.set_experts_implementation("grouped_mm")
+        assert graphs_module.captures(model, cuda_graphs=True)
     ids = torch.tensor([[0, 0, 5, 17, 33, 2], [71, 3, 28, 44, 9, 60], [0, 0, 0, 0, 0, 13]])
     mask = (ids != 0).long()
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
