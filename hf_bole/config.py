@@ -63,9 +63,9 @@ class BoleConfig:
             one from Python (house model on an H200: 1.6 ms per verify forward replayed, about 10 eager). The first
             round of each width captures its graph. The cache and graphs stay allocated for the next call of the
             same batch size and verify mode (the returned `past_key_values` is that cache, reset by the next call);
-            `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers
-            (data-dependent shapes) cannot be captured: they run without graphs and say so once. No effect off
-            CUDA.
+            `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers are
+            captured under transformers' `experts_implementation="grouped_mm"` (its default) or `"batched_mm"`;
+            under `"eager"` (data-dependent shapes) they run without graphs and say so once. No effect off CUDA.
         compile (`bool`, *optional*, defaults to `False`):
             Run the verify forward's decoder and the node selection through `torch.compile`, which fuses the
             norms, gates and projections around hf_bole's tree kernels (custom ops in the one compiled graph) and
