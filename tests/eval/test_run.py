@@ -205,6 +205,35 @@ def test_oracle_drafter_acceptance():
     assert expected - 1.0 < out.mean_accepted_tokens < expected + 1.0
 
 
+def test_oracle_tree_levels():
+    """Each level: topk distinct tokens, the truth first while every level above held it, never a decoy equal to the
+    truth; nothing true past the end of a continuation."""
+    from hf_bole import DraftContext
+
+    cont = [[3, 4, 5, 6, 7, 8, 9, 10], [11, 12]]
+    prompts = [2, 3]
+    sequences = [torch.zeros(2 + 3), torch.zeros(3 + 1)]  # row 0: 3 generated, row 1: 1 generated
+    ctx = DraftContext(sequences=sequences, max_nodes=64)
+    for accept in (1.0, 0.0, 0.5):
+        oracle = OracleDrafter(prompts, cont, depth=4, topk=3, accept=accept, vocab_size=13, seed=1)
+        for _ in range(20):
+            tree = oracle.propose(ctx)
+            levels = tree.tokens.view(2, 4, 3)  # [B, D, K]
+            assert all(len(set(level.tolist())) == 3 for level in levels.flatten(0, 1))
+            for b, done in enumerate((3, 1)):
+                truth = cont[b][done : done + 4]
+                alive = True
+                for d, level in enumerate(levels[b].tolist()):
+                    true = truth[d] if d < len(truth) else None
+                    alive = alive and level[0] == true
+                    assert level[1:].count(true) == 0 if alive else true not in level
+                    if accept == 1.0:
+                        assert alive == (true is not None)
+                    if accept == 0.0:
+                        assert not alive
+    assert tree.parents[0].tolist() == [-1, -1, -1, 0, 0, 0, 3, 3, 3, 6, 6, 6]
+
+
 def test_count_generated():
     """The one token count every mode's throughput uses: up to and including EOS, never padding."""
     eos, pad = {EOS}, PAD
