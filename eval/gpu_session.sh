@@ -145,11 +145,12 @@ large27)  # the 27B shape at batch 1, ar and bole only, one prompt: what fits in
     ;;
 verify6)  # what the sixth session built without a GPU: mixture-of-experts graphs (grouped_mm), compiled selection,
     # the dynamic compile of the verify forward (its speed against e068a7c's 7.11 ms verify at 9B batch 1)
-    step tests6 150 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py tests/generation/test_mtp.py \
+    # the compile takes minutes (the sixth session's first at batch 8 was not done after ~110 s): it goes first
+    harness speed9b_b1_dynamic 300 $SHAPE9B --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on
+    step tests6 120 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py tests/generation/test_mtp.py \
         tests/generation/test_select.py -k "graphs or compiled or experts or host"
-    harness shape_35B-A3B_b1_graphs 200 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
+    harness shape_35B-A3B_b1_graphs 160 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
         --batch-sizes 1 --num-prompts 2 --repeats 1
-    harness speed9b_b1_dynamic 230 $SHAPE9B --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on
     ;;
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh
