@@ -156,6 +156,34 @@ def test_compiled_tree_forward_is_one_graph(verify, monkeypatch):
     torch.testing.assert_close(compiled.logits, eager.logits, rtol=0, atol=0)
 
 
+def test_dynamic_compile_serves_every_width(monkeypatch):
+    """`bole_compile` compiles with dynamic shapes: after the first tree, other widths and cache capacities reuse
+    the graph (dynamo traces the tree kernels' fake implementations with symbolic sizes), with the eager logits."""
+    import hf_bole.models.qwen3_5 as adapter
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch_compile = torch.compile  # adapter._compiled's own call, with its settings, on a backend recording graphs
+    monkeypatch.setattr(torch, "compile", lambda fn, **settings: torch_compile(fn, **{**settings, "backend": backend}))
+    monkeypatch.setattr(adapter, "_COMPILED", type(adapter._COMPILED)())
+    model = build_model()
+    gen = torch.Generator(torch.get_default_device()).manual_seed(5)
+    for n in (5, 9, 14):
+        parents = batch_trees([random_tree(n, max_depth=4, gen=gen) for _ in range(3)])
+        tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+        logits = []
+        for compile in (False, True):
+            cache = BoleCache(model.config, batch_size=3, max_cache_len=32 + n)
+            tokens[:, 0] = prefill(model, cache, PROMPTS)
+            logits.append(tree_forward(model, cache, tokens, parents, compile=compile).logits)
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    assert len(graphs) == 1
+
+
 @torch.no_grad()
 def test_plain_forward_matches_upstream():
     """Prefill and one-token decodes through a BoleCache give upstream's logits (positions as given, or the
