@@ -17,6 +17,7 @@ import gc
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -182,6 +183,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     # crash: its row says so and the modes after it still run.
                     records, error = [], "out of memory"
                     print(f"{dataset} {mode.label} batch {batch_size}: {str(oom).splitlines()[0]}", file=sys.stderr)
+                except Exception as failure:
+                    # Any other failure of one mode (say, a compile that does not support the model) is on its row
+                    # and its traceback on stderr; the other modes still run, and the run exits non-zero.
+                    records, error = [], f"failed: {type(failure).__name__}"
+                    print(f"{dataset} {mode.label} batch {batch_size} failed:", file=sys.stderr)
+                    traceback.print_exc()
                 if error is not None:  # freed here: inside the except block its traceback still holds the tensors
                     hf_bole.release(model)
                     gc.collect()
@@ -438,4 +445,5 @@ def settings(args, model_label: str, dtype: torch.dtype, num_processes: int, com
 
 
 if __name__ == "__main__":
-    main()
+    # A mode that failed fails the run, once every table is written (running out of memory is a result, not a failure).
+    sys.exit(int(any(r["error"] not in (None, "out of memory") for r in main())))

@@ -133,6 +133,29 @@ def test_mode_out_of_memory_is_a_row(checkpoint, tmp_path, monkeypatch):
     assert "| gsm8k | tree-serial | 1 | 0 | out of memory | – |" in (tmp_path / "results.md").read_text()
 
 
+def test_failed_mode_is_a_row(checkpoint, tmp_path, monkeypatch, capsys):
+    """A mode that fails otherwise (an error inside generate) gets a row naming the error, its traceback goes to
+    stderr, and the modes after it still run."""
+    run_batch = run.run_batch
+
+    def failing(model, tokenizer, prompts, batch, mode, *args):
+        if mode.name == "chain":
+            raise RuntimeError("no kernel for this model")
+        return run_batch(model, tokenizer, prompts, batch, mode, *args)
+
+    monkeypatch.setattr(run, "run_batch", failing)
+    rows = run.main([
+        "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "4",
+        "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "chain", "bole", "--depth", "2",
+        "--topk", "2", "--output-dir", str(tmp_path), "--device", "cpu",
+    ])  # fmt: skip
+    ar, chain, bole = rows
+    assert chain["error"] == "failed: RuntimeError" and chain["output_tokens_per_s"] is None
+    assert ar["error"] is None and bole["error"] is None and bole["exact_share"] == 1.0
+    assert "RuntimeError: no kernel for this model" in capsys.readouterr().err
+    assert "| gsm8k | chain | 1 | 0 | failed: RuntimeError | – |" in (tmp_path / "results.md").read_text()
+
+
 def test_run_cut_short_keeps_finished_modes(checkpoint, tmp_path, monkeypatch):
     """A run stopped inside a mode (a device time limit) leaves the rows of every mode that finished before it."""
     run_batch = run.run_batch
