@@ -209,6 +209,7 @@ def budget_sweep(rows: list[dict]) -> list[str]:
     for r in rows:
         mode = r["mode"].split()[0]
         if mode in ("tree-serial", "bole") and r["output_tokens_per_s"]:
+            mode += " compiled" * bool(r.get("compiled"))  # a --compile off on sweep compares budgets per form
             budget = r["tree_budget"] if r["tree_budget"] != "auto" else f"auto ε={r['tree_epsilon']}"
             cells.setdefault((r["dataset"], mode, r["tree_depth"], r["batch_size"]), {})[budget] = r["output_tokens_per_s"]
     swept = {k: v for k, v in cells.items() if sum(isinstance(b, int) for b in v) >= 2}

@@ -337,9 +337,9 @@ def test_budget_sweep_table():
     budget's worst shortfall."""
     from eval import report
 
-    def row(batch, budget, tps, mode="bole", epsilon=0.1):
+    def row(batch, budget, tps, mode="bole", epsilon=0.1, compiled=False):
         return {"dataset": "mbpp", "mode": mode, "batch_size": batch, "tree_depth": 5, "tree_budget": budget,
-                "tree_epsilon": epsilon, "output_tokens_per_s": tps}  # fmt: skip
+                "tree_epsilon": epsilon, "output_tokens_per_s": tps, "compiled": compiled}  # fmt: skip
 
     rows = [
         row(1, 16, 100.0), row(1, 64, 120.0), row(1, "auto", 118.0),
@@ -352,6 +352,11 @@ def test_budget_sweep_table():
     assert "- mbpp / bole / depth 5: 16: 17% at batch 1, 64: 25% at batch 8" in lines
     assert not any("chain" in line for line in lines)
     assert report.budget_sweep([row(1, 16, 100.0), row(1, "auto", 90.0)]) == []  # one fixed budget: no sweep
+    # a sweep run eager and compiled compares the budgets of each form on its own
+    compiled = [row(1, 16, 200.0, compiled=True), row(1, 64, 150.0, compiled=True), row(1, "auto", 190.0, compiled=True)]
+    lines = report.budget_sweep(rows + compiled)
+    assert "| mbpp | bole compiled | 5 | 1 | 16 | 200.0 | auto ε=0.1 | 190.0 | 0.95 |" in lines
+    assert "| mbpp | bole | 5 | 1 | 64 | 120.0 | auto ε=0.1 | 118.0 | 0.98 |" in lines
 
 
 def test_epsilon_sweep_runs_fixed_budgets_once():
