@@ -109,17 +109,22 @@ def test_run_ar_static(checkpoint, tmp_path):
     assert "| speedup | ÷ ar-static |" in (tmp_path / "results.md").read_text()
 
 
-def test_mode_out_of_memory_is_a_row(checkpoint, tmp_path, monkeypatch):
-    """A mode that runs out of memory (tree-serial's per-node states on large trees) gets a row that says so; the
-    modes after it still run and are still checked against `ar`."""
+def _fail_mode(monkeypatch, name: str, error: BaseException) -> None:
+    """Every `generate` call of mode `name` raises `error`; the other modes run as usual."""
     run_batch = run.run_batch
 
     def failing(model, tokenizer, prompts, batch, mode, *args):
-        if mode.name == "tree-serial":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 800.00 MiB.")
+        if mode.name == name:
+            raise error
         return run_batch(model, tokenizer, prompts, batch, mode, *args)
 
     monkeypatch.setattr(run, "run_batch", failing)
+
+
+def test_mode_out_of_memory_is_a_row(checkpoint, tmp_path, monkeypatch):
+    """A mode that runs out of memory (tree-serial's per-node states on large trees) gets a row that says so; the
+    modes after it still run and are still checked against `ar`."""
+    _fail_mode(monkeypatch, "tree-serial", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 800.00 MiB."))
     rows = run.main([
         "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "8",
         "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "tree-serial", "bole", "--depth", "3",
@@ -136,14 +141,7 @@ def test_mode_out_of_memory_is_a_row(checkpoint, tmp_path, monkeypatch):
 def test_failed_mode_is_a_row(checkpoint, tmp_path, monkeypatch, capsys):
     """A mode that fails otherwise (an error inside generate) gets a row naming the error, its traceback goes to
     stderr, and the modes after it still run."""
-    run_batch = run.run_batch
-
-    def failing(model, tokenizer, prompts, batch, mode, *args):
-        if mode.name == "chain":
-            raise RuntimeError("no kernel for this model")
-        return run_batch(model, tokenizer, prompts, batch, mode, *args)
-
-    monkeypatch.setattr(run, "run_batch", failing)
+    _fail_mode(monkeypatch, "chain", RuntimeError("no kernel for this model"))
     rows = run.main([
         "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "4",
         "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "chain", "bole", "--depth", "2",
@@ -158,14 +156,7 @@ def test_failed_mode_is_a_row(checkpoint, tmp_path, monkeypatch, capsys):
 
 def test_run_cut_short_keeps_finished_modes(checkpoint, tmp_path, monkeypatch):
     """A run stopped inside a mode (a device time limit) leaves the rows of every mode that finished before it."""
-    run_batch = run.run_batch
-
-    def stopped(model, tokenizer, prompts, batch, mode, *args):
-        if mode.name == "bole":
-            raise KeyboardInterrupt  # what a time limit's signal ends a run with
-        return run_batch(model, tokenizer, prompts, batch, mode, *args)
-
-    monkeypatch.setattr(run, "run_batch", stopped)
+    _fail_mode(monkeypatch, "bole", KeyboardInterrupt())  # what a time limit's signal ends a run with
     with pytest.raises(KeyboardInterrupt):
         run.main([
             "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "4",
