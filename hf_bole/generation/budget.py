@@ -169,6 +169,11 @@ class TableKey:
         return cls(model_key(model), device_name(model.device), dtype_name(model.dtype), verify, launch)
 
     @property
+    def replayed(self) -> bool:
+        """Whether the timed forwards replay from CUDA graphs (compiled or not)."""
+        return self.launch.endswith("graphs")
+
+    @property
     def filename(self) -> str:
         device = re.sub(r"[^A-Za-z0-9.]+", "-", self.device).strip("-")
         return f"{self.model}__{device}__{self.dtype}__{self.verify}__{self.launch}.json"
@@ -328,7 +333,7 @@ class BudgetResolver:
         key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile)
         table = find_table(key)
         if table is None:
-            eager = " --no-cuda-graphs" if key.launch.endswith("eager") and captures(model, True) else ""
+            eager = " --no-cuda-graphs" if not key.replayed and captures(model, True) else ""
             eager += " --compile" * config.compile
             _warn_once(
                 f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
@@ -476,7 +481,7 @@ def calibrate(
             timings: dict[int | None, float] = {}  # None: the decode step; N: the verify forward
             try:
                 _measure_bucket(
-                    model, b, kv, grid[b], timings, timer, topk, depth, verify, key.launch.endswith("graphs"),
+                    model, b, kv, grid[b], timings, timer, topk, depth, verify, key.replayed,
                     compile, prefill_chunk, generator, bar,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
@@ -508,7 +513,7 @@ def calibrate(
         "reps": reps,
         "seed": seed,
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-        "t_dec": "roots-only verify forward, replayed" if key.launch.endswith("graphs") else "plain DynamicCache step",
+        "t_dec": "roots-only verify forward, replayed" if key.replayed else "plain DynamicCache step",
         "unit": "ms",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": _versions(),

@@ -177,7 +177,10 @@ _SELECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def graphed_select(model, compile: bool = False) -> SelectGraphs:
     """The selection graphs of `model`'s `generate` calls (compiled or not), kept across calls like its verify
     graphs."""
-    return _SELECT.setdefault(model, {}).setdefault(compile, SelectGraphs(compile))
+    per_model = _SELECT.setdefault(model, {})
+    if compile not in per_model:
+        per_model[compile] = SelectGraphs(compile)
+    return per_model[compile]
 
 
 def drop_graphs(model) -> None:
