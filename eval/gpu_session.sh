@@ -21,6 +21,10 @@
 #   batch9bc   the 9B shape at batch 8 with and without bole_compile against ar-static; 35B-A3B at batch 1
 #   verify6    the sixth session's CPU-only changes on a GPU: MoE graphs, compiled selection, dynamic compile
 #   large27    the 27B shape at batch 1, ar and bole, one prompt (under 3 minutes)
+#   speed7     issue 8 on the 9B shape with the one-graph dynamic compile: batch 1 against ar-static, then batch 8
+#              and 16 (budgets 32 and 64, eager and compiled) against ar-static
+#   check7     the CUDA tests of graphs, compiled selection and MoE experts; 35B-A3B at batch 1 with graphs; the
+#              house model against chain and tree-serial at batch 1 and 8
 #   sweep9b    budget9b's sweep only, on the committed 9B table (results/budget_h200_9b/budget_9b.json)
 #   kernels    the full kernel benchmark grid (eval/bench_kernels.py)
 #   profile    torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
@@ -29,7 +33,7 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
 #              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|dp}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -151,6 +155,19 @@ verify6)  # what the sixth session built without a GPU: mixture-of-experts graph
         tests/generation/test_select.py -k "graphs or compiled or experts or host"
     harness shape_35B-A3B_b1_graphs 160 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
         --batch-sizes 1 --num-prompts 2 --repeats 1
+    ;;
+speed7)  # seventh session, first call: the compile takes minutes, each run has its own limit
+    harness speed9b_b1_dynamic 290 $SHAPE9B --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on
+    harness speed9b_b8_b16 280 $SHAPE9B --modes ar-static bole --batch-sizes 8 16 --num-prompts 16 --budget 32 64 \
+        --compile off on
+    ;;
+check7)
+    step tests7 110 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py tests/generation/test_mtp.py \
+        tests/generation/test_select.py -k "graphs or compiled or experts or host"
+    harness shape_35B-A3B_b1_graphs 150 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
+        --batch-sizes 1 --num-prompts 2 --repeats 1
+    harness house7 300 --datasets mbpp gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8 --num-prompts 8 \
+        --max-new-tokens 128 --profile
     ;;
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh
