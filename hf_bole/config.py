@@ -67,10 +67,10 @@ class BoleConfig:
             captured under transformers' `experts_implementation="grouped_mm"` (its default) or `"batched_mm"`;
             under `"eager"` (data-dependent shapes) they run without graphs and say so once. No effect off CUDA.
         compile (`bool`, *optional*, defaults to `False`):
-            Run the verify forward's decoder and the node selection through `torch.compile`, which fuses the
-            norms, gates and projections around hf_bole's tree kernels (custom ops in the one compiled graph) and
-            selection's small ops. The first verify forwards of a model compile (seconds on a small model, minutes
-            on a 9B one); with `cuda_graphs` the compiled forward is what the graphs capture. On the 9B shape at
+            Run the verify forward's decoder through `torch.compile`, which fuses the norms, gates and projections
+            around hf_bole's tree kernels (custom ops in the one compiled graph). The first verify forwards of a
+            model compile twice, static then with tree widths symbolic (seconds on a small model, minutes on a 9B
+            one); with `cuda_graphs` the compiled forward is what the graphs capture. On the 9B shape at
             batch 1 on an H200 it took the verify forward from 10.5 to 7.1 ms (`results/speed_h200/`).
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.cache import BoleCache
-from hf_bole.generation.select import compiled_select_nodes, select_nodes
+from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, tree_forward
 
@@ -121,13 +121,11 @@ class VerifyGraphs:
 class SelectGraphs:
     """`select_nodes(tree, root_tokens, budget, max_nodes_per_row)` replayed from a CUDA graph per (tree shape,
     budget, cap): selection is a hundred small ops (ranks by two stable sorts, compaction), launched while the GPU
-    waits for the round's tree. With `compile`, the graph captures its `torch.compile`d form
-    (`compiled_select_nodes`). Returns the graph's buffers, valid until the next call."""
+    waits for the round's tree. Returns the graph's buffers, valid until the next call."""
 
-    def __init__(self, compile: bool = False):
+    def __init__(self):
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], VerifyTree]] = {}
         self._pool = None
-        self._select = compiled_select_nodes() if compile else select_nodes
 
     def __call__(self, tree: DraftTree, root_tokens: torch.Tensor, budget: int, max_nodes_per_row: int) -> VerifyTree:
         inputs = (tree.tokens, tree.parents, tree.draft_logprobs, root_tokens)
@@ -136,7 +134,7 @@ class SelectGraphs:
             static = tuple(x.clone() for x in inputs)
 
             def run() -> VerifyTree:
-                return self._select(DraftTree(*static[:3]), static[3], budget, max_nodes_per_row)
+                return select_nodes(DraftTree(*static[:3]), static[3], budget, max_nodes_per_row)
 
             graph, out = capture(run, root_tokens.device, self._pool)
             self._pool = graph.pool()
@@ -174,13 +172,11 @@ def graphed_cache(
 _SELECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def graphed_select(model, compile: bool = False) -> SelectGraphs:
-    """The selection graphs of `model`'s `generate` calls (compiled or not), kept across calls like its verify
-    graphs."""
-    per_model = _SELECT.setdefault(model, {})
-    if compile not in per_model:
-        per_model[compile] = SelectGraphs(compile)
-    return per_model[compile]
+def graphed_select(model) -> SelectGraphs:
+    """The selection graphs of `model`'s `generate` calls, kept across calls like its verify graphs."""
+    if model not in _SELECT:
+        _SELECT[model] = SelectGraphs()
+    return _SELECT[model]
 
 
 def drop_graphs(model) -> None:

@@ -44,7 +44,7 @@ from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
 from hf_bole.generation.graphs import captures, drop_graphs, graphed_cache, graphed_select, trimmed
 from hf_bole.generation.phases import PhaseTimer
-from hf_bole.generation.select import compiled_select_nodes, select_nodes
+from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 from hf_bole.models import attention_backends, cache_argument, check_supported_model, tree_forward
@@ -352,11 +352,11 @@ def _decode(
         )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
         cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile)
-        select = graphed_select(model, bole.compile)
+        select = graphed_select(model)
     else:
         cache = BoleCache(model.config, B, max_cache_len=capacity, device=device, dtype=model.dtype)
         verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify, compile=bole.compile)
-        select = compiled_select_nodes() if bole.compile else select_nodes
+        select = select_nodes
     decoder = model.get_decoder()
     prefill = decoder(
         input_ids=input_ids,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hf_bole.generation.tree import DraftTree, VerifyTree
@@ -111,15 +109,6 @@ def select_nodes(
         node_mask=node_mask,
         num_nodes=node_mask.sum(-1),
     )
-
-
-@functools.cache
-def compiled_select_nodes():
-    """`select_nodes` through `torch.compile` (`bole_compile`): its ~50 small ops fused into a few kernels (on the
-    9B shape at batch 1 the selection took 0.9 ms of a 9 ms round replayed from a graph, eager). The first call
-    compiles for its shapes and budget; the first call with others compiles once more, with both symbolic, for all
-    later ones (a few seconds each)."""
-    return torch.compile(select_nodes)
 
 
 def _rank(key: torch.Tensor, depth: torch.Tensor) -> torch.LongTensor:

@@ -243,11 +243,12 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _compiled(decoder: torch.nn.Module):
     """`torch.compile` of `decoder`'s forward, made once per decoder.
 
-    Dynamic from the first call: tree widths, batch sizes and cache capacities all vary, and each size first met
-    static would compile the whole model again (minutes on a 9B one). Sizes 0 and 1 still get graphs of their own
-    (a roots-only forward, batch 1), so one batch size compiles at most twice."""
+    torch.compile's default shapes: the first call compiles static, the first with another tree width or cache
+    capacity compiles once more with those sizes symbolic, for all later ones. `dynamic=True` from the first call
+    was tried (seventh session): on the 9B shape on an H200 its compile had not finished after 270 s, where this
+    one's two compiles fit in a 9-minute run with everything else (results/speed_h200/seventh_session)."""
     if decoder not in _COMPILED:
-        _COMPILED[decoder] = torch.compile(decoder.forward, dynamic=True)
+        _COMPILED[decoder] = torch.compile(decoder.forward)
     return _COMPILED[decoder]
 
 
