@@ -23,8 +23,8 @@
 #   large27    the 27B shape at batch 1, ar and bole, one prompt (under 3 minutes)
 #   speed7     issue 8 on the 9B shape with the one-graph dynamic compile: batch 1 against ar-static, then batch 8
 #              and 16 (budgets 32 and 64, eager and compiled) against ar-static
-#   check7     the CUDA tests of graphs, compiled selection and MoE experts; 35B-A3B at batch 1 with graphs; the
-#              house model against chain and tree-serial at batch 1 and 8
+#   check7     the CUDA tests of graphs and MoE experts; the 9B shape at batch 16 against ar-static; the house model
+#              against chain and tree-serial at batch 1 and 8; 35B-A3B at batch 1 with graphs
 #   sweep9b    budget9b's sweep only, on the committed 9B table (results/budget_h200_9b/budget_9b.json)
 #   kernels    the full kernel benchmark grid (eval/bench_kernels.py)
 #   profile    torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
@@ -161,13 +161,15 @@ speed7)  # seventh session, first call: the compile takes minutes, each run has 
     harness speed9b_b8_b16 280 $SHAPE9B --modes ar-static bole --batch-sizes 8 16 --num-prompts 16 --budget 32 64 \
         --compile off on
     ;;
-check7)
-    step tests7 110 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py tests/generation/test_mtp.py \
-        tests/generation/test_select.py -k "graphs or compiled or experts or host"
-    harness shape_35B-A3B_b1_graphs 150 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
-        --batch-sizes 1 --num-prompts 2 --repeats 1
-    harness house7 300 --datasets mbpp gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8 --num-prompts 8 \
-        --max-new-tokens 128 --profile
+check7)  # seventh session, second call, by importance: the CUDA tests of graphs and MoE experts, the 9B shape at
+    # batch 16 (eager, graphs) against ar-static, the house model against chain and tree-serial, 35B-A3B with graphs
+    step tests7 100 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_graphs.py tests/generation/test_mtp.py \
+        -k "graphs or experts or host"
+    harness speed9b_b16 170 $SHAPE9B --modes ar-static bole --batch-sizes 16 --num-prompts 16 --budget 32 64
+    harness house7 200 --datasets mbpp gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8 --num-prompts 8 \
+        --max-new-tokens 128 --profile --repeats 1
+    harness shape_35B-A3B_b1_graphs 100 --shape 35B-A3B --depth 6 --max-new-tokens 128 --profile --modes ar bole \
+        --batch-sizes 1 --num-prompts 1 --repeats 1
     ;;
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh
