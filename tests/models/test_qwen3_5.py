@@ -233,7 +233,7 @@ def test_tree_batch_on_other_devices():
     other = torch.device("cpu", 1)  # a second "device" on CPU (tensors made there are CPU tensors)
     copy = tree.on(other)
     assert copy is not tree and copy.parents.data_ptr() != parents.data_ptr()
-    assert torch.equal(copy.parents, parents) and torch.equal(copy.ancestors, tree.ancestors)
+    assert torch.equal(copy.parents.cpu(), parents.cpu()) and torch.equal(copy.ancestors.cpu(), tree.ancestors.cpu())
     assert tree.on(other) is copy  # the next layer on that device
 
 
