@@ -25,7 +25,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail 
 }
 
 step tests 240 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rfs --tb=short \
-    tests/generation/test_loop.py tests/models/test_placement.py -k "two_gpus or spread or placement or device"
+    tests/generation/test_loop.py tests/models/test_placement.py tests/kernels/test_utils.py \
+    -k "two_gpus or spread or placement or device"
 
 step eval122 420 python3 eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8 \
     --num-prompts 8 --prompt-length 128 --max-new-tokens 96 --depth 6 --repeats 1 --output-dir /tmp/eval122
