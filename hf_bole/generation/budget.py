@@ -458,6 +458,13 @@ def calibrate(
     from hf_bole.models import check_supported_model
 
     check_supported_model(model)
+    spread = placement(model)
+    if spread.spans_devices:
+        raise ValueError(
+            f"calibration times one GPU's forwards, but this model is spread over {len(spread.devices)} devices by its "
+            f"device_map; generate then takes the budget of the first GPU's table for this model (if any) or the "
+            f"fallback: pass bole_budget=<int> to fix it instead"
+        )
     defaults = BoleConfig()
     epsilon = defaults.epsilon if epsilon is None else epsilon
     topk, depth = topk or defaults.topk, depth or defaults.depth
