@@ -76,7 +76,7 @@ class TreeBatch:
     verify: str
     ancestors: torch.Tensor
     key_heads: int
-    _copies: dict[torch.device, TreeBatch] = field(default_factory=dict, repr=False)
+    _copies: dict[torch.device, TreeBatch] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def on(self, device: torch.device) -> TreeBatch:
         """This tree on `device`: for the layers of a model spread over devices (accelerate's `device_map`), which
