@@ -11,9 +11,15 @@ set -uo pipefail
 OUT=${OUT:-results/gpu_devmap}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
+# fla-core, when carried in .whl/ (as for eval/gpu_session.sh): transformers' GDN prefill and plain decoding run on it
+if [ "${FLA:-1}" = 1 ] && ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
+    export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
+fi
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
-python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', \
-transformers.__version__, 'accelerate', accelerate.__version__, 'GPUs', torch.cuda.device_count())"
+python3 -c "import torch, transformers, accelerate, importlib.util as u; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'fla', u.find_spec('fla') is not None, \
+'GPUs', torch.cuda.device_count())"
 step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail on screen
     local name=$1 limit=$2
     shift 2
