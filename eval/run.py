@@ -4,6 +4,7 @@
     python eval/run.py --datasets mbpp gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8 --device cuda
     python eval/run.py --shape 9B --modes ar bole --batch-sizes 1 8 --max-new-tokens 256   # random 9B, oracle drafter
     accelerate launch eval/run.py ...                     # prompts sharded across processes, one GPU each
+    python eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8   # one model, all GPUs
 
 Modes (eval/modes.py): `ar` plain `generate`; `chain` hf_bole with topk 1, depth 3; `tree-serial` bole's trees
 verified node by node with state snapshots; `bole` the closed form. Every run is greedy unless --temperature > 0.
@@ -29,7 +30,15 @@ from eval import metrics, report  # noqa: E402
 from eval.data import DATASETS, DEFAULT_DATASETS, Prompt, load_prompts  # noqa: E402
 from eval.modes import MODES, Mode, make_modes  # noqa: E402
 from eval.oracle import OracleDrafter  # noqa: E402
-from eval.shapes import HOUSE_CHECKPOINT, SHAPES, build_model, shape_config  # noqa: E402
+from eval.shapes import (  # noqa: E402
+    HOUSE_CHECKPOINT,
+    SHAPES,
+    build_model,
+    build_model_across,
+    parameter_bytes,
+    shape_config,
+    spread_max_memory,
+)
 from hf_bole import BoleConfig  # noqa: E402
 
 FEW_SHOT = ("mbpp", "gsm8k")  # the datasets eval.data prompts with exemplars (the others are zero-shot)
@@ -93,6 +102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-dir", default=None, help="passed to eval.data.load_prompts")
     ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device-map", choices=["auto"], help="spread one model over all visible GPUs with accelerate (a checkpoint "
+        "through from_pretrained(device_map='auto'), a --shape built across them); every mode runs on that placement",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gpu-reserve-gib", type=float, default=8.0, help="--device-map: GiB each GPU keeps free of weights (activations, "
+        "tree cache); the weights are shared evenly over the GPUs (eval.shapes.spread_max_memory)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on for every mode (default: off for every "
@@ -106,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.drafter == "oracle" and args.temperature > 0:
         ap.error("the oracle drafter knows greedy continuations only: use --temperature 0 with it")
     args.compile = [c == "on" for c in dict.fromkeys(args.compile or ["on"])]
+    if args.device_map and not args.device.startswith("cuda"):
+        ap.error("--device-map spreads the model over GPUs: it needs --device cuda")
     if args.repeats is None:
         args.repeats = 3 if args.device.startswith("cuda") else 1
     for name in ("batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "topk", "repeats"):
@@ -132,6 +151,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     args = parse_args(argv)
     accelerator = Accelerator(cpu=args.device == "cpu")
+    if args.device_map and accelerator.num_processes > 1:
+        raise SystemExit(
+            "--device-map spreads one model over all GPUs; `accelerate launch` runs one process per GPU: use one or "
+            "the other"
+        )
     device = accelerator.device if accelerator.num_processes > 1 else torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # one device for loading, memory stats and sync
@@ -151,6 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     header = {
         "machine": report.machine(),
         "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
+        "devices": [str(d) for d in hf_bole.models.placement(model).devices],  # several under --device-map
     }
     out = Path(args.output_dir)
     if accelerator.is_main_process:
@@ -236,7 +261,7 @@ def run_mode(
                 hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile)
                 compiled.add(key)
         # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
-        graphed = mode.drafts and args.cuda_graphs and device.type == "cuda"
+        graphed = mode.drafts and args.cuda_graphs and device.type == "cuda" and not args.device_map
         for k, batch in enumerate(batches if graphed else batches[:1]):
             run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
         warmed.add((mode.label, batch_size))
@@ -255,10 +280,24 @@ def set_backends(args) -> None:
 
 
 def load_target(args, device: torch.device, dtype: torch.dtype):
-    """`(model, tokenizer or None, label)`: the checkpoint of --model, or a random model of --shape."""
+    """`(model, tokenizer or None, label)`: the checkpoint of --model, or a random model of --shape; with
+    --device-map spread over all visible GPUs, each holding an even share of the weights."""
+    max_memory = None
+    if args.device_map:
+        if args.shape:
+            config = shape_config(args.shape)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(args.model).get_text_config(decoder=True)
+        reserve = int(args.gpu_reserve_gib * 2**30)
+        max_memory = spread_max_memory(parameter_bytes(config, dtype), list(range(torch.cuda.device_count())), reserve)
     if args.shape:
         config = shape_config(args.shape)
-        return build_model(config, device, dtype, seed=args.seed), None, f"random {args.shape} shape"
+        label = f"random {args.shape} shape"
+        if max_memory is not None:
+            return build_model_across(config, dtype, max_memory, seed=args.seed), None, label
+        return build_model(config, device, dtype, seed=args.seed), None, label
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.model == str(HOUSE_CHECKPOINT) and not HOUSE_CHECKPOINT.is_dir():
@@ -268,8 +307,9 @@ def load_target(args, device: torch.device, dtype: torch.dtype):
         )
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=dtype, device_map={"": device}, attn_implementation="sdpa"
-    )
+        args.model, dtype=dtype, attn_implementation="sdpa",
+        **(dict(device_map="auto", max_memory=max_memory) if max_memory is not None else dict(device_map={"": device})),
+    )  # fmt: skip
     return model.eval(), tokenizer, args.model
 
 
@@ -327,7 +367,9 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     pad = generation["pad_token_id"]
     rows = [prompts[i][1] for i in batch]
     P = max(len(r) for r in rows)
-    device = model.get_input_embeddings().weight.device
+    place = hf_bole.models.placement(model)
+    device = place.input_device
+    gpus = [d for d in place.devices if d.type == "cuda"]  # one, or all of them under --device-map
     input_ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows], device=device)  # [B, P]
     attention_mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=device)  # [B, P]
     stops = tuple(dict.fromkeys(s for i in batch for s in prompts[i][0].stop)) if tokenizer is not None else ()
@@ -345,16 +387,16 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     if generation["do_sample"]:
         torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
     timer = metrics.FirstTokenTimer()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize(device)
+    for gpu in gpus:
+        torch.cuda.reset_peak_memory_stats(gpu)
+        torch.cuda.synchronize(gpu)
     start = time.perf_counter()
     out = model.generate(
         input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True,
         **generation, **extra, **mode.generate_kwargs(drafter), **graphs, **({"bole_profile": True} if profiled else {}),
     )  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for gpu in gpus:
+        torch.cuda.synchronize(gpu)
     seconds = time.perf_counter() - start
 
     eos = generation["eos_token_id"]
@@ -383,7 +425,8 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         "accept_lengths": accept.flatten().tolist() if accept is not None else [],
         "transient_bytes": out.peak_transient_bytes if mode.drafts else None,
         "round_time_ms": out.round_time_ms if profiled else None,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        # summed over the model's GPUs (one, or all under --device-map)
+        "peak_memory_bytes": sum(torch.cuda.max_memory_allocated(gpu) for gpu in gpus) if gpus else None,
         "divergences": divergences,
     }
 

@@ -13,6 +13,11 @@ MTP weights, so runs on shapes draft with the oracle of `eval/oracle.py`).
     122B-A10B   3072    48      32/2           16/64          256 experts top-8, 1024 (+1024 shared)
 
 `"house"` (or any folder with a config.json) gives a random model of that checkpoint's shape.
+
+A shape larger than one GPU (122B-A10B: 227 GiB in bf16) is built across the GPUs by `build_model_across`: on the meta
+device first, placed by accelerate's `infer_auto_device_map` under a per-GPU budget (`spread_max_memory`), each
+weight then made on its GPU and initialised as `build_model` initialises it, and accelerate's hooks attached
+(`dispatch_model`), as `from_pretrained(..., device_map="auto")` leaves a checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import math
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
     Qwen3_5ForCausalLM,
@@ -135,12 +141,19 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype, seed: in
         if needed > 0.9 * free:
             raise ValueError(
                 f"the weights of this shape take {needed / 2**30:.1f} GiB in {dtype}, more than the "
-                f"{free / 2**30:.1f} GiB free on {device}; pick a smaller shape (the model is not sharded)"
+                f"{free / 2**30:.1f} GiB free on {device}; pick a smaller shape, or spread it over the GPUs "
+                f"(eval/run.py --device-map auto)"
             )
     torch.manual_seed(seed)
     config.tie_word_embeddings = False  # the unembedding below must not overwrite the embedding
     with torch.device(device):
         model = model_class(config)._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    _trained_like(model)
+    return model.eval()
+
+
+def _trained_like(model) -> None:
+    """`build_model`'s changes to transformers' initialisation (see there), in place, wherever the weights are."""
     for layer in model.model.layers:
         if layer.block_type == "linear_attention":
             gdn = layer.linear_attn
@@ -149,11 +162,82 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype, seed: in
             gdn.A_log.copy_(A.log())
             gdn.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
     embedding = model.get_input_embeddings().weight  # [V, hidden]
-    successor = torch.randperm(embedding.shape[0], device=device)
-    # logit of v ~ <embedding[successor[v]], h>: largest where v is the current token's successor.
+    successor = torch.randperm(embedding.shape[0], device=embedding.device)
+    # logit of v ~ <embedding[successor[v]], h>: largest where v is the current token's successor (under a device map
+    # the LM head may sit on another GPU than the embedding: one copy).
     model.get_output_embeddings().weight.copy_(embedding[successor])
     embedding.mul_(EMBEDDING_SCALE)
     for name, weight in model.model.layers.named_parameters():
         if name.endswith(_LAYER_OUTPUTS):
             weight.mul_(LAYER_OUTPUT_SCALE)
-    return model.eval()
+
+
+# Each GPU's weight budget over an even share: the map places whole decoder layers (4.7 GiB each at 122B-A10B), so
+# the first GPU stops short of its budget by up to one layer and the last must take that much more.
+SPREAD_SLACK = 0.08
+
+
+def spread_max_memory(weight_bytes: int, gpus: list[int], reserve_bytes: int = 8 * 2**30) -> dict[int, int]:
+    """`max_memory` for accelerate's `infer_auto_device_map`: each of `gpus` takes an even share of `weight_bytes`
+    plus `SPREAD_SLACK`, so that every GPU keeps the rest of its memory for activations and the tree cache (the
+    default `"auto"` fills the first GPUs to 90% and leaves the last one the remainder).
+
+    Raises a `ValueError` when a share does not fit in a GPU's free memory less `reserve_bytes`."""
+    share = int(weight_bytes / len(gpus) * (1 + SPREAD_SLACK))
+    for gpu in gpus:
+        free, _ = torch.cuda.mem_get_info(gpu)
+        if share > free - reserve_bytes:
+            raise ValueError(
+                f"the weights take {weight_bytes / 2**30:.1f} GiB: {share / 2**30:.1f} GiB on each of {len(gpus)} GPUs, "
+                f"but GPU {gpu} has {free / 2**30:.1f} GiB free and keeps {reserve_bytes / 2**30:.0f} GiB for "
+                f"activations and the cache; use more GPUs or a smaller shape"
+            )
+    return {gpu: share for gpu in gpus}
+
+
+def _mapped_device(device_map: dict[str, int | str], name: str) -> torch.device:
+    """The device of parameter `name` under `device_map` (module name -> device): its closest mapped ancestor's."""
+    module = name
+    while module not in device_map:
+        module = module.rpartition(".")[0] if "." in module else ""
+    device = device_map[module]
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+@torch.no_grad()
+def build_model_across(config, dtype: torch.dtype, max_memory: dict, seed: int = 0):
+    """`build_model` spread over devices: a random-weight model of `config` placed by accelerate's
+    `infer_auto_device_map` under `max_memory` (device -> bytes, e.g. `spread_max_memory`), whole decoder layers per
+    device, with accelerate's hooks attached (`dispatch_model`) and `hf_device_map` set.
+
+    Built on the meta device, then every weight made on its device (no host copy) and initialised as `build_model`
+    does: transformers' initialisation, then `build_model`'s changes. Raises a `ValueError` when the map would
+    offload weights to the CPU or disk (they do not fit in `max_memory`)."""
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+
+    torch.manual_seed(seed)
+    config.tie_word_embeddings = False  # the unembedding must not overwrite the embedding
+    with init_empty_weights():
+        model = model_class(config)._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    device_map = infer_auto_device_map(
+        model, max_memory=max_memory, no_split_module_classes=model._no_split_modules, dtype=dtype
+    )
+    on_gpus = any(isinstance(device, int) for device in device_map.values())
+    offloaded = sorted(n for n, device in device_map.items() if device == "disk" or (on_gpus and device == "cpu"))
+    if offloaded:
+        raise ValueError(
+            f"the weights do not fit in max_memory={max_memory}: {len(offloaded)} modules would be offloaded to the CPU "
+            f"or disk ({offloaded[:3]}...); give the GPUs more memory or use more GPUs"
+        )
+    for name, param in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        module._parameters[leaf] = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device=_mapped_device(device_map, name)), requires_grad=False
+        )
+    # The meta build marked every module initialised; transformers' initialisation now runs on the real weights.
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    model.initialize_weights()
+    _trained_like(model)
+    return dispatch_model(model, device_map).eval()

@@ -13,6 +13,12 @@ Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses 
     positions      [B]                   position id of each row's next token
     valid          [B, C]                False on padding slots
 
+The first four are stacked per device (`_DeviceGroup`): on one device one set for all layers; for a model spread
+over devices by accelerate's `device_map`, one set per device, holding the layers that run there, so that every
+layer's state stays on its own device and the commit is one launch per device. The bookkeeping (lengths, positions,
+valid, the tree's parents and mask) lives on the first layer's device; what a device group needs of it is copied
+there once per round.
+
 A tree round (`tree_mode`) writes the tree's KV into the free slots right after each row's committed ones
 (slot `lengths[b] + i` for node i), and keeps the per-node GDN factors (k, u, log-decay) or, for the serial
 baseline, per-node state snapshots, together with every node's pre-conv input. `commit(path)` then moves the
@@ -23,7 +29,7 @@ committed state is never touched before `commit`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -75,17 +81,35 @@ class GDNTreeState:
 
 
 @dataclass
-class _TreeRound:
-    """Scratch of one tree-verification round. Buffers are reused by the next round of the same shape."""
+class _DeviceGroup:
+    """The committed state of the layers that run on one device (NA attention and NG GDN layers of the group)."""
 
-    parents: torch.Tensor  # [B, N]
-    verify: str
+    device: torch.device
+    keys: torch.Tensor  # [NA, B, Hkv, C, Dh]
+    values: torch.Tensor  # [NA, B, Hkv, C, Dh]
+    conv: torch.Tensor  # [NG, B, D, W]
+    recurrent: torch.Tensor  # [NG, B, H, K, V] float32
+
+
+@dataclass
+class _GroupRound:
+    """A device group's scratch of one tree round, on its device."""
+
     slots: torch.Tensor  # [B, N] KV slot of every node: lengths[b] + i
     conv_inputs: torch.Tensor  # [NG, B, N, D] pre-conv inputs of every node
     keys: torch.Tensor | None  # [NG, B, N, Hk, K] (closed form)
     u: torch.Tensor | None  # [NG, B, N, H, V] float32 (closed form)
     log_decay: torch.Tensor | None  # [NG, B, N, H] float32 (closed form)
     snapshots: list[torch.Tensor | None] = field(default_factory=list)  # NG x [B, N, H, K, V] (serial)
+
+
+@dataclass
+class _TreeRound:
+    """Scratch of one tree-verification round. Buffers are reused by the next round of the same shape."""
+
+    parents: torch.Tensor  # [B, N] on the cache's (first) device
+    verify: str
+    groups: list[_GroupRound]  # one per device group
     use_qk_l2norm: bool = True
     active: bool = False  # inside the verify forward: cache writes go to this round
     ready: bool = False  # a finished verify forward waits for `commit`
@@ -106,12 +130,14 @@ class BoleAttentionLayer(CacheLayerMixin):
     @property
     def keys(self) -> torch.Tensor:
         """`[B, Hkv, C, Dh]` this layer's key slots."""
-        return self.cache._keys[self.cache._attn_index[self.layer_idx]]
+        group, a = self.cache._attn_index[self.layer_idx]
+        return self.cache._groups[group].keys[a]
 
     @property
     def values(self) -> torch.Tensor:
         """`[B, Hkv, C, Dh]` this layer's value slots."""
-        return self.cache._values[self.cache._attn_index[self.layer_idx]]
+        group, a = self.cache._attn_index[self.layer_idx]
+        return self.cache._groups[group].values[a]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the cache allocates its storage up front."""
@@ -145,11 +171,13 @@ class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
 
     @property
     def conv_states(self) -> dict[int, torch.Tensor]:
-        return {0: self.cache._conv[self.cache._gdn_index[self.layer_idx]]}
+        group, g = self.cache._gdn_place[self.layer_idx]
+        return {0: self.cache._groups[group].conv[g]}
 
     @property
     def recurrent_states(self) -> dict[int, torch.Tensor]:
-        return {0: self.cache._recurrent[self.cache._gdn_index[self.layer_idx]]}
+        group, g = self.cache._gdn_place[self.layer_idx]
+        return {0: self.cache._groups[group].recurrent[g]}
 
     @property
     def has_previous_state(self) -> dict[int, bool]:
@@ -185,10 +213,15 @@ class BoleCache(Cache):
             KV slots per row, allocated once (the addresses then never change, as CUDA graphs need). A tree
             round needs `N` free slots after the longest row. `None` grows the storage on demand instead.
         device (`torch.device` or `str`, *optional*):
-            Where the cache lives: the model's device. Defaults to torch's default device, as tensor factories do.
+            Where the cache lives: the model's device. Defaults to torch's default device, as tensor factories do
+            (or, with `layer_devices`, to the first layer's device). With `layer_devices`, where the bookkeeping
+            (lengths, positions, padding, the tree's mask) lives.
         dtype (`torch.dtype`, *optional*):
             Dtype of the KV and conv windows, which must be the model's dtype; defaults to `config.dtype`.
             Recurrent states are always float32.
+        layer_devices (sequence of `torch.device`, *optional*):
+            For a model spread over devices (accelerate's `device_map`): the device each decoder layer runs on, where
+            its state is kept (`BoleCache.for_model` reads them from the model). `None`: every layer on `device`.
 
     Attributes:
         lengths (`torch.LongTensor` of shape `(batch_size,)`):
@@ -216,6 +249,7 @@ class BoleCache(Cache):
         max_cache_len: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        layer_devices: Sequence[torch.device | str] | None = None,
     ):
         from hf_bole.models import install_adapter
 
@@ -236,7 +270,14 @@ class BoleCache(Cache):
             raise ValueError(f"max_cache_len must be positive or None, got {max_cache_len}")
         if dtype is None:
             dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
-        device = torch.get_default_device() if device is None else torch.device(device)
+        if layer_devices is not None and len(layer_devices) != len(layer_types):
+            raise ValueError(
+                f"layer_devices names a device per decoder layer: {len(layer_types)} of them, got {len(layer_devices)}"
+            )
+        if device is None:
+            device = torch.get_default_device() if layer_devices is None else layer_devices[0]
+        device = torch.device(device)
+        layer_devices = [device] * len(layer_types) if layer_devices is None else [torch.device(d) for d in layer_devices]
 
         layers = [
             BoleAttentionLayer(self, i) if t == "full_attention" else BoleLinearAttentionLayer(self, i)
@@ -246,7 +287,12 @@ class BoleCache(Cache):
         self._max_cache_len = max_cache_len
         self.dtype, self.device = dtype, device
         self._batch_size = batch_size
-        self._attn_index = {layer: a for a, layer in enumerate(attn_layers)}
+        # Layers grouped by device, in the order the forward meets the devices: layer -> (group, index in group).
+        devices = list(dict.fromkeys(layer_devices))
+        grouped = lambda layers: [[i for i in layers if layer_devices[i] == d] for d in devices]  # noqa: E731
+        attn_groups, gdn_groups = grouped(attn_layers), grouped(gdn_layers)
+        self._attn_index = {layer: (d, a) for d, group in enumerate(attn_groups) for a, layer in enumerate(group)}
+        self._gdn_place = {layer: (d, g) for d, group in enumerate(gdn_groups) for g, layer in enumerate(group)}
         self._gdn_index = {layer: g for g, layer in enumerate(gdn_layers)}
         self._last_attn_layer = attn_layers[-1]
 
@@ -259,11 +305,19 @@ class BoleCache(Cache):
         width = config.linear_conv_kernel_dim
 
         capacity = max_cache_len or 0
-        NA, B, Hkv, Dh = self._kv_shape
-        self._keys = torch.zeros(NA, B, Hkv, capacity, Dh, dtype=dtype, device=device)
-        self._values = torch.zeros_like(self._keys)
-        self._conv = torch.zeros(len(gdn_layers), B, self._conv_dim, width, dtype=dtype, device=device)
-        self._recurrent = torch.zeros(len(gdn_layers), B, hv, k, v, dtype=torch.float32, device=device)
+        _, B, Hkv, Dh = self._kv_shape
+        self._groups = []
+        for d, attn, gdn in zip(devices, attn_groups, gdn_groups):
+            keys = torch.zeros(len(attn), B, Hkv, capacity, Dh, dtype=dtype, device=d)
+            self._groups.append(
+                _DeviceGroup(
+                    device=d,
+                    keys=keys,
+                    values=torch.zeros_like(keys),
+                    conv=torch.zeros(len(gdn), B, self._conv_dim, width, dtype=dtype, device=d),
+                    recurrent=torch.zeros(len(gdn), B, hv, k, v, dtype=torch.float32, device=d),
+                )
+            )
         self.lengths = torch.zeros(B, dtype=torch.int64, device=device)
         self.positions = torch.zeros(B, dtype=torch.int64, device=device)
         self._valid = torch.ones(B, capacity, dtype=torch.bool, device=device)
@@ -276,11 +330,26 @@ class BoleCache(Cache):
         self._gdn_started = [False] * len(gdn_layers)
         self._round: _TreeRound | None = None
 
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_cache_len: int | None = None) -> BoleCache:
+        """A cache for `model` in its dtype, each layer's state on the device that layer runs on (one device, or
+        several under accelerate's `device_map`), the bookkeeping on the first layer's."""
+        from hf_bole.models.placement import placement
+
+        layer_devices = placement(model).layer_devices
+        return cls(model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype, layer_devices=layer_devices)
+
     def __repr__(self) -> str:
+        devices = f", devices={[str(g.device) for g in self._groups]}" if len(self._groups) > 1 else ""
         return (
             f"BoleCache(batch_size={self._batch_size}, capacity={self.capacity}, "
-            f"attention_layers={len(self._attn_index)}, gdn_layers={len(self._gdn_index)}, dtype={self.dtype})"
+            f"attention_layers={len(self._attn_index)}, gdn_layers={len(self._gdn_index)}, dtype={self.dtype}{devices})"
         )
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices the layers' state is kept on, in layer order (one for a model on one device)."""
+        return [g.device for g in self._groups]
 
     @property
     def batch_size(self) -> int:
@@ -289,7 +358,7 @@ class BoleCache(Cache):
     @property
     def capacity(self) -> int:
         """KV slots per row currently allocated."""
-        return self._keys.shape[3]
+        return self._valid.shape[1]
 
     @property
     def is_compileable(self) -> bool:
@@ -310,11 +379,12 @@ class BoleCache(Cache):
         r = self._round
         if r is None:
             return out
-        out["factors"] = _nbytes(r.keys) + _nbytes(r.u) + _nbytes(r.log_decay)
-        out["snapshots"] = sum(_nbytes(s) for s in r.snapshots)
-        out["conv_inputs"] = _nbytes(r.conv_inputs)
+        for g in r.groups:
+            out["factors"] += _nbytes(g.keys) + _nbytes(g.u) + _nbytes(g.log_decay)
+            out["snapshots"] += sum(_nbytes(s) for s in g.snapshots)
+            out["conv_inputs"] += _nbytes(g.conv_inputs)
         NA, B, Hkv, Dh = self._kv_shape
-        out["tree_kv"] = 2 * NA * B * Hkv * r.parents.shape[1] * Dh * self._keys.element_size()
+        out["tree_kv"] = 2 * NA * B * Hkv * r.parents.shape[1] * Dh * self.dtype.itemsize
         return out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -324,7 +394,8 @@ class BoleCache(Cache):
         writes node i of row b to slot `lengths[b] + i` and returns the whole storage `[B, Hkv, C, Dh]`, to be
         read with the ancestor mask of `tree_mode`.
         """
-        a = self._attention_index(layer_idx)
+        group, a = self._attention_index(layer_idx)
+        keys, values = self._groups[group].keys, self._groups[group].values
         self._check_batch(key_states.shape[0], "key_states")
         if key_states.dtype != self.dtype:
             raise ValueError(
@@ -334,20 +405,21 @@ class BoleCache(Cache):
         r = self._round
         if r is not None and r.active:
             B, H, N, D = key_states.shape
-            index = r.slots[:, None, :, None].expand(B, H, N, D)
-            self._keys[a].scatter_(2, index, key_states)
-            self._values[a].scatter_(2, index, value_states)
-            return self._keys[a], self._values[a]
+            index = r.groups[group].slots[:, None, :, None].expand(B, H, N, D)
+            keys[a].scatter_(2, index, key_states)
+            values[a].scatter_(2, index, value_states)
+            return keys[a], values[a]
 
         start, q = self._plain_length(), key_states.shape[2]
         self._ensure_capacity(start + q)
+        keys, values = self._groups[group].keys, self._groups[group].values  # growth replaces the storage
         if r is not None:
             r.ready = False  # this write lands in the tree's slots
-        self._keys[a, :, :, start : start + q].copy_(key_states)
-        self._values[a, :, :, start : start + q].copy_(value_states)
+        keys[a, :, :, start : start + q].copy_(key_states)
+        values[a, :, :, start : start + q].copy_(value_states)
         if layer_idx == self._last_attn_layer:
             self._finish_plain_forward(start + q, q)
-        return self._keys[a, :, :, : start + q], self._values[a, :, :, : start + q]
+        return keys[a, :, :, : start + q], values[a, :, :, : start + q]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The common length of all rows (left padding included). Rows that accepted different numbers of
@@ -371,23 +443,24 @@ class BoleCache(Cache):
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[B, D, W]` the committed conv window of GDN layer `layer_idx`, or None before its first forward.
         In tree mode always the window (zeros on a fresh cache): the tree conv falls back to it above the root."""
-        g = self._gdn(layer_idx)
-        if self._gdn_started[g] or self._tree_active():
-            return self._conv[g]
+        group, g = self._gdn(layer_idx)
+        if self._gdn_started[self._gdn_index[layer_idx]] or self._tree_active():
+            return self._groups[group].conv[g]
         return None
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[B, H, K, V]` float32 committed state of GDN layer `layer_idx`, or None before its first forward.
         In tree mode always the state, which the verification starts from and does not change."""
-        g = self._gdn(layer_idx)
-        if self._gdn_started[g] or self._tree_active():
-            return self._recurrent[g]
+        group, g = self._gdn(layer_idx)
+        if self._gdn_started[self._gdn_index[layer_idx]] or self._tree_active():
+            return self._groups[group].recurrent[g]
         return None
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         if layer_idx is None:
             layer_idx = max(self._gdn_index)
-        return self._gdn_started[self._gdn(layer_idx)]
+        self._gdn(layer_idx)
+        return self._gdn_started[self._gdn_index[layer_idx]]
 
     def is_recording_past(self, layer_idx: int) -> bool:
         # In tree mode the one-token fast path (which updates the conv window in place) must not run, even for
@@ -403,21 +476,23 @@ class BoleCache(Cache):
         Plain forward: the window becomes the last W inputs. Tree mode: the inputs are kept for `commit` and
         the window is left as it is.
         """
-        g = self._gdn(layer_idx)
+        group, g = self._gdn(layer_idx)
+        conv = self._groups[group].conv
         self._check_batch(conv_states.shape[0], "conv_states")
         r = self._round
         if r is not None and r.active:
-            r.conv_inputs[g].copy_(conv_states.transpose(1, 2))
-            return torch.cat([self._conv[g], conv_states.to(self._conv.dtype)], dim=-1)
-        width = self._conv.shape[-1]
-        if not self._gdn_started[g]:  # first forward: a shorter input leaves zeros in front, as upstream pads
-            self._gdn_started[g] = True
+            r.groups[group].conv_inputs[g].copy_(conv_states.transpose(1, 2))
+            return torch.cat([conv[g], conv_states.to(conv.dtype)], dim=-1)
+        width = conv.shape[-1]
+        started = self._gdn_index[layer_idx]
+        if not self._gdn_started[started]:  # first forward: a shorter input leaves zeros in front, as upstream pads
+            self._gdn_started[started] = True
             tail = conv_states[..., -width:]
-            self._conv[g].zero_()
-            self._conv[g, ..., width - tail.shape[-1] :].copy_(tail)
+            conv[g].zero_()
+            conv[g, ..., width - tail.shape[-1] :].copy_(tail)
             return conv_states
-        full = torch.cat([self._conv[g], conv_states.to(self._conv.dtype)], dim=-1)
-        self._conv[g].copy_(full[..., -width:])
+        full = torch.cat([conv[g], conv_states.to(conv.dtype)], dim=-1)
+        conv[g].copy_(full[..., -width:])
         return full
 
     def update_recurrent_state(
@@ -425,7 +500,8 @@ class BoleCache(Cache):
     ) -> torch.Tensor:
         """Plain forward: stores the new state `[B, H, K, V]` of GDN layer `layer_idx`. Tree mode: takes the
         layer's `GDNTreeState` (factors or snapshots) for `commit`; the committed state is left as it is."""
-        g = self._gdn(layer_idx)
+        group, g = self._gdn(layer_idx)
+        recurrent = self._groups[group].recurrent
         r = self._round
         if r is not None and r.active:
             if not isinstance(recurrent_states, GDNTreeState):
@@ -434,15 +510,16 @@ class BoleCache(Cache):
                     "hf_bole adapter is not wired into this model (call hf_bole.models.tree_forward)"
                 )
             r.use_qk_l2norm = recurrent_states.use_qk_l2norm
+            rg = r.groups[group]
             if r.verify == "serial":
-                r.snapshots[g] = recurrent_states.snapshots
+                rg.snapshots[g] = recurrent_states.snapshots
             else:
-                r.keys[g].copy_(recurrent_states.key)
-                r.u[g].copy_(recurrent_states.u)
-                r.log_decay[g].copy_(recurrent_states.log_decay)
-            return self._recurrent[g]
-        self._recurrent[g].copy_(recurrent_states)
-        return self._recurrent[g]
+                rg.keys[g].copy_(recurrent_states.key)
+                rg.u[g].copy_(recurrent_states.u)
+                rg.log_decay[g].copy_(recurrent_states.log_decay)
+            return recurrent[g]
+        recurrent[g].copy_(recurrent_states)
+        return recurrent[g]
 
     def record_plain_inputs(
         self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, num_tokens: int
@@ -559,7 +636,34 @@ class BoleCache(Cache):
         steps = torch.arange(L, device=self.device)
         dst = self.lengths[:, None] + steps  # [B, L]
         src = self.lengths[:, None] + path.clamp(min=0)
-        for buf in (self._keys, self._values):
+        for group, rg in zip(self._groups, r.groups):
+            # One copy of the path and slots per device group (none on the cache's own device).
+            self._commit_group(group, rg, r, *(x.to(group.device) for x in (path, accepted, dst, src)), check_values)
+
+        num_accepted = accepted.sum(1)
+        self.lengths.add_(num_accepted)
+        self.positions.add_(num_accepted)
+        self._length_bound += L
+        self._aligned_length = None
+        self._gdn_started = [True] * len(self._gdn_started)
+        r.ready = False
+
+    @staticmethod
+    def _commit_group(
+        group: _DeviceGroup,
+        rg: _GroupRound,
+        r: _TreeRound,
+        path: torch.Tensor,
+        accepted: torch.Tensor,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        check_values: bool,
+    ) -> None:
+        """`commit` for the layers of one device group: `path`, `accepted = path >= 0` and the KV slots `dst`, `src`
+        each `[B, L]`, on its device."""
+        B, L = path.shape
+        N = r.parents.shape[1]
+        for buf in (group.keys, group.values):
             NA, _, H, _, D = buf.shape
             dst_i, src_i = (x[None, :, None, :, None].expand(NA, B, H, L, D) for x in (dst, src))
             # Padding entries write their own slot back, so every row's scatter has distinct targets.
@@ -567,28 +671,21 @@ class BoleCache(Cache):
             buf.scatter_(3, dst_i, moved)
 
         if r.verify == "serial":
-            for g, snapshots in enumerate(r.snapshots):
-                self._recurrent[g].copy_(
-                    tree_gdn_commit_serial(self._recurrent[g], snapshots, path, check_values=check_values)
+            for g, snapshots in enumerate(rg.snapshots):
+                group.recurrent[g].copy_(
+                    tree_gdn_commit_serial(group.recurrent[g], snapshots, path, check_values=check_values)
                 )
-        else:
+        elif group.recurrent.shape[0] > 0:
             tree_gdn_commit(
-                self._recurrent, r.keys, r.u, r.log_decay, path,
-                use_qk_l2norm_in_kernel=r.use_qk_l2norm, out=self._recurrent, check_values=check_values,
+                group.recurrent, rg.keys, rg.u, rg.log_decay, path,
+                use_qk_l2norm_in_kernel=r.use_qk_l2norm, out=group.recurrent, check_values=check_values,
             )  # fmt: skip
-        NG, _, D, W = self._conv.shape
-        conv = self._conv.view(NG * B, D, W)
-        tree_conv_state_commit(
-            conv, r.conv_inputs.view(NG * B, N, D), path.repeat(NG, 1), out=conv, check_values=check_values
-        )
-
-        num_accepted = accepted.sum(1)
-        self.lengths.add_(num_accepted)
-        self.positions.add_(num_accepted)
-        self._length_bound += L
-        self._aligned_length = None
-        self._gdn_started = [True] * NG
-        r.ready = False
+        NG, _, D, W = group.conv.shape
+        if NG > 0:
+            conv = group.conv.view(NG * B, D, W)
+            tree_conv_state_commit(
+                conv, rg.conv_inputs.view(NG * B, N, D), path.repeat(NG, 1), out=conv, check_values=check_values
+            )
 
     def current_round(self) -> _TreeRound | None:
         """The buffers of the last verify forward, which `commit` reads (`hf_bole.generation.graphs` keeps those of
@@ -606,21 +703,26 @@ class BoleCache(Cache):
         slots = self.lengths[:, None] + torch.arange(N, device=self.device)
         r = self._round
         if r is None or r.parents.shape != parents.shape or r.verify != verify:
-            NG = self._conv.shape[0]
             hk, k, hv, v = self._gdn_dims
             closed = verify == "closed_form"
-            f32 = dict(dtype=torch.float32, device=self.device)
-            r = self._round = _TreeRound(
-                parents=parents,
-                verify=verify,
-                slots=slots,
-                conv_inputs=torch.empty(NG, B, N, self._conv_dim, dtype=self.dtype, device=self.device),
-                keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=self.device) if closed else None,
-                u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
-                log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,
-                snapshots=[None] * NG,
-            )
-        r.parents, r.slots = parents, slots
+            groups = []
+            for group in self._groups:
+                NG, d = group.conv.shape[0], group.device
+                f32 = dict(dtype=torch.float32, device=d)
+                groups.append(
+                    _GroupRound(
+                        slots=slots,
+                        conv_inputs=torch.empty(NG, B, N, self._conv_dim, dtype=self.dtype, device=d),
+                        keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=d) if closed else None,
+                        u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
+                        log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,
+                        snapshots=[None] * NG,
+                    )
+                )
+            r = self._round = _TreeRound(parents=parents, verify=verify, groups=groups)
+        r.parents = parents
+        for group, rg in zip(self._groups, r.groups):
+            rg.slots = slots.to(group.device)  # one copy per device group and round
         return r
 
     def _tree_active(self) -> bool:
@@ -668,19 +770,21 @@ class BoleCache(Cache):
                 f"{self.max_cache_len}; create it with a larger max_cache_len (or None to grow it on demand)"
             )
         extra = -(-max(needed, 2 * C) // CAPACITY_STEP) * CAPACITY_STEP - C
-        self._keys = _extend(self._keys, 3, extra, 0)
-        self._values = _extend(self._values, 3, extra, 0)
+        for group in self._groups:
+            group.keys = _extend(group.keys, 3, extra, 0)
+            group.values = _extend(group.values, 3, extra, 0)
         self._valid = _extend(self._valid, 1, extra, True)
 
-    def _attention_index(self, layer_idx: int) -> int:
+    def _attention_index(self, layer_idx: int) -> tuple[int, int]:
         if layer_idx not in self._attn_index:
             raise ValueError(f"layer {layer_idx} is not a full-attention layer of this BoleCache")
         return self._attn_index[layer_idx]
 
-    def _gdn(self, layer_idx: int) -> int:
-        if layer_idx not in self._gdn_index:
+    def _gdn(self, layer_idx: int) -> tuple[int, int]:
+        """(device group, index in the group) of GDN layer `layer_idx`."""
+        if layer_idx not in self._gdn_place:
             raise ValueError(f"layer {layer_idx} is not a GDN (linear_attention) layer of this BoleCache")
-        return self._gdn_index[layer_idx]
+        return self._gdn_place[layer_idx]
 
     def _check_batch(self, batch: int, name: str) -> None:
         if batch != self._batch_size:
@@ -691,7 +795,10 @@ class BoleCache(Cache):
 
     def reset(self) -> None:
         """Empties every row (storage is kept)."""
-        for t in (self._keys, self._values, self._conv, self._recurrent, self.lengths, self.positions):
+        for group in self._groups:
+            for t in (group.keys, group.values, group.conv, group.recurrent):
+                t.zero_()
+        for t in (self.lengths, self.positions):
             t.zero_()
         self._valid.fill_(True)
         self._aligned_length, self._length_bound, self._observed = 0, 0, False
@@ -705,8 +812,10 @@ class BoleCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keeps the rows `indices`, in that order (the batch size becomes `len(indices)`)."""
         indices = indices.to(self.device)
-        for name in ("_keys", "_values", "_conv", "_recurrent"):  # [layers, B, ...]
-            setattr(self, name, getattr(self, name).index_select(1, indices))
+        for group in self._groups:
+            on = indices.to(group.device)
+            for name in ("keys", "values", "conv", "recurrent"):  # [layers, B, ...]
+                setattr(group, name, getattr(group, name).index_select(1, on))
         for name in ("lengths", "positions", "_valid"):  # [B, ...]
             setattr(self, name, getattr(self, name).index_select(0, indices))
         self._batch_size = len(indices)

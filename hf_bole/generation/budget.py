@@ -62,6 +62,7 @@ from hf_bole.config import (
 from hf_bole.generation.graphs import VerifyGraphs, captures, trimmed
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
+from hf_bole.models.placement import placement
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,9 @@ class TableKey:
         `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so) and
         `bole_compile=compile`."""
         launch = "compiled-" * compile + ("graphs" if captures(model, cuda_graphs) else "eager")
-        return cls(model_key(model), device_name(model.device), dtype_name(model.dtype), verify, launch)
+        # A model spread over GPUs by a device_map is keyed by its first one (its GPUs are alike in practice).
+        device = placement(model).input_device
+        return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
 
     @property
     def replayed(self) -> bool:
@@ -322,7 +325,7 @@ class BudgetResolver:
         model, device, dtype and verify mode at `config.epsilon`, or the fallback, said once in a log line."""
         if config.budget != AUTO_BUDGET:
             return cls.fixed(config.budget)
-        device = model.device
+        device = placement(model).input_device
         fallback = (
             f"budget='auto' uses the fallback of {FALLBACK_BUDGET_PER_REQUEST} draft nodes per active request, at "
             f"most {FALLBACK_BUDGET_MAX} per round (pass bole_budget=<int> to fix it)"
@@ -455,6 +458,13 @@ def calibrate(
     from hf_bole.models import check_supported_model
 
     check_supported_model(model)
+    spread = placement(model)
+    if spread.spans_devices:
+        raise ValueError(
+            f"calibration times one GPU's forwards, but this model is spread over {len(spread.devices)} devices by its "
+            f"device_map; generate then takes the budget of the first GPU's table for this model (if any) or the "
+            f"fallback: pass bole_budget=<int> to fix it instead"
+        )
     defaults = BoleConfig()
     epsilon = defaults.epsilon if epsilon is None else epsilon
     topk, depth = topk or defaults.topk, depth or defaults.depth

@@ -20,7 +20,7 @@ import torch
 from hf_bole.cache import BoleCache
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
-from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, tree_forward
+from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, placement, tree_forward
 
 WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128)
 # Cache capacities are rounded up to this many slots, so that calls of similar lengths share one cache and its graphs.
@@ -28,10 +28,14 @@ CAPACITY_STEP = 512
 
 
 def captures(model, cuda_graphs: bool) -> bool:
-    """Whether verify forwards of `model` replay from CUDA graphs: asked for (`bole_cuda_graphs`), on a CUDA
-    device, and no mixture-of-experts layers whose experts implementation routes tokens with data-dependent shapes
+    """Whether verify forwards of `model` replay from CUDA graphs: asked for (`bole_cuda_graphs`), on one CUDA
+    device (not spread over several by a device_map: a graph is captured on one device's stream), and no
+    mixture-of-experts layers whose experts implementation routes tokens with data-dependent shapes
     (`graph_unsafe_experts`: transformers' "eager"; its default "grouped_mm" is captured)."""
-    return cuda_graphs and model.device.type == "cuda" and not graph_unsafe_experts(model)
+    if not cuda_graphs:
+        return False
+    place = placement(model)
+    return not place.spans_devices and place.input_device.type == "cuda" and not graph_unsafe_experts(model)
 
 
 def width_bucket(width: int, max_width: int) -> int:
@@ -162,8 +166,7 @@ def graphed_cache(
     if held is None or held[0].capacity < capacity:
         per_model.pop(key, None)  # the old cache and graphs go before the larger ones are allocated
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-        device = model.get_input_embeddings().weight.device
-        cache = BoleCache(model.config, batch_size, max_cache_len=capacity, device=device, dtype=model.dtype)
+        cache = BoleCache.for_model(model, batch_size, max_cache_len=capacity)
         held = per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile))
     held[0].reset()
     return held

@@ -13,6 +13,7 @@ step for step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -47,7 +48,7 @@ from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import attention_backends, cache_argument, check_supported_model, tree_forward
+from hf_bole.models import Placement, attention_backends, cache_argument, check_supported_model, placement, tree_forward
 
 logger = logging.get_logger(__name__)
 
@@ -313,21 +314,29 @@ def _decode(
         {k: v for k, v in model_kwargs.items() if v is not None or not k.startswith("bole_")}, generation_config
     )
     _check_request(model, generation_config, model_kwargs, {"assistant_model": assistant_model, "synced_gpus": synced_gpus})
+    place = placement(model)
+    bole = _spread_settings(bole, place)
     check_logits_processor(logits_processor)
     stopping = _Stopping(stopping_criteria or StoppingCriteriaList(), input_ids.shape[1])
     do_sample = bool(generation_config.do_sample)
     pad_token = generation_config._pad_token_tensor
     pad_token = int(pad_token) if pad_token is not None else 0
 
-    device = model.get_input_embeddings().weight.device
+    # The loop runs where the logits come out (the LM head's device); the prompt goes in at the embedding's, the
+    # tree's parents and accepted paths to the cache's (the first layer's). All three are one device unless the
+    # model is spread over several by accelerate's device_map.
+    device, in_device = place.output_device, place.input_device
     input_ids = input_ids.to(device)
     B, P = input_ids.shape
     max_new = generation_config.max_length - P
     attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(in_device)
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
     position_ids = model_kwargs.get("position_ids")
     if position_ids is None:
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = position_ids.to(device)
     text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
 
     row_cap = MAX_NODES - 1  # the kernels verify at most MAX_NODES nodes per tree, the root included
@@ -354,18 +363,18 @@ def _decode(
         cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile)
         select = graphed_select(model)
     else:
-        cache = BoleCache(model.config, B, max_cache_len=capacity, device=device, dtype=model.dtype)
+        cache = BoleCache.for_model(model, B, max_cache_len=capacity)
         verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify, compile=bole.compile)
         select = select_nodes
     decoder = model.get_decoder()
     prefill = decoder(
-        input_ids=input_ids,
+        input_ids=input_ids.to(in_device),
         attention_mask=attention_mask,
-        position_ids=position_ids,
+        position_ids=position_ids.to(in_device),
         use_cache=True,
         **{cache_argument(type(decoder).forward): cache},
     )
-    hidden = prefill.last_hidden_state  # [B, P, hidden]
+    hidden = prefill.last_hidden_state.to(device)  # [B, P, hidden]
     logits = model.get_output_embeddings()(hidden[:, -1]).float()  # [B, V]
     scores = logits_processor(input_ids, logits) if logits_processor else logits
     first = sample_tokens(scores) if do_sample else scores.argmax(-1)  # [B]
@@ -418,7 +427,7 @@ def _decode(
             # the forward is enqueued behind them without that wait.
             verify = trimmed(verify, graphed)
         timer.mark("select")
-        out = verify_forward(verify.input_ids, verify.parents)
+        out = verify_forward(verify.input_ids, verify.parents.to(cache.device))
         timer.mark("verify")
         peak_transient = max(peak_transient, cache.transient_bytes, key=lambda t: sum(t.values()))
         contexts = None
@@ -428,8 +437,8 @@ def _decode(
         accepted = accept_sampling(verify, scores) if do_sample else accept_greedy(verify, scores)
         path = torch.where(active_t[:, None], accepted.path, -1)
         timer.mark("accept")
-        positions = cache.positions.clone()
-        cache.commit(path, check_values=False)  # paths of the acceptance walk: no host read of them
+        positions = cache.positions.to(device, copy=True)
+        cache.commit(path.to(cache.device), check_values=False)  # paths of the acceptance walk: no host read of them
         timer.mark("commit")
 
         lengths = torch.where(active_t, accepted.accept_lengths, 0)
@@ -463,6 +472,26 @@ def _decode(
         peak_transient_bytes=peak_transient,
         round_time_ms=timer.totals_ms(),
     )
+
+
+def _spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
+    """`bole` for a model spread over several devices (accelerate's `device_map`): refuses `compile` and turns CUDA
+    graphs off, saying so once (a graph is captured on one device's stream)."""
+    if not place.spans_devices:
+        return bole
+    devices = ", ".join(map(str, place.devices))
+    if bole.compile:
+        raise ValueError(
+            f"bole_compile=True compiles the verify forward into one graph on one device, but this model is spread "
+            f"over {len(place.devices)} devices ({devices}) by its device_map; drop bole_compile (or load the model on "
+            f"one device)"
+        )
+    if bole.cuda_graphs and any(d.type == "cuda" for d in place.devices):
+        logger.warning_once(
+            f"hf_bole: CUDA graphs are off: the model spans {len(place.devices)} devices ({devices}); verify forwards "
+            f"and MTP drafting launch their kernels from Python (bole_cuda_graphs=False says the same without this warning)"
+        )
+    return dataclasses.replace(bole, cuda_graphs=False)
 
 
 def _check_custom_tree(tree, batch_size: int, vocab_size: int, drafter) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from hf_bole.cache import BoleCache
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import attention_backends, cache_argument, tree_forward
+from hf_bole.models import attention_backends, cache_argument, placement, tree_forward
 
 # One width per specialisation of each power-of-two tile up to MAX_NODES: 1, then per tile one width that is
 # not a multiple of 16 and one that is (the tile itself).
@@ -53,13 +53,14 @@ def warmup(
         # Width 1 would compile the whole forward once more (torch.compile specialises sizes 1), for forwards
         # that generate runs only when a round keeps no draft node, and never from CUDA graphs (width >= 4).
         widths = widths[1:] if len(widths) > 1 else widths
-    embeddings = model.get_input_embeddings().weight
-    device, vocab = embeddings.device, embeddings.shape[0]
+    # The cache's device: the first layer's (under a device_map the embedding's weight may be offloaded to meta).
+    place = placement(model)
+    device, vocab = place.layer_devices[0], model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(1, vocab, (batch_size, 4), device=device)
     # Capacity: the prompt, every round's committed path (at most a binary tree's depth), the widest tree.
     paths = [_binary_path(w) for w in widths]
     capacity = prompt.shape[1] + sum(len(p) for p in paths) + max_nodes + 2
-    cache = BoleCache(model.config, batch_size, max_cache_len=capacity, device=device, dtype=model.dtype)
+    cache = BoleCache.for_model(model, batch_size, max_cache_len=capacity)
     decoder = model.get_decoder()
     decoder(input_ids=prompt[:, :-1], use_cache=True, **{cache_argument(type(decoder).forward): cache})
     root = prompt[:, -1:]
@@ -71,8 +72,9 @@ def warmup(
         padded = path + [-1] * (width - len(path))  # as the acceptance walk gives it: [B, width], -1 after the leaf
         cache.commit(torch.tensor([padded] * batch_size, device=device))
         root = ids[:, path[-1] : path[-1] + 1]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for d in place.devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
     return widths
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
@@ -17,6 +18,12 @@ def is_interpreter() -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """Triton on CUDA tensors, and on CPU tensors under the interpreter; otherwise the torch path."""
     return x.is_cuda or is_interpreter()
+
+
+def on_device(x: torch.Tensor):
+    """The context a kernel on `x` launches in: Triton launches on the current CUDA device's stream, not on the
+    tensors' device, so the layers of a model spread over GPUs (accelerate's device_map) make theirs current."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def autotune_configs(configs: list[triton.Config]) -> list[triton.Config]:

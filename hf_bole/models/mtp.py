@@ -35,6 +35,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
+from hf_bole.models.placement import placement
 from hf_bole.models.qwen3_5 import cache_argument
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -145,7 +146,8 @@ class Qwen3_5MTP(nn.Module):
                 f"published Qwen3.5 checkpoint ships)."
             )
 
-        device = model.get_output_embeddings().weight.device
+        # Where the LM head runs: under accelerate's device_map an offloaded head's weight sits on the meta device.
+        device = placement(model).output_device
         mtp = cls._build(model, device="meta")
         expected = mtp.state_dict()
         missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -76,6 +76,18 @@ class TreeBatch:
     verify: str
     ancestors: torch.Tensor
     key_heads: int
+    _copies: dict[torch.device, TreeBatch] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def on(self, device: torch.device) -> TreeBatch:
+        """This tree on `device`: for the layers of a model spread over devices (accelerate's `device_map`), which
+        would otherwise each copy parents and ancestors; made once per device and round, kept for the next layer."""
+        if device == self.parents.device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = TreeBatch(
+                self.parents.to(device), self.verify, self.ancestors.to(device), self.key_heads
+            )
+        return self._copies[device]
 
 
 @dataclass
@@ -135,13 +147,6 @@ def check_supported_model(model: torch.nn.Module) -> None:
             f"{config._attn_implementation!r} cannot take; load the model with attn_implementation='sdpa' "
             f"(or 'eager')"
         )
-    # The cache keeps every layer's state in one stacked tensor per kind, on one device.
-    placement = set(getattr(model, "hf_device_map", {}).values())
-    if len(placement) > 1:
-        raise ValueError(
-            f"hf_bole keeps the tree cache on one device, but this model is spread over {sorted(map(str, placement))} "
-            f"(device_map); load it on one device (device_map={{'': 0}} or .to('cuda')) to decode with hf_bole"
-        )
 
 
 def install_adapter(config) -> None:
@@ -189,7 +194,9 @@ def tree_forward(
             tree kernels are opaque ops in it, the norms, gates and projections around them are fused).
 
     Returns:
-        `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`.
+        `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`, both on the LM head's
+        device (for a model spread over devices by accelerate's `device_map`, where the logits come out; `parents`
+        go on the cache's device, the first layer's).
 
     Example:
         >>> cache = BoleCache(model.config, batch_size=1, dtype=model.dtype)
@@ -234,7 +241,10 @@ def tree_forward(
             ),
         )
     hidden_states = outputs.last_hidden_state
-    return TreeForwardOutput(logits=model.get_output_embeddings()(hidden_states), hidden_states=hidden_states)
+    logits = model.get_output_embeddings()(hidden_states)
+    # Under a device_map the final norm and the LM head may sit on different devices: hand both out where the logits
+    # are (no copy on one device).
+    return TreeForwardOutput(logits=logits, hidden_states=hidden_states.to(logits.device))
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -282,6 +292,7 @@ def _tree_causal_conv1d_fn(original):
         named = {**dict(zip(("hidden_states", "weight", "bias"), args)), **kwargs}
         hidden_states, weight, bias = named["hidden_states"], named["weight"], named.get("bias")
         activation = named.get("activation")
+        bole_tree = bole_tree.on(hidden_states.device)
         # The cache returned [committed window, node inputs] from `update_conv_state`: [B, D, W + N].
         num_nodes = bole_tree.parents.shape[1]
         window, x = hidden_states[..., :-num_nodes], hidden_states[..., -num_nodes:]
@@ -304,6 +315,7 @@ def _tree_gated_delta_rule(original):
             return original(*args, **kwargs)
         named = {**dict(zip(_GDN_ARGUMENTS, args)), **kwargs}
         query, key, value, g, beta = (named[name] for name in _GDN_ARGUMENTS)
+        bole_tree = bole_tree.on(query.device)
         initial_state = named.get("initial_state")
         use_qk_l2norm = named.get("use_qk_l2norm_in_kernel", False)
         if key.shape[2] != bole_tree.key_heads:

@@ -231,3 +231,52 @@ def test_commit_without_value_checks_reads_nothing(monkeypatch):
     with pytest.raises(ValueError, match="parent links"):
         cache.commit(batch_trees([[0, 2], [0, 2], [0]]))  # node 2 of row 0 hangs below node 1, not the root
     assert reads
+
+
+@pytest.mark.skipif(torch.empty(0).device.type != "cpu", reason="the second device is cpu:1 (tests/generation on 2 GPUs)")
+@pytest.mark.parametrize("verify", ["closed_form", "serial"])
+def test_layers_on_two_devices(verify):
+    """A model spread over two devices keeps each layer's state on its own device: one stacked set per device,
+    committed per device, with the bookkeeping copied once per device and round. On CPU a second "device" cpu:1
+    holds CPU tensors, reached only through copies: the rounds and commits must equal those of one device."""
+    gen = torch.Generator().manual_seed(0)
+    model = build_model(num_hidden_layers=8)  # lin lin lin full, twice
+    first, second = torch.device("cpu"), torch.device("cpu", 1)
+    layer_devices = [first] * 5 + [second] * 3
+    spread = BoleCache(model.config, batch_size=3, layer_devices=layer_devices)
+    single = BoleCache(model.config, batch_size=3)
+    assert spread.devices == [first, second] and spread.device == first
+    # [first: GDN 0, 1, 2, 4 and attention 3], [second: GDN 5, 6 and attention 7]
+    assert [(g.keys.shape[0], g.conv.shape[0], g.recurrent.shape[0]) for g in spread._groups] == [(1, 4, 4), (1, 2, 2)]
+    roots = prefill(model, spread, PROMPTS)
+    assert torch.equal(roots, prefill(model, single, PROMPTS))
+    for _ in range(6):
+        trees = [random_tree(int(torch.randint(1, 9, (1,), generator=gen)), 4, gen) for _ in range(3)]
+        parents = batch_trees(trees)
+        tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+        tokens[:, 0] = roots
+        logits = tree_forward(model, spread, tokens, parents, verify=verify).logits
+        expected = tree_forward(model, single, tokens, parents, verify=verify).logits
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        slots = [g.slots for g in spread.current_round().groups]
+        assert torch.equal(slots[0], slots[1]) and slots[0].data_ptr() != slots[1].data_ptr()  # copied for cpu:1
+        path = batch_trees([random_path(tree, gen) for tree in trees])
+        spread.commit(path)
+        single.commit(path)
+        roots = logits.gather(1, path.clamp(min=0).amax(1)[:, None, None].expand(-1, 1, VOCAB))[:, 0].argmax(-1)
+        for got, want in zip(spread.layers, single.layers):
+            if hasattr(want, "keys"):
+                committed = torch.arange(single.capacity) < single.lengths[:, None]  # [B, C]
+                for name in ("keys", "values"):  # [B, H, C, D]: slots past the committed ones hold scratch
+                    kv = [getattr(layer, name).transpose(1, 2)[committed] for layer in (got, want)]
+                    torch.testing.assert_close(*kv, rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(got.conv_states[0], want.conv_states[0], rtol=0, atol=0)
+                torch.testing.assert_close(got.recurrent_states[0], want.recurrent_states[0], rtol=0, atol=0)
+    assert torch.equal(spread.lengths, single.lengths) and torch.equal(spread.positions, single.positions)
+
+
+def test_layer_devices_errors():
+    config = text_config()
+    with pytest.raises(ValueError, match="a device per decoder layer: 4 of them, got 3"):
+        BoleCache(config, batch_size=1, layer_devices=["cpu"] * 3)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from eval import metrics, run
 from eval.data import DEFAULT_DATASETS, load_prompts
@@ -286,6 +286,37 @@ def test_bad_arguments():
         run.parse_args(["--batch-sizes", "0"])
     with pytest.raises(SystemExit):
         run.parse_args(["--drafter", "oracle", "--temperature", "0.7"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--device-map", "auto", "--device", "cpu"])  # spreads over GPUs
+
+
+@pytest.mark.parametrize("source", ["--shape", "--model"])
+def test_device_map_loads_spread_models(checkpoint, source, monkeypatch):
+    """--device-map auto: a --shape built across the devices of an even per-GPU budget, a --model loaded by
+    from_pretrained(device_map="auto") under the same budget; both leave accelerate's map on the model. (On CPU
+    the budget names the CPU only: the split over GPUs runs in eval/gpu_devmap.sh.)"""
+    budgets = []
+
+    def spread(weight_bytes, gpus, reserve):
+        budgets.append((weight_bytes, reserve))
+        return {"cpu": 2**31}
+
+    loads = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained.__func__
+
+    def recorded(cls, *args, **kwargs):
+        loads.append(kwargs)
+        return from_pretrained(cls, *args, **kwargs)
+
+    monkeypatch.setattr(run, "spread_max_memory", spread)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recorded))
+    args = run.parse_args([source, str(checkpoint), "--device-map", "auto", "--device", "cuda", "--gpu-reserve-gib", "2"])
+    model, tokenizer, _ = run.load_target(args, torch.device("cpu"), torch.float32)
+    assert budgets[0][0] == sum(p.numel() * 4 for p in model.parameters()) and budgets[0][1] == 2 * 2**30
+    if source == "--shape":
+        assert set(model.hf_device_map.values()) == {"cpu"} and tokenizer is None
+    else:
+        assert loads[0]["device_map"] == "auto" and loads[0]["max_memory"] == {"cpu": 2**31}
 
 
 def test_missing_house_model(tmp_path, monkeypatch):

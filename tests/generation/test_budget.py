@@ -14,6 +14,7 @@ import hf_bole
 from hf_bole.calibrate import main as calibrate_main
 from hf_bole.config import BoleConfig
 from hf_bole.generation import budget as budget_module
+from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation import loop
 from hf_bole.generation.budget import (
     BudgetEntry,
@@ -27,6 +28,7 @@ from hf_bole.generation.budget import (
     model_key,
     synthetic_draft_tree,
 )
+from hf_bole.models import Placement
 from tests.models import tiny
 
 NODES = [0, 16, 32, 64]
@@ -155,6 +157,10 @@ def test_model_key():
 
 def _fake_gpu_model(monkeypatch):
     monkeypatch.setattr(budget_module, "device_name", lambda device: "NVIDIA Test GPU")
+    gpu = torch.device("cuda", 0)
+    one_gpu = lambda model: Placement(gpu, gpu, (gpu,) * 4)  # noqa: E731
+    monkeypatch.setattr(budget_module, "placement", one_gpu)
+    monkeypatch.setattr(graphs_module, "placement", one_gpu)
     return SimpleNamespace(
         device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config(), named_modules=lambda: iter(())
     )
@@ -356,3 +362,13 @@ def test_cli_rejects(capsys):
 
 def test_public_names():
     assert hf_bole.BoleConfig().budget == "auto"
+
+
+def test_calibrate_refuses_spread_models(dense, monkeypatch):
+    """A model over two GPUs (accelerate hooks, as device_map="auto" leaves them) is not calibrated: the message says
+    what generate does instead."""
+    blocks = [dense.model.embed_tokens, *dense.model.layers, dense.lm_head]
+    for i, block in enumerate(blocks):
+        monkeypatch.setattr(block, "_hf_hook", SimpleNamespace(execution_device=int(i > 2)), raising=False)
+    with pytest.raises(ValueError, match="spread over 2 devices.*bole_budget=<int>"):
+        budget_module.calibrate(dense, batch_sizes=[1], kv_lengths=[8], nodes=[0, 4])

@@ -14,7 +14,7 @@ from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
 from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, SelectGraphs, graphed_cache, width_bucket
 from hf_bole.generation.select import select_nodes
-from hf_bole.models import graph_unsafe_experts, tree_forward
+from hf_bole.models import Placement, graph_unsafe_experts, tree_forward
 from tests.generation.recorded_graph import recording_capture
 from tests.models.tiny import batch_trees, build_model, prefill
 
@@ -91,12 +91,15 @@ def test_resumed_round_commits_its_own_forward():
     assert resumed.current_round() is kept
     direct.commit(path)
     resumed.commit(path)
-    for name in ("lengths", "positions", "_conv", "_recurrent"):
+    for name in ("lengths", "positions"):
         torch.testing.assert_close(getattr(resumed, name), getattr(direct, name), rtol=0, atol=0)
+    (got,), (want,) = resumed._groups, direct._groups  # one device: one group
+    for name in ("conv", "recurrent"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
     committed = torch.arange(direct.capacity) < direct.lengths[:, None]  # [B, C]; slots past them hold scratch
-    for name in ("_keys", "_values"):  # [layers, B, heads, C, dim]
+    for name in ("keys", "values"):  # [layers, B, heads, C, dim]
         torch.testing.assert_close(
-            getattr(resumed, name).transpose(2, 3)[:, committed], getattr(direct, name).transpose(2, 3)[:, committed],
+            getattr(got, name).transpose(2, 3)[:, committed], getattr(want, name).transpose(2, 3)[:, committed],
             rtol=0, atol=0,
         )  # fmt: skip
 
@@ -130,11 +133,15 @@ def test_eager_experts_are_not_captured(monkeypatch):
     layers) running them verify and draft without graphs; "grouped_mm" (the default) and "batched_mm" are captured."""
     moe = build_model("moe")
     assert not graph_unsafe_experts(build_model("dense"))
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     for implementation, unsafe in (("grouped_mm", False), ("batched_mm", False), ("eager", True)):
         moe.set_experts_implementation(implementation)
         assert bool(graph_unsafe_experts(moe)) == unsafe
-        monkeypatch.setattr(type(moe), "device", property(lambda self: torch.device("cuda")))
+        monkeypatch.setattr(graphs_module, "placement", lambda model: Placement(gpus[0], gpus[0], (gpus[0],) * 4))
         assert graphs_module.captures(moe, cuda_graphs=True) != unsafe
+        # over two GPUs (device_map) never: a graph is captured on one device's stream
+        monkeypatch.setattr(graphs_module, "placement", lambda model: Placement(gpus[0], gpus[1], (*gpus, *gpus)))
+        assert not graphs_module.captures(moe, cuda_graphs=True)
         monkeypatch.undo()
     # what the "eager" experts would read while a graph captures (the reason they are refused)
     cache = BoleCache(moe.config, batch_size=3, max_cache_len=64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_bole
+from hf_bole.config import BoleConfig
 from hf_bole.generation import DraftContext, DraftTree
+from hf_bole.generation.loop import _spread_settings
+from hf_bole.models import Placement
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
 from tests.models import tiny
 
@@ -441,3 +446,85 @@ def test_errors(dense):
                                          intermediate_size=32)).eval()  # fmt: skip
     with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
         bole(llama, prompts, max_new_tokens=3, bole_drafter="ngram")
+
+
+def _offload_map(num_layers: int, on_disk_from: int) -> dict[str, str]:
+    """A device map accelerate hooks on CPU: layers from `on_disk_from` on, the final norm and the LM head offloaded
+    to disk (weights on the meta device, loaded by their hooks for each call)."""
+    return {
+        "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "disk", "lm_head": "disk",
+        **{f"model.layers.{i}": "cpu" if i < on_disk_from else "disk" for i in range(num_layers)},
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(torch.empty(0).device.type != "cpu", reason="accelerate offload hooks on CPU")
+def test_greedy_matches_plain_under_accelerate_hooks(tmp_path):
+    """A model dispatched by accelerate (hooks on every block, the last layers and the LM head offloaded, their
+    weights on the meta device) decodes exactly as plain greedy generate of the same model without hooks."""
+    from accelerate import dispatch_model
+
+    model = tiny.build_model("dense", num_hidden_layers=8)
+    ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    drafter = oracle_for(model, PROMPTS)
+    model = dispatch_model(model, _offload_map(8, 5), offload_dir=tmp_path)
+    assert model.lm_head.weight.device.type == "meta" and hasattr(model.model.layers[6], "_hf_hook")
+    out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=drafter, bole_budget=64,
+               return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.mean_accepted_tokens > 3.0
+
+
+@pytest.mark.skipif(torch.empty(0).device.type != "cpu", reason="accelerate offload hooks on CPU")
+def test_greedy_matches_plain_mtp_from_pretrained_device_map(dense_with_mtp, tmp_path):
+    """`from_pretrained(..., device_map=...)` with offloaded layers and LM head: the MTP drafter sits where the LM
+    head runs and drafts through the hooked embedding and LM head; output equal to plain greedy."""
+    ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    model = type(dense_with_mtp).from_pretrained(
+        dense_with_mtp.name_or_path, attn_implementation="sdpa", device_map=_offload_map(4, 2),
+        offload_folder=tmp_path,
+    ).eval()  # fmt: skip
+    assert model.lm_head.weight.device.type == "meta"
+    out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
+    assert torch.equal(out, ref)
+
+
+def test_spread_model_settings(caplog):
+    """A model over two GPUs: CUDA graphs off, said once in a warning naming the devices; compile refused; a model
+    on one device keeps its settings."""
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    spread = Placement(gpus[0], gpus[1], (gpus[0], gpus[0], gpus[1], gpus[1]))
+    with caplog.at_level(logging.WARNING):
+        settings = _spread_settings(BoleConfig(), spread)
+    assert not settings.cuda_graphs
+    assert "CUDA graphs are off: the model spans 2 devices (cuda:0, cuda:1)" in caplog.text
+    with pytest.raises(ValueError, match="bole_compile=True.*spread over 2 devices.*drop bole_compile"):
+        _spread_settings(BoleConfig(compile=True), spread)
+    one = Placement(gpus[0], gpus[0], (gpus[0],) * 4)
+    assert _spread_settings(BoleConfig(compile=True), one) == BoleConfig(compile=True)
+
+
+@pytest.mark.skipif(
+    os.environ.get("HF_BOLE_TEST_DEVICE") != "cuda" or torch.cuda.device_count() < 2,
+    reason="needs HF_BOLE_TEST_DEVICE=cuda and two GPUs",
+)
+@pytest.mark.parametrize("drafter", ["oracle", "mtp"])
+def test_greedy_matches_plain_on_two_gpus(dense_with_mtp, drafter):
+    """A tiny model split over cuda:0 and cuda:1 by a device_map (accelerate's hooks): generate with hf_bole equals
+    plain greedy generate token for token, with every layer's state on its own GPU."""
+    half = dense_with_mtp.config.num_hidden_layers // 2
+    device_map = {
+        "model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1,
+        **{f"model.layers.{i}": 0 if i < half else 1 for i in range(2 * half)},
+    }  # fmt: skip
+    model = type(dense_with_mtp).from_pretrained(
+        dense_with_mtp.name_or_path, attn_implementation="sdpa", device_map=device_map
+    ).eval()
+    assert hf_bole.models.placement(model).devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    kwargs = dict(bole_depth=3, bole_topk=3) if drafter == "mtp" else dict(bole_drafter=oracle_for(model, PROMPTS))
+    out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences.cpu(), ref.cpu())
+    cache = out.past_key_values
+    assert cache.devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert cache.layers[0].recurrent_states[0].device == torch.device("cuda", 0)
+    assert cache.layers[-1].keys.device == torch.device("cuda", 1)

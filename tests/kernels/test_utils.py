@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,3 +25,12 @@ def test_check_parents_reads_a_tree_once_until_it_changes(monkeypatch):
     key = id(parents)
     del parents
     assert key not in utils._CHECKED_PARENTS
+
+
+def test_on_device():
+    """Triton launches on the current CUDA device: kernels on a second GPU's tensors make it current meanwhile."""
+    assert isinstance(utils.on_device(torch.zeros(1, device="cpu")), contextlib.nullcontext)  # nothing to switch
+    if torch.cuda.device_count() > 1:
+        with utils.on_device(torch.zeros(1, device="cuda:1")):
+            assert torch.cuda.current_device() == 1
+        assert torch.cuda.current_device() == 0

@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_bole.cache import BoleCache
-from hf_bole.models import SUPPORTED_CLASSES, check_supported_model, tree_forward
+from hf_bole.kernels import tree_ancestor_mask
+from hf_bole.models import SUPPORTED_CLASSES, TreeBatch, check_supported_model, tree_forward
 from hf_bole.models.qwen3_5 import _tree_causal_conv1d_fn, _tree_gated_delta_rule
 from tests.models.tiny import (
     VOCAB,
@@ -225,17 +226,17 @@ def test_check_supported_model():
     assert len(SUPPORTED_CLASSES) == 4
 
 
-def test_models_spread_over_devices_are_refused():
-    """accelerate's device_map records the placement in `hf_device_map`: one device is fine, several are not yet
-    (the tree cache lives on one device), and generate says so before it decodes anything."""
-    model = build_model()
-    model.hf_device_map = {"": 0}
-    check_supported_model(model)
-    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
-    with pytest.raises(ValueError, match=r"spread over \['0', '1'\] \(device_map\); load it on one device"):
-        check_supported_model(model)
-    with pytest.raises(ValueError, match="spread over"):
-        model.generate(torch.tensor([[5, 17, 33]]), max_new_tokens=2, custom_generate="hf_bole", bole_drafter="ngram")
+def test_tree_batch_on_other_devices():
+    """Each layer of a model spread over devices reads the tree on its own device: copied once per device and round,
+    not per layer; on the tree's own device no copy."""
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    tree = TreeBatch(parents=parents, verify="closed_form", ancestors=tree_ancestor_mask(parents), key_heads=2)
+    assert tree.on(parents.device) is tree
+    other = torch.device("cpu", 1)  # a second "device" on CPU (tensors made there are CPU tensors)
+    copy = tree.on(other)
+    assert copy is not tree and copy.parents.data_ptr() != parents.data_ptr()
+    assert torch.equal(copy.parents.cpu(), parents.cpu()) and torch.equal(copy.ancestors.cpu(), tree.ancestors.cpu())
+    assert tree.on(other) is copy  # the next layer on that device
 
 
 def test_tree_forward_errors():

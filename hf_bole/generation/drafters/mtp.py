@@ -232,9 +232,12 @@ class MTPDrafter:
         """One MTP forward of entries (hidden, token) `[B, T]`, writing their keys/values to cache `slots [B, T]`;
         returns the outputs `[B, T, hidden]`."""
         cache.write_slots = slots
-        embeds = self.embed_tokens(tokens)
+        device = hidden.device
+        # Under accelerate's device_map the target's embedding and rotary embedding may run on another device than
+        # the head (which sits with the LM head): their small outputs come here (no copy on one device).
+        embeds = self.embed_tokens(tokens).to(device)
         # Qwen3.5's rotary embedding takes multimodal (3, B, T) position ids; text has one position on all three axes
-        rope = self.rotary_emb(embeds, positions.expand(3, *positions.shape))
+        rope = tuple(t.to(device) for t in self.rotary_emb(embeds, positions.expand(3, *positions.shape)))
         with attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
             return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache)
 

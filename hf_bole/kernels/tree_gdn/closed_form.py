@@ -32,6 +32,7 @@ from hf_bole.kernels.utils import (
     check_shape,
     is_interpreter,
     l2norm,
+    on_device,
     token_major,
     use_triton,
 )
@@ -330,11 +331,12 @@ def _launch(kernel, BT, q, k, v, g, beta, ancestors, initial_state, scale, **con
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
-    kernel[grid](
-        q, k, v, g, beta, anc, initial_state, o, u, log_decay, scale,
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
-        K=K, V=V, BT=BT, UPCAST_DOT=is_interpreter(), **constexprs,
-    )  # fmt: skip
+    with on_device(v):
+        kernel[grid](
+            q, k, v, g, beta, anc, initial_state, o, u, log_decay, scale,
+            q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
+            K=K, V=V, BT=BT, UPCAST_DOT=is_interpreter(), **constexprs,
+        )  # fmt: skip
     return o, u, log_decay
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_path, check_same_device, check_shape, l2norm, use_triton
+from hf_bole.kernels.utils import check_dtype, check_path, check_same_device, check_shape, l2norm, on_device, use_triton
 
 
 @triton.jit
@@ -74,11 +74,12 @@ def tree_gdn_commit_fwd(initial_state, k, u, log_decay, path, out, use_qk_l2norm
     BL = max(16, triton.next_power_of_2(L))
     BV = min(32, V)  # many small programs: the commit is bound by reading and writing the states
     grid = (triton.cdiv(V, BV), NL * B * H)
-    tree_gdn_commit_fwd_kernel[grid](
-        initial_state, k, u, log_decay, path, out, B, T, L,
-        H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
-        num_warps=4,
-    )  # fmt: skip
+    with on_device(out):
+        tree_gdn_commit_fwd_kernel[grid](
+            initial_state, k, u, log_decay, path, out, B, T, L,
+            H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
+            num_warps=4,
+        )  # fmt: skip
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_path, check_shape, l2norm, use_triton
+from hf_bole.kernels.utils import check_path, check_shape, l2norm, on_device, use_triton
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
@@ -123,10 +123,11 @@ def tree_gdn_verify_serial(
     states = torch.empty(B, T, H, K, V, dtype=torch.float32, device=v.device)
     BV = min(32, V)
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    tree_gdn_serial_fwd_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, g, beta, parents, h0, o, states, scale, T,
-        H=H, HK=HK, K=K, V=V, BV=BV, USE_QK_L2NORM=use_qk_l2norm_in_kernel, num_warps=4,
-    )  # fmt: skip
+    with on_device(v):
+        tree_gdn_serial_fwd_kernel[(triton.cdiv(V, BV), B * H)](
+            q, k, v, g, beta, parents, h0, o, states, scale, T,
+            H=H, HK=HK, K=K, V=V, BV=BV, USE_QK_L2NORM=use_qk_l2norm_in_kernel, num_warps=4,
+        )  # fmt: skip
     return o, states
 
 

@@ -12,7 +12,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_parents, check_path, check_same_device, check_shape, use_triton
+from hf_bole.kernels.utils import (
+    check_dtype,
+    check_parents,
+    check_path,
+    check_same_device,
+    check_shape,
+    on_device,
+    use_triton,
+)
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias"] is not None})
@@ -197,10 +205,11 @@ def tree_causal_conv1d(
     out = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     BT, BD = min(16, max(triton.next_power_of_2(T), 2)), 128
     grid = (triton.cdiv(D, BD), triton.cdiv(T, BT), B)
-    tree_causal_conv1d_fwd_kernel[grid](
-        x, weight, bias, parents, conv_state, out, x.stride(0), x.stride(1), T, D, conv_state.shape[-1],
-        W=W, BT=BT, BD=BD, USE_SILU=activation == "silu", num_warps=4,
-    )  # fmt: skip
+    with on_device(x):
+        tree_causal_conv1d_fwd_kernel[grid](
+            x, weight, bias, parents, conv_state, out, x.stride(0), x.stride(1), T, D, conv_state.shape[-1],
+            W=W, BT=BT, BD=BD, USE_SILU=activation == "silu", num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -244,8 +253,9 @@ def tree_conv_state_commit(
         x = x.contiguous()
     L = path.shape[1]
     BD = 128
-    tree_conv_state_commit_fwd_kernel[(triton.cdiv(D, BD), B)](
-        conv_state, x, path.contiguous(), out, x.stride(0), x.stride(1), D, L,
-        S=S, BS=triton.next_power_of_2(S), BL=max(2, triton.next_power_of_2(L)), BD=BD, num_warps=4,
-    )  # fmt: skip
+    with on_device(x):
+        tree_conv_state_commit_fwd_kernel[(triton.cdiv(D, BD), B)](
+            conv_state, x, path.contiguous(), out, x.stride(0), x.stride(1), D, L,
+            S=S, BS=triton.next_power_of_2(S), BL=max(2, triton.next_power_of_2(L)), BD=BD, num_warps=4,
+        )  # fmt: skip
     return out
