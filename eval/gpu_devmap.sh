@@ -5,7 +5,7 @@
 #   eval122  the real-shape 122B-A10B (random bf16 weights, 227 GiB) built across both GPUs (eval/shapes.py
 #            build_model_across: each GPU an even share plus 8%, at least 8 GiB left for activations and the cache),
 #            ar against bole at batch 1 and 8, oracle drafter at ~4 tokens per round (depth 6, accept 0.8)
-# Each step has its own time limit (150 + 380 s: under 9 minutes together) and writes its log under $OUT (default
+# Each step has its own time limit (110 + 300 s: under 7 minutes together) and writes its log under $OUT (default
 # results/gpu_devmap); the harness's table and rows are copied there (the rows finished so far if it is cut short).
 set -uo pipefail
 OUT=${OUT:-results/gpu_devmap}
@@ -30,11 +30,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail 
     grep -E "passed|failed|skipped|FAILED|Error|warning|^\|" "$OUT/$name.log" | tail -30
 }
 
-step tests 150 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rfs --tb=short \
+step tests 110 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rfs --tb=short \
     tests/generation/test_loop.py tests/models/test_placement.py tests/kernels/test_utils.py \
     -k "two_gpus or spread or placement or device"
 
-step eval122 380 python3 eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8 \
+step eval122 300 python3 eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8 \
     --num-prompts 8 --prompt-length 128 --max-new-tokens 64 --depth 6 --repeats 1 --output-dir /tmp/eval122
 cp /tmp/eval122/results.md "$OUT/eval122.md" 2>/dev/null
 cp /tmp/eval122/results.jsonl "$OUT/eval122.jsonl" 2>/dev/null || cp /tmp/eval122/results.partial.jsonl "$OUT/eval122.jsonl"
