@@ -66,6 +66,10 @@ def markdown(rows: list[dict], header: dict) -> str:
     m, s = header["machine"], header["settings"]
     where = m["gpu"] or f"CPU ({m['cpu_threads']} threads)"
     static = any(r.get("speedup_over_ar_static") is not None for r in rows)  # a column only where ar-static ran
+    devices = header.get("devices") or []
+    # generate turns graphs off for a model spread over devices (--device-map) and says so: the header does too
+    graphs = "off" if not s.get("cuda_graphs") else f"off (the model spans {', '.join(devices)})" if len(
+        devices) > 1 else "on"
     lines = [
         f"# Results: {s['model']}",
         "",
@@ -73,7 +77,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}. {s['dtype']}, temperature {s['temperature']}, "
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth 3, topk 1), SDPA cuDNN "
-        f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {'on' if s.get('cuda_graphs') else 'off'}"
+        f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {graphs}"
         f"{_compiled(s.get('compile'))}. "
         f"Tokens/s per process: generated tokens up to and including "
         f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "

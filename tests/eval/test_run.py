@@ -381,6 +381,21 @@ def test_budget_sweep_table():
     assert "| mbpp | bole | 5 | 1 | 64 | 120.0 | auto ε=0.1 | 118.0 | 0.98 |" in lines
 
 
+def test_header_says_graphs_are_off_for_a_spread_model():
+    """generate runs a model spread over devices without CUDA graphs (and warns): the table's header says so, with
+    the devices, instead of the flag's "on"."""
+    from eval import report
+
+    machine = {"gpu": "NVIDIA H200", "cpu_threads": 16, "torch": "2", "transformers": "5", "triton": "3",
+               "commit": "abc", "dirty": False}  # fmt: skip
+    settings = {"model": "m", "dtype": "bfloat16", "temperature": 0.0, "max_new_tokens": 8, "drafter": "oracle",
+                "depth": [6], "topk": 4, "budget": ["auto"], "epsilon": [0.25], "cuda_graphs": True, "command": "c"}  # fmt: skip
+    one = report.markdown([], {"machine": machine, "settings": settings, "devices": ["cuda:0"]})
+    two = report.markdown([], {"machine": machine, "settings": settings, "devices": ["cuda:0", "cuda:1"]})
+    assert "hf_bole's CUDA graphs on" in one
+    assert "hf_bole's CUDA graphs off (the model spans cuda:0, cuda:1)" in two
+
+
 def test_epsilon_sweep_runs_fixed_budgets_once():
     """Epsilon only shapes the "auto" budget: a fixed budget is one mode, labelled without an epsilon."""
     from types import SimpleNamespace
