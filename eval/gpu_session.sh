@@ -30,10 +30,13 @@
 #   profile    torch profiler over ar, chain and bole on the house model at batch 1 and 8 (eval/profile_round.py)
 #   profile9b  the same over ar and bole on the 9B shape at batch 1
 #   fla        fla-core's GDN kernels against transformers' torch reference, then the model tests with fla
+#   devmap     on nvidia-h200-x2 (issue 6): the two-GPU CUDA tests (a tiny model split over cuda:0 and cuda:1 decodes
+#              exactly as plain greedy, each layer's state on its own GPU), then the 122B-A10B shape (227 GiB in bf16)
+#              built across both GPUs (eval/shapes.py build_model_across), ar against bole at batch 1 and 8
 #   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
 #              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|dp}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -187,6 +190,12 @@ profile9b)
 fla)
     step fla_check 300 python3 eval/gpu_fla_check.py
     step tests_with_fla 250 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation
+    ;;
+devmap)  # seventh session: 110 + 300 s (results/devmap_h200x2)
+    step devmap_tests 110 env HF_BOLE_TEST_DEVICE=cuda $PYTEST -rfs tests/generation/test_loop.py \
+        tests/models/test_placement.py tests/kernels/test_utils.py -k "two_gpus or spread or placement or device"
+    harness eval122 300 --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8 --num-prompts 8 \
+        --prompt-length 128 --max-new-tokens 64 --depth 6 --repeats 1
     ;;
 dp)
     DP="--datasets mbpp gsm8k --modes ar bole --batch-sizes 1 --num-prompts 16 --max-new-tokens 128 --repeats 1"

@@ -294,7 +294,7 @@ def test_bad_arguments():
 def test_device_map_loads_spread_models(checkpoint, source, monkeypatch):
     """--device-map auto: a --shape built across the devices of an even per-GPU budget, a --model loaded by
     from_pretrained(device_map="auto") under the same budget; both leave accelerate's map on the model. (On CPU
-    the budget names the CPU only: the split over GPUs runs in eval/gpu_devmap.sh.)"""
+    the budget names the CPU only: the split over GPUs runs in eval/gpu_session.sh devmap.)"""
     budgets = []
 
     def spread(weight_bytes, gpus, reserve):
