@@ -32,11 +32,14 @@ import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+from transformers.utils import logging
 
 from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
 from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
 from hf_bole.kernels import tree_ancestor_mask
+
+logger = logging.get_logger(__name__)
 
 SUPPORTED_CLASSES = (
     "Qwen3_5ForCausalLM",
@@ -258,6 +261,12 @@ def _compiled(decoder: torch.nn.Module):
     was tried (seventh session): on the 9B shape on an H200 its compile had not finished after 270 s, where this
     one's two compiles fit in a 9-minute run with everything else (results/speed_h200/seventh_session)."""
     if decoder not in _COMPILED:
+        # A generate call that compiles looks hung: say what it waits for, and how to do it ahead of time.
+        logger.warning(
+            "hf_bole: bole_compile=True: the verify forward compiles through torch.compile in its first rounds "
+            "(twice: static, then with tree widths symbolic), minutes on a 9B model; "
+            "hf_bole.warmup(model, batch_size, compile=True) does it up front"
+        )
         _COMPILED[decoder] = torch.compile(decoder.forward)
     return _COMPILED[decoder]
 
