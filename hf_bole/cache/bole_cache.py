@@ -396,7 +396,7 @@ class BoleCache(Cache):
         """
         group, a = self._attention_index(layer_idx)
         keys, values = self._groups[group].keys, self._groups[group].values
-        self._check_batch(key_states.shape[0], "key_states")
+        self._check_input(key_states, "key_states", layer_idx, group)
         if key_states.dtype != self.dtype:
             raise ValueError(
                 f"BoleCache was created with dtype={self.dtype} but the model runs in {key_states.dtype}; "
@@ -478,7 +478,7 @@ class BoleCache(Cache):
         """
         group, g = self._gdn(layer_idx)
         conv = self._groups[group].conv
-        self._check_batch(conv_states.shape[0], "conv_states")
+        self._check_input(conv_states, "conv_states", layer_idx, group)
         r = self._round
         if r is not None and r.active:
             r.groups[group].conv_inputs[g].copy_(conv_states.transpose(1, 2))
@@ -785,6 +785,17 @@ class BoleCache(Cache):
         if layer_idx not in self._gdn_place:
             raise ValueError(f"layer {layer_idx} is not a GDN (linear_attention) layer of this BoleCache")
         return self._gdn_place[layer_idx]
+
+    def _check_input(self, x: torch.Tensor, name: str, layer_idx: int, group: int) -> None:
+        """A layer's input: of the cache's batch size, on the device that layer's state is kept on (a cache built
+        for another placement would otherwise fail inside a scatter or a kernel)."""
+        self._check_batch(x.shape[0], name)
+        kept = self._groups[group].conv.device  # as its tensors report it ("cuda:0" for a cache made on "cuda")
+        if x.device != kept:
+            raise ValueError(
+                f"layer {layer_idx} runs on {x.device}, but this BoleCache keeps its state on {kept}; build the "
+                f"cache where the model's layers run: BoleCache.for_model(model, batch_size, max_cache_len)"
+            )
 
     def _check_batch(self, batch: int, name: str) -> None:
         if batch != self._batch_size:
