@@ -370,5 +370,6 @@ def test_calibrate_refuses_spread_models(dense, monkeypatch):
     blocks = [dense.model.embed_tokens, *dense.model.layers, dense.lm_head]
     for i, block in enumerate(blocks):
         monkeypatch.setattr(block, "_hf_hook", SimpleNamespace(execution_device=int(i > 2)), raising=False)
+    monkeypatch.setattr(dense, "hf_device_map", {"model.layers.0": 0, "model.layers.2": 1}, raising=False)
     with pytest.raises(ValueError, match="spread over 2 devices.*bole_budget=<int>"):
         budget_module.calibrate(dense, batch_sizes=[1], kv_lengths=[8], nodes=[0, 4])

@@ -58,6 +58,7 @@ def test_layers_on_two_gpus():
     assert execution_device(model, "model.layers.6.linear_attn.in_proj_qkv") == cuda(1)  # inherited
     # A SequentialHook (several hooks on one module) holds the device hook among others.
     model.lm_head._hf_hook = SimpleNamespace(hooks=[SimpleNamespace(), _hook(0)])
+    model.hf_device_map = {"lm_head": 0}  # as a new dispatch sets it: the placement is read again
     assert placement(model).output_device == cuda(0)
 
 
@@ -70,3 +71,18 @@ def test_refusals():
     model.lm_head.to("meta")  # weights nowhere, and no hook to load them
     with pytest.raises(ValueError, match="lm_head runs nowhere"):
         placement(model)
+
+
+def test_placement_is_read_again_only_when_the_model_moves():
+    """A generate call asks for the placement several times: it is read once, and again after a new device map."""
+    model = tiny.build_model(num_hidden_layers=8)
+    for layer in model.model.layers:
+        layer._hf_hook = _hook(0)
+    model.hf_device_map = {"model": 0}
+    first = placement(model)
+    assert placement(model) is first and first.layer_devices == (torch.device("cuda", 0),) * 8
+    for layer in model.model.layers[5:]:
+        layer._hf_hook = _hook(1)
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.5": 1}  # what a new dispatch sets
+    again = placement(model)
+    assert again is not first and again.layer_devices[5:] == (torch.device("cuda", 1),) * 3
