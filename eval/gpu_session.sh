@@ -36,7 +36,7 @@
 #              exactly as plain greedy, each layer's state on its own GPU), then the 122B-A10B shape (227 GiB in bf16)
 #              built across both GPUs (eval/shapes.py build_model_across), ar against bole at batch 1 and 8
 #   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
-#              (accelerate launch; rows report tokens/s per process, and each step's log ends with its wall time)
+#              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
 set -uo pipefail
 PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
 OUT=${OUT:-results/gpu_session}

@@ -66,6 +66,7 @@ def markdown(rows: list[dict], header: dict) -> str:
     m, s = header["machine"], header["settings"]
     where = m["gpu"] or f"CPU ({m['cpu_threads']} threads)"
     static = any(r.get("speedup_over_ar_static") is not None for r in rows)  # a column only where ar-static ran
+    parallel = s.get("num_processes", 1) > 1  # data-parallel: a column of the processes' throughput together
     devices = header.get("devices") or []
     # generate turns graphs off for a model spread over devices (--device-map) and says so: the header does too
     graphs = "off" if not s.get("cuda_graphs") else f"off (the model spans {', '.join(devices)})" if len(
@@ -81,11 +82,13 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"{_compiled(s.get('compile'))}. "
         f"Tokens/s per process: generated tokens up to and including "
         f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "
-        f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept. Command: `{s['command']}`",
+        f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept."
+        + (f" Prompts/s: all {s.get('num_processes')} processes together, over the busiest one's generate time." * parallel)
+        + f" Command: `{s['command']}`",
         "",
-        "| dataset | mode | batch | prompts | tokens/s | speedup |" + " ÷ ar-static |" * static + " TTFT ms | TPOT ms | "
-        "accepted/round | exact | quality | peak GiB | tree state MiB |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * static + "---:|---:|---:|---:|---|---:|---:|",
+        "| dataset | mode | batch | prompts | tokens/s | speedup |" + " ÷ ar-static |" * static
+        + " prompts/s |" * parallel + " TTFT ms | TPOT ms | accepted/round | exact | quality | peak GiB | tree state MiB |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * (static + parallel) + "---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         quality = ", ".join(f"{k} {v:.3g}" for k, v in (r["quality"] or {}).items()) or "–"
@@ -95,7 +98,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         tokens_per_s = r.get("error") or _fmt(r["output_tokens_per_s"])  # a mode that ran out of memory says so
         cells = [
             r["dataset"], r["mode"], r["batch_size"], r["num_prompts"], tokens_per_s, _fmt(r["speedup_over_ar"], ".2f"),
-            *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static, _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"]),
+            *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static, *[_fmt(r.get("prompts_per_s"), ".2f")] * parallel,
+            _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"]),
             _fmt(r["mean_accepted_tokens"], ".2f"), exact, quality, _fmt(peak, ".2f"), _fmt(tree, ".2f"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")

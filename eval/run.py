@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     torch.cuda.empty_cache()
                 if mode.name == "ar":
                     reference = records
-                gathered = gather_object(records)
+                # which process timed each batch: processes run side by side, so their times do not add up
+                gathered = gather_object([{**r, "process": accelerator.process_index} for r in records])
                 errors = [e for e in gather_object([error]) if e is not None]  # from every process
                 if accelerator.is_main_process and not reference_only:
                     row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
@@ -438,6 +439,9 @@ def summarize(
     order = sorted((i, k, r) for r in records for k, i in enumerate(r["prompts"]))  # by prompt index
     n_tokens = sum(len(t) for r in records for t in r["tokens"])
     seconds = sum(r["seconds"] for r in records)
+    busiest = {}  # process -> its generate seconds: the processes run at once, the busiest one sets the pace
+    for r in records:
+        busiest[r["process"]] = busiest.get(r["process"], 0.0) + r["seconds"]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
     tpots = [r["tpot"] for r in records if r["tpot"] is not None]
@@ -466,6 +470,8 @@ def summarize(
         "output_tokens": n_tokens,
         "seconds": seconds,
         "output_tokens_per_s": n_tokens / seconds if seconds > 0 else None,
+        # all processes together (data-parallel throughput): prompts over the busiest process's generate time
+        "prompts_per_s": len(order) / max(busiest.values()) if busiest and max(busiest.values()) > 0 else None,
         # how far apart the timed passes of one batch were, at the worst batch: max / min - 1
         "pass_spread": max((max(r["seconds_all"]) / min(r["seconds_all"]) - 1 for r in records), default=None),
         "ttft_ms": 1e3 * mean(ttfts) if ttfts else None,

@@ -450,4 +450,10 @@ def test_data_parallel_matches_one_process(checkpoint, tmp_path):
         [json.loads(line) for line in (tmp_path / d / "results.jsonl").read_text().splitlines()] for d in ("one", "two")
     )
     assert [r["num_processes"] for r in two] == [2] * len(one) and len(one) == 4
+    # prompts/s of both processes together: over the busier one's time, not the sum of both
+    for a, b in zip(one, two):
+        assert a["prompts_per_s"] == pytest.approx(4 / a["seconds"])
+        assert b["prompts_per_s"] > 4 / b["seconds"]
+    assert "Prompts/s: all 2 processes together" in (tmp_path / "two" / "results.md").read_text()
+    assert "prompts/s" not in (tmp_path / "one" / "results.md").read_text()
     assert [{k: r[k] for k in CONTENT} for r in two] == [{k: r[k] for k in CONTENT} for r in one]
