@@ -325,13 +325,21 @@ class BudgetResolver:
         model, device, dtype and verify mode at `config.epsilon`, or the fallback, said once in a log line."""
         if config.budget != AUTO_BUDGET:
             return cls.fixed(config.budget)
-        device = placement(model).input_device
+        place = placement(model)
+        device = place.input_device
         fallback = (
             f"budget='auto' uses the fallback of {FALLBACK_BUDGET_PER_REQUEST} draft nodes per active request, at "
             f"most {FALLBACK_BUDGET_MAX} per round (pass bole_budget=<int> to fix it)"
         )
         if device.type != "cuda":
             _warn_once(f"hf_bole: no calibrated verification budget on {device.type}: {fallback}")
+            return cls.fallback(batch_size)
+        if place.spans_devices:
+            # A table times one GPU's forwards; one of this model on a single GPU would not fit its spread forwards.
+            _warn_once(
+                f"hf_bole: no calibrated verification budget for a model spread over {len(place.devices)} devices "
+                f"(calibration times forwards on one GPU): {fallback}"
+            )
             return cls.fallback(batch_size)
         key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile)
         table = find_table(key)

@@ -194,6 +194,22 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
     assert "closed_form__compiled-graphs.json" in message and "--verify closed_form --compile`" in message
 
 
+def test_auto_for_a_spread_model_is_the_fallback(monkeypatch, caplog):
+    """A model over two GPUs takes no table (calibration times one GPU's forwards), even one stored for its GPU, and
+    the log line does not send its user to calibrate."""
+    model = _fake_gpu_model(monkeypatch)
+    table = _table(TableKey.for_model(model, cuda_graphs=False))  # the eager table of its GPU, were it on one
+    table.save(table.default_path())
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    spread = Placement(gpus[0], gpus[1], (gpus[0], gpus[0], gpus[1], gpus[1]))
+    monkeypatch.setattr(budget_module, "placement", lambda model: spread)
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        resolver = BudgetResolver.for_model(model, BoleConfig(cuda_graphs=False), batch_size=4)
+    assert resolver.source == "fallback" and resolver(2, 1000) == 64
+    message = caplog.records[-1].getMessage()
+    assert "spread over 2 devices" in message and "pass bole_budget=<int>" in message and "hf_bole.calibrate" not in message
+
+
 def test_auto_finds_stored_table(monkeypatch, caplog):
     model = _fake_gpu_model(monkeypatch)
     key = TableKey.for_model(model)
