@@ -167,7 +167,7 @@ class TableKey:
         `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so) and
         `bole_compile=compile`."""
         launch = "compiled-" * compile + ("graphs" if captures(model, cuda_graphs) else "eager")
-        # A model spread over GPUs by a device_map is keyed by its first one (its GPUs are alike in practice).
+        # The GPU its forwards run on (under accelerate hooks `model.device` may name a parameter left elsewhere).
         device = placement(model).input_device
         return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
 
@@ -470,8 +470,7 @@ def calibrate(
     if spread.spans_devices:
         raise ValueError(
             f"calibration times one GPU's forwards, but this model is spread over {len(spread.devices)} devices by its "
-            f"device_map; generate then takes the budget of the first GPU's table for this model (if any) or the "
-            f"fallback: pass bole_budget=<int> to fix it instead"
+            f"device_map; generate gives such a model the fallback budget: pass bole_budget=<int> to fix it instead"
         )
     defaults = BoleConfig()
     epsilon = defaults.epsilon if epsilon is None else epsilon
