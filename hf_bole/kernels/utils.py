@@ -22,8 +22,11 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def on_device(x: torch.Tensor):
     """The context a kernel on `x` launches in: Triton launches on the current CUDA device's stream, not on the
-    tensors' device, so the layers of a model spread over GPUs (accelerate's device_map) make theirs current."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    tensors' device, so the layers of a model spread over GPUs (accelerate's device_map) make theirs current. On
+    the current device (every layer of a model on one GPU) nothing is switched."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 def autotune_configs(configs: list[triton.Config]) -> list[triton.Config]:

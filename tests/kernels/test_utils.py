@@ -30,6 +30,8 @@ def test_check_parents_reads_a_tree_once_until_it_changes(monkeypatch):
 def test_on_device():
     """Triton launches on the current CUDA device: kernels on a second GPU's tensors make it current meanwhile."""
     assert isinstance(utils.on_device(torch.zeros(1, device="cpu")), contextlib.nullcontext)  # nothing to switch
+    if torch.cuda.is_available():  # the current GPU: nothing to switch either
+        assert isinstance(utils.on_device(torch.zeros(1, device="cuda")), contextlib.nullcontext)
     if torch.cuda.device_count() > 1:
         with utils.on_device(torch.zeros(1, device="cuda:1")):
             assert torch.cuda.current_device() == 1
