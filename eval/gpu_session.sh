@@ -67,7 +67,9 @@ harness() {  # harness NAME SECONDS ARGS...: eval/run.py into /tmp/NAME, its tab
     cp "/tmp/$name/results.md" "$OUT/$name.md" 2>/dev/null
     cp "/tmp/$name/results.jsonl" "$OUT/$name.jsonl" 2>/dev/null || cp "/tmp/$name/results.partial.jsonl" "$OUT/$name.jsonl"
 }
-PYTEST="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
+# 8 workers, as eval/gpu_tests.sh runs them: one process spent check7's 100 s compiling Triton kernels test by test
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rf --tb=short $XDIST"
 SHAPE9B="--shape 9B --depth 6 --max-new-tokens 256 --profile"
 case $PART in
 checks)
