@@ -46,6 +46,16 @@ def assert_rows_match_reference(model, cache, committed):
                 )
 
 
+def _random_round(roots: torch.Tensor, gen: torch.Generator):
+    """A round of 3 random trees of 1 to 8 nodes (depth <= 4): the trees, their parents `[3, N]` and random tokens
+    `[3, N]` under the given roots."""
+    trees = [random_tree(int(torch.randint(1, 9, (1,), generator=gen)), 4, gen) for _ in range(3)]
+    parents = batch_trees(trees)
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    tokens[:, 0] = roots
+    return trees, parents, tokens
+
+
 @pytest.mark.parametrize("verify", ["closed_form", "serial"])
 def test_commit(verify):
     """Ten rounds of random trees and accepted paths (rows of their own sizes, sometimes a row that accepts
@@ -56,10 +66,7 @@ def test_commit(verify):
     roots = prefill(model, cache, PROMPTS)
     committed = [list(p) for p in PROMPTS]
     for _ in range(10):
-        trees = [random_tree(int(torch.randint(1, 9, (1,), generator=gen)), 4, gen) for _ in range(3)]
-        parents = batch_trees(trees)
-        tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
-        tokens[:, 0] = roots
+        trees, parents, tokens = _random_round(roots, gen)
         logits = tree_forward(model, cache, tokens, parents, verify=verify).logits
         paths = [random_path(tree, gen) if torch.rand(1, generator=gen) > 0.15 else [] for tree in trees]
         cache.commit(batch_trees([p or [-1] for p in paths]))
@@ -251,10 +258,7 @@ def test_layers_on_two_devices(verify):
     roots = prefill(model, spread, PROMPTS)
     assert torch.equal(roots, prefill(model, single, PROMPTS))
     for _ in range(6):
-        trees = [random_tree(int(torch.randint(1, 9, (1,), generator=gen)), 4, gen) for _ in range(3)]
-        parents = batch_trees(trees)
-        tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
-        tokens[:, 0] = roots
+        trees, parents, tokens = _random_round(roots, gen)
         logits = tree_forward(model, spread, tokens, parents, verify=verify).logits
         expected = tree_forward(model, single, tokens, parents, verify=verify).logits
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
