@@ -68,9 +68,9 @@ def markdown(rows: list[dict], header: dict) -> str:
     static = any(r.get("speedup_over_ar_static") is not None for r in rows)  # a column only where ar-static ran
     parallel = s.get("num_processes", 1) > 1  # data-parallel: a column of the processes' throughput together
     devices = header.get("devices") or []
-    # generate turns graphs off for a model spread over devices (--device-map) and says so: the header does too
-    graphs = "off" if not s.get("cuda_graphs") else f"off (the model spans {', '.join(devices)})" if len(
-        devices) > 1 else "on"
+    graphs = "on" if s.get("cuda_graphs") else "off"
+    if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
+        graphs = f"off (the model spans {', '.join(devices)})"
     lines = [
         f"# Results: {s['model']}",
         "",

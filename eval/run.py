@@ -283,18 +283,16 @@ def set_backends(args) -> None:
 def load_target(args, device: torch.device, dtype: torch.dtype):
     """`(model, tokenizer or None, label)`: the checkpoint of --model, or a random model of --shape; with
     --device-map spread over all visible GPUs, each holding an even share of the weights."""
+    config = shape_config(args.shape) if args.shape else None
     max_memory = None
     if args.device_map:
-        if args.shape:
-            config = shape_config(args.shape)
-        else:
+        if config is None:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(args.model).get_text_config(decoder=True)
         reserve = int(args.gpu_reserve_gib * 2**30)
         max_memory = spread_max_memory(parameter_bytes(config, dtype), list(range(torch.cuda.device_count())), reserve)
     if args.shape:
-        config = shape_config(args.shape)
         label = f"random {args.shape} shape"
         if max_memory is not None:
             return build_model_across(config, dtype, max_memory, seed=args.seed), None, label
