@@ -181,7 +181,7 @@ class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
 
     @property
     def has_previous_state(self) -> dict[int, bool]:
-        return {0: self.cache._gdn_started[self.cache._gdn_index[self.layer_idx]]}
+        return {0: self.cache._gdn_started[self.layer_idx]}
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
         """Nothing to do: the cache allocates its storage up front."""
@@ -293,7 +293,6 @@ class BoleCache(Cache):
         attn_groups, gdn_groups = grouped(attn_layers), grouped(gdn_layers)
         self._attn_index = {layer: (d, a) for d, group in enumerate(attn_groups) for a, layer in enumerate(group)}
         self._gdn_place = {layer: (d, g) for d, group in enumerate(gdn_groups) for g, layer in enumerate(group)}
-        self._gdn_index = {layer: g for g, layer in enumerate(gdn_layers)}
         self._last_attn_layer = attn_layers[-1]
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -327,7 +326,7 @@ class BoleCache(Cache):
         self._aligned_length: int | None = 0  # the common length while all rows are known to be equal
         self._length_bound = 0  # an upper bound on max(lengths)
         self._observed = False  # the current plain forward's positions and padding were recorded
-        self._gdn_started = [False] * len(gdn_layers)
+        self._gdn_started = dict.fromkeys(gdn_layers, False)  # GDN layer -> its state was written
         self._round: _TreeRound | None = None
 
     @classmethod
@@ -343,7 +342,7 @@ class BoleCache(Cache):
         devices = f", devices={[str(g.device) for g in self._groups]}" if len(self._groups) > 1 else ""
         return (
             f"BoleCache(batch_size={self._batch_size}, capacity={self.capacity}, "
-            f"attention_layers={len(self._attn_index)}, gdn_layers={len(self._gdn_index)}, dtype={self.dtype}{devices})"
+            f"attention_layers={len(self._attn_index)}, gdn_layers={len(self._gdn_place)}, dtype={self.dtype}{devices})"
         )
 
     @property
@@ -444,7 +443,7 @@ class BoleCache(Cache):
         """`[B, D, W]` the committed conv window of GDN layer `layer_idx`, or None before its first forward.
         In tree mode always the window (zeros on a fresh cache): the tree conv falls back to it above the root."""
         group, g = self._gdn(layer_idx)
-        if self._gdn_started[self._gdn_index[layer_idx]] or self._tree_active():
+        if self._gdn_started[layer_idx] or self._tree_active():
             return self._groups[group].conv[g]
         return None
 
@@ -452,15 +451,15 @@ class BoleCache(Cache):
         """`[B, H, K, V]` float32 committed state of GDN layer `layer_idx`, or None before its first forward.
         In tree mode always the state, which the verification starts from and does not change."""
         group, g = self._gdn(layer_idx)
-        if self._gdn_started[self._gdn_index[layer_idx]] or self._tree_active():
+        if self._gdn_started[layer_idx] or self._tree_active():
             return self._groups[group].recurrent[g]
         return None
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         if layer_idx is None:
-            layer_idx = max(self._gdn_index)
+            layer_idx = max(self._gdn_place)
         self._gdn(layer_idx)
-        return self._gdn_started[self._gdn_index[layer_idx]]
+        return self._gdn_started[layer_idx]
 
     def is_recording_past(self, layer_idx: int) -> bool:
         # In tree mode the one-token fast path (which updates the conv window in place) must not run, even for
@@ -484,9 +483,8 @@ class BoleCache(Cache):
             r.groups[group].conv_inputs[g].copy_(conv_states.transpose(1, 2))
             return torch.cat([conv[g], conv_states.to(conv.dtype)], dim=-1)
         width = conv.shape[-1]
-        started = self._gdn_index[layer_idx]
-        if not self._gdn_started[started]:  # first forward: a shorter input leaves zeros in front, as upstream pads
-            self._gdn_started[started] = True
+        if not self._gdn_started[layer_idx]:  # first forward: a shorter input leaves zeros in front, as upstream pads
+            self._gdn_started[layer_idx] = True
             tail = conv_states[..., -width:]
             conv[g].zero_()
             conv[g, ..., width - tail.shape[-1] :].copy_(tail)
@@ -645,7 +643,7 @@ class BoleCache(Cache):
         self.positions.add_(num_accepted)
         self._length_bound += L
         self._aligned_length = None
-        self._gdn_started = [True] * len(self._gdn_started)
+        self._gdn_started = dict.fromkeys(self._gdn_started, True)
         r.ready = False
 
     @staticmethod
@@ -813,7 +811,7 @@ class BoleCache(Cache):
             t.zero_()
         self._valid.fill_(True)
         self._aligned_length, self._length_bound, self._observed = 0, 0, False
-        self._gdn_started = [False] * len(self._gdn_started)
+        self._gdn_started = dict.fromkeys(self._gdn_started, False)
         self._round = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
