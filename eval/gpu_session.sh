@@ -211,6 +211,15 @@ dp)
     harness dp_one 280 $DP
     step dp_two 280 accelerate launch --num_processes 2 eval/run.py $DP --output-dir /tmp/dp_two
     cp /tmp/dp_two/results.md "$OUT/dp_two.md" 2>/dev/null
+    cp /tmp/dp_two/results.jsonl "$OUT/dp_two.jsonl" 2>/dev/null
+    python3 - "$OUT" <<'PY'
+import json, sys
+one, two = ([json.loads(l) for l in open(f"{sys.argv[1]}/{n}.jsonl")] for n in ("dp_one", "dp_two"))
+print("| dataset | mode | prompts/s, 1 process | prompts/s, 2 processes | ratio | same outputs |")
+for a, b in zip(one, two):
+    print(f"| {a['dataset']} | {a['mode']} | {a['prompts_per_s']:.3f} | {b['prompts_per_s']:.3f} | "
+          f"{b['prompts_per_s'] / a['prompts_per_s']:.2f}x | {a['outputs_sha256'] == b['outputs_sha256']} |")
+PY
     ;;
 *)
     echo "unknown part $PART" >&2

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import json
 import shlex
 import sys
 import time
@@ -466,6 +468,9 @@ def summarize(
         "num_prompts": len(order),
         "num_processes": num_processes,
         "output_tokens": n_tokens,
+        # the generated tokens of every prompt in prompt order: equal digests are equal outputs (across runs, or one
+        # process against several)
+        "outputs_sha256": hashlib.sha256(json.dumps([r["tokens"][k] for _, k, r in order]).encode()).hexdigest(),
         "seconds": seconds,
         "output_tokens_per_s": n_tokens / seconds if seconds > 0 else None,
         # all processes together (data-parallel throughput): prompts over the busiest process's generate time

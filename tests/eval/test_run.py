@@ -427,8 +427,8 @@ def test_compile_sweep_modes():
 
 
 # Everything a row says about the decoded content, which sharding the prompts across processes must not change.
-CONTENT = ("dataset", "mode", "batch_size", "num_prompts", "output_tokens", "mean_accepted_tokens", "accept_histogram",
-           "exact_share", "divergences", "quality")  # fmt: skip
+CONTENT = ("dataset", "mode", "batch_size", "num_prompts", "output_tokens", "outputs_sha256", "mean_accepted_tokens",
+           "accept_histogram", "exact_share", "divergences", "quality")  # fmt: skip
 
 
 def test_data_parallel_matches_one_process(checkpoint, tmp_path):
@@ -457,3 +457,7 @@ def test_data_parallel_matches_one_process(checkpoint, tmp_path):
     assert "Prompts/s: all 2 processes together" in (tmp_path / "two" / "results.md").read_text()
     assert "prompts/s" not in (tmp_path / "one" / "results.md").read_text()
     assert [{k: r[k] for k in CONTENT} for r in two] == [{k: r[k] for k in CONTENT} for r in one]
+    ar = {(r["dataset"], r["batch_size"]): r["outputs_sha256"] for r in one if r["mode"] == "ar"}
+    for r in one:  # the digest is of the outputs: an exact mode's equals ar's
+        if r["exact_share"] == 1.0:
+            assert r["outputs_sha256"] == ar[r["dataset"], r["batch_size"]]
