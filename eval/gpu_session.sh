@@ -35,7 +35,7 @@
 #   devmap     on nvidia-h200-x2 (issue 6): the two-GPU CUDA tests (a tiny model split over cuda:0 and cuda:1 decodes
 #              exactly as plain greedy, each layer's state on its own GPU), then the 122B-A10B shape (227 GiB in bf16)
 #              built across both GPUs (eval/shapes.py build_model_across), ar against bole at batch 1 and 8
-#   dp         on nvidia-h200-x2 (issue 6): the house harness in one process, then data-parallel over both GPUs
+#   dp         on nvidia-h200-x2 (issue 6): the house harness (bole) in one process, then data-parallel over both GPUs
 #              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
 set -uo pipefail
 PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
@@ -206,19 +206,24 @@ devmap)  # seventh session: 110 + 300 s (results/devmap_h200x2)
     harness eval122 300 --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8 --num-prompts 8 \
         --prompt-length 128 --max-new-tokens 64 --depth 6 --repeats 1
     ;;
-dp)
-    DP="--datasets mbpp gsm8k --modes ar bole --batch-sizes 1 --num-prompts 16 --max-new-tokens 128 --repeats 1"
-    harness dp_one 280 $DP
-    step dp_two 280 accelerate launch --num_processes 2 eval/run.py $DP --output-dir /tmp/dp_two
-    cp /tmp/dp_two/results.md "$OUT/dp_two.md" 2>/dev/null
-    cp /tmp/dp_two/results.jsonl "$OUT/dp_two.jsonl" 2>/dev/null
+dp)  # bole only (ar, host-bound at ~11 ms a token, would take most of the step), 48 prompts a dataset so that one
+    # process's share is not decided by a few long completions; one process both plainly and through accelerate
+    # launch (which sets OMP_NUM_THREADS=1), then two
+    DP="--datasets mbpp gsm8k --modes bole --batch-sizes 1 --num-prompts 48 --max-new-tokens 128 --repeats 1"
+    harness dp_python 200 $DP
+    for n in 1 2; do
+        step dp_$n 200 accelerate launch --num_processes $n eval/run.py $DP --output-dir /tmp/dp_$n
+        cp /tmp/dp_$n/results.md "$OUT/dp_$n.md" 2>/dev/null
+        cp /tmp/dp_$n/results.jsonl "$OUT/dp_$n.jsonl" 2>/dev/null
+    done
     python3 - "$OUT" <<'PY'
 import json, sys
-one, two = ([json.loads(l) for l in open(f"{sys.argv[1]}/{n}.jsonl")] for n in ("dp_one", "dp_two"))
-print("| dataset | mode | prompts/s, 1 process | prompts/s, 2 processes | ratio | same outputs |")
-for a, b in zip(one, two):
-    print(f"| {a['dataset']} | {a['mode']} | {a['prompts_per_s']:.3f} | {b['prompts_per_s']:.3f} | "
-          f"{b['prompts_per_s'] / a['prompts_per_s']:.2f}x | {a['outputs_sha256'] == b['outputs_sha256']} |")
+python, one, two = ([json.loads(l) for l in open(f"{sys.argv[1]}/{n}.jsonl")] for n in ("dp_python", "dp_1", "dp_2"))
+print("| dataset | mode | prompts/s: python | accelerate, 1 process | 2 processes | 2 ÷ python | 2 ÷ 1 | same outputs |")
+for p, a, b in zip(python, one, two):
+    print(f"| {a['dataset']} | {a['mode']} | {p['prompts_per_s']:.3f} | {a['prompts_per_s']:.3f} | "
+          f"{b['prompts_per_s']:.3f} | {b['prompts_per_s'] / p['prompts_per_s']:.2f}x | "
+          f"{b['prompts_per_s'] / a['prompts_per_s']:.2f}x | {p['outputs_sha256'] == a['outputs_sha256'] == b['outputs_sha256']} |")
 PY
     ;;
 *)

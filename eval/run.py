@@ -196,26 +196,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
             reference: list[dict] = []
             for mode in (m for name in run_modes for m in make_modes(name, batch_size, args)):
                 reference_only = mode.name == "ar" and "ar" not in args.modes  # the oracle's continuations
-                error = None
-                try:
-                    if reference_only:  # one untimed pass, no figures
-                        records = [run_batch(model, tokenizer, prompts, b, mode, args, generation, []) for b in batches]
-                    else:
-                        records = run_mode(
-                            model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference,
-                            dataset, warmed, compiled, accelerator.is_main_process, device,
-                        )
-                except torch.OutOfMemoryError as oom:
-                    # A mode that does not fit (tree-serial's per-node states on large trees) is a result, not a
-                    # crash: its row says so and the modes after it still run.
-                    records, error = [], "out of memory"
-                    print(f"{dataset} {mode.label} batch {batch_size}: {str(oom).splitlines()[0]}", file=sys.stderr)
-                except Exception as failure:
-                    # Any other failure of one mode (say, a compile that does not support the model) is on its row
-                    # and its traceback on stderr; the other modes still run, and the run exits non-zero.
-                    records, error = [], f"failed: {type(failure).__name__}"
-                    print(f"{dataset} {mode.label} batch {batch_size} failed:", file=sys.stderr)
-                    traceback.print_exc()
+                label = f"{dataset} {mode.label} batch {batch_size}"
+                records, error = [], None
+                if not reference_only:
+                    _, error = attempt(
+                        warm_up, model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference,
+                        warmed, compiled, device, label=label,
+                    )  # fmt: skip
+                # Every process times its batches while the others time theirs, not beside another's warm-up
+                # (compilation and graph capture load the host that the timed passes also need).
+                accelerator.wait_for_everyone()
+                if error is None and reference_only:  # one untimed pass, no figures
+                    records, error = attempt(
+                        lambda: [run_batch(model, tokenizer, prompts, b, mode, args, generation, []) for b in batches],
+                        label=label,
+                    )
+                elif error is None:
+                    records, error = attempt(
+                        timed_runs, model, tokenizer, prompts, batches, mode, args, generation, reference, label,
+                        accelerator.is_main_process, label=label,
+                    )  # fmt: skip
                 if error is not None:  # freed here: inside the except block its traceback still holds the tensors
                     hf_bole.release(model)
                     gc.collect()
@@ -247,28 +247,49 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def run_mode(
-    model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference, dataset, warmed, compiled,
-    show_progress, device,
+def attempt(fn, *args, label: str) -> tuple[list[dict] | None, str | None]:
+    """`(fn(*args), None)`, or `([], error)` with the error that goes on the mode's row. Running out of memory is a
+    result (tree-serial's per-node states on large trees), not a crash; any other failure of one mode (say, a
+    compile that does not support the model) prints its traceback. Either way the other modes still run."""
+    try:
+        return fn(*args), None
+    except torch.OutOfMemoryError as oom:
+        print(f"{label}: {str(oom).splitlines()[0]}", file=sys.stderr)
+        return [], "out of memory"
+    except Exception as failure:
+        print(f"{label} failed:", file=sys.stderr)
+        traceback.print_exc()
+        return [], f"failed: {type(failure).__name__}"
+
+
+def warm_up(
+    model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference, warmed, compiled, device
+) -> None:
+    """A mode's untimed warm-up over `batches`, once per mode and batch size."""
+    if (mode.label, batch_size) in warmed or not batches:
+        return
+    # Untimed, for every mode of a sweep: first calls pay for kernel compilation, autotuning and allocator
+    # growth, and each budget meets tree widths (graphs) of its own; every tree width a later round may reach
+    # gets its kernels compiled here too (hf_bole.warmup).
+    for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
+        key = (mode.verify or "closed_form", n_rows, mode.compile)
+        if key not in compiled:
+            hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile)
+            compiled.add(key)
+    # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
+    graphed = mode.drafts and args.cuda_graphs and device.type == "cuda" and not args.device_map
+    for k, batch in enumerate(batches if graphed else batches[:1]):
+        run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
+    warmed.add((mode.label, batch_size))
+
+
+def timed_runs(
+    model, tokenizer, prompts, batches, mode, args, generation, reference, label: str, show_progress: bool
 ) -> list[dict]:
-    """One mode's records over `batches`, after its untimed warm-up (once per mode and batch size)."""
+    """One mode's records over `batches` (warmed)."""
     from tqdm.auto import tqdm
 
-    if (mode.label, batch_size) not in warmed and batches:
-        # Untimed, for every mode of a sweep: first calls pay for kernel compilation, autotuning and allocator
-        # growth, and each budget meets tree widths (graphs) of its own; every tree width a later round may reach
-        # gets its kernels compiled here too (hf_bole.warmup).
-        for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
-            key = (mode.verify or "closed_form", n_rows, mode.compile)
-            if key not in compiled:
-                hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile)
-                compiled.add(key)
-        # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
-        graphed = mode.drafts and args.cuda_graphs and device.type == "cuda" and not args.device_map
-        for k, batch in enumerate(batches if graphed else batches[:1]):
-            run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
-        warmed.add((mode.label, batch_size))
-    bar = tqdm(batches, desc=f"{dataset} {mode.label} batch {batch_size}", disable=not show_progress)
+    bar = tqdm(batches, desc=label, disable=not show_progress)
     return [
         median_run(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
         for k, batch in enumerate(bar)
