@@ -26,6 +26,7 @@
 #   check7     the CUDA tests of graphs and MoE experts; the 9B shape at batch 16 against ar-static; the house model
 #              against chain and tree-serial at batch 1 and 8; 35B-A3B at batch 1 with graphs
 #   compile816 the 9B shape at batch 8 and 16, budget 32: ar-static, bole eager and with bole_compile, in one run
+#   compile16  the 9B shape at batch 16, budget 64: ar-static and bole with bole_compile
 #   batch16    the 9B shape at batch 16, budgets 32 and 64 (eager, graphs) against ar-static: what check7 could not
 #              finish (its bole warm-up outlasted 170 s); then the house model's GSM8K against chain and tree-serial
 #   sweep9b    budget9b's sweep only, on the committed 9B table (results/budget_h200_9b/budget_9b.json)
@@ -39,7 +40,7 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness (bole) in one process, then data-parallel over both GPUs
 #              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -182,6 +183,10 @@ check7)  # seventh session, second call, by importance: the CUDA tests of graphs
 compile816)  # eighth session: bole_compile (static first, then symbolic) at batch 8 and 16 against ar-static, budget 32
     harness speed9b_b8_b16_compile 570 $SHAPE9B --modes ar-static bole --batch-sizes 8 16 --num-prompts 16 --budget 32 \
         --compile off on
+    ;;
+compile16)  # eighth session: what compile816 could not reach: batch 16, bole_compile, budget 64 (sweep9b's best there)
+    harness speed9b_b16_compile 540 $SHAPE9B --modes ar-static bole --batch-sizes 16 --num-prompts 16 --budget 64 \
+        --compile on
     ;;
 batch16)
     harness speed9b_b16 400 $SHAPE9B --modes ar-static bole --batch-sizes 16 --num-prompts 16 --budget 32 64
