@@ -27,6 +27,7 @@
 #              against chain and tree-serial at batch 1 and 8; 35B-A3B at batch 1 with graphs
 #   compile816 the 9B shape at batch 8 and 16, budget 32: ar-static, bole eager and with bole_compile, in one run
 #   compile16  the 9B shape at batch 16, budget 64: ar-static and bole with bole_compile
+#   housec     the house model at batch 1: chain and bole, each with and without bole_compile (MTP drafter compiled)
 #   batch16    the 9B shape at batch 16, budgets 32 and 64 (eager, graphs) against ar-static: what check7 could not
 #              finish (its bole warm-up outlasted 170 s); then the house model's GSM8K against chain and tree-serial
 #   sweep9b    budget9b's sweep only, on the committed 9B table (results/budget_h200_9b/budget_9b.json)
@@ -40,7 +41,7 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness (bole) in one process, then data-parallel over both GPUs
 #              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -187,6 +188,11 @@ compile816)  # eighth session: bole_compile (static first, then symbolic) at bat
 compile16)  # eighth session: what compile816 could not reach: batch 16, bole_compile, budget 64 (sweep9b's best there)
     harness speed9b_b16_compile 540 $SHAPE9B --modes ar-static bole --batch-sizes 16 --num-prompts 16 --budget 64 \
         --compile on
+    ;;
+housec)  # eighth session: bole_compile now compiles the MTP drafter's rounds too (house: drafting is the largest
+    # phase); chain and bole with and without it at batch 1, against issue 8's bole >= 1.2x chain
+    harness house_compile 280 --datasets mbpp --modes chain bole --batch-sizes 1 --num-prompts 8 \
+        --max-new-tokens 128 --profile --repeats 1 --compile off on
     ;;
 batch16)
     harness speed9b_b16 400 $SHAPE9B --modes ar-static bole --batch-sizes 16 --num-prompts 16 --budget 32 64

@@ -31,7 +31,7 @@ class Mode:
     budget: int | str | None = None
     epsilon: float | None = None
     verify: str | None = None
-    compile: bool = False  # the verify forward through torch.compile (bole_compile)
+    compile: bool = False  # the verify forward and the MTP drafter's rounds through torch.compile (bole_compile)
     label: str = ""  # the name plus the swept settings; the name alone when nothing is swept
 
     def __post_init__(self):

@@ -70,8 +70,10 @@ class BoleConfig:
             Run the verify forward's decoder through `torch.compile`, which fuses the norms, gates and projections
             around hf_bole's tree kernels (custom ops in the one compiled graph). The first verify forwards of a
             model compile twice, static then with tree widths symbolic (seconds on a small model, minutes on a 9B
-            one); with `cuda_graphs` the compiled forward is what the graphs capture. On the 9B shape at
-            batch 1 on an H200 it took the verify forward from 10.5 to 7.1 ms (`results/speed_h200/`).
+            one); with `cuda_graphs` the compiled forward is what the graphs capture. On the 9B shape on an H200 it
+            took the verify forward from 10.5 to 7.1 ms at batch 1 and from 11.9 to 8.6 ms at batch 8
+            (`results/speed_h200/`). The MTP drafter's rounds compile too (its norms, rotary embedding and tree
+            bookkeeping fused; compiling takes seconds), a change not yet timed on a GPU.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.

@@ -215,11 +215,11 @@ def _make_drafter(model, config: BoleConfig):
         from hf_bole.generation.drafters.mtp import MTPDrafter
 
         per_model = _MTP_DRAFTERS.setdefault(model, {})
-        key = (config.depth, config.topk, config.cuda_graphs)
+        key = (config.depth, config.topk, config.cuda_graphs, config.compile)
         if key not in per_model:
             try:
                 per_model[key] = MTPDrafter.from_model(
-                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs
+                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs, compile=config.compile
                 )
             except ValueError as e:
                 raise ValueError(

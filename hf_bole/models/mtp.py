@@ -78,6 +78,8 @@ class Qwen3_5MTP(nn.Module):
         self.pre_fc_norm_hidden = norm_cls(hidden, eps=eps)
         self.layers = nn.ModuleList([decoder_layer_cls(config, 0)])
         self.norm = norm_cls(hidden, eps=eps)
+        # read once here, not in every forward, where torch.compile would trace the signature look-up
+        self._cache_argument = cache_argument(decoder_layer_cls.forward)
 
     @classmethod
     def for_model(cls, model: PreTrainedModel) -> Qwen3_5MTP:
@@ -207,7 +209,7 @@ class Qwen3_5MTP(nn.Module):
             self.fc(x),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            **{cache_argument(type(self.layers[0]).forward): past_key_values},
+            **{self._cache_argument: past_key_values},
         )
         return self.norm(x)
 

@@ -200,6 +200,30 @@ def test_greedy_matches_plain_compiled(dense):
     assert dense.get_decoder() in adapter._COMPILED  # compiled, not run eagerly
 
 
+def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
+    """`bole_compile=True` with the MTP drafter compiles its rounds as well as the verify forward. Traced on a
+    counting backend that runs the graphs as traced (inductor's code is exercised on the GPU)."""
+    import weakref
+
+    from torch._dynamo.testing import CompileCounter
+
+    import hf_bole.models.qwen3_5 as adapter
+    from hf_bole.generation import loop
+
+    counter = CompileCounter()
+    monkeypatch.setattr(torch, "compile", lambda fn: torch._dynamo.optimize(counter)(fn))
+    monkeypatch.setattr(adapter, "_COMPILED", weakref.WeakKeyDictionary())  # not an earlier test's compiled forward
+    torch._dynamo.reset()
+    model = dense_with_mtp
+    ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3, bole_compile=True)
+    assert torch.equal(out, ref)
+    drafter = loop._MTP_DRAFTERS[model][3, 3, True, True]  # (depth, topk, cuda_graphs, compile)
+    assert drafter._compiled_round is not None and model.get_decoder() in adapter._COMPILED
+    assert counter.frame_count >= 2  # the drafter's rounds and the verify forward
+    hf_bole.release(model)
+
+
 def test_greedy_matches_plain_mtp(dense_with_mtp):
     ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
     out = bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)

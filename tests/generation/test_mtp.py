@@ -13,6 +13,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTex
 from hf_bole.generation.drafters import mtp as mtp_module
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.drafters.mtp import MTPDrafter
+from hf_bole.generation.tree import DraftTree
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
 from tests.generation.recorded_graph import recording_capture
 
@@ -59,7 +60,7 @@ def _mtp(model) -> Qwen3_5MTP:
     return mtp.eval()
 
 
-def _drafter(model, mtp, depth: int, topk: int, max_nodes: int | None = None) -> MTPDrafter:
+def _drafter(model, mtp, depth: int, topk: int, max_nodes: int | None = None, compile: bool = False) -> MTPDrafter:
     return MTPDrafter(
         mtp,
         model.get_input_embeddings(),
@@ -68,6 +69,7 @@ def _drafter(model, mtp, depth: int, topk: int, max_nodes: int | None = None) ->
         depth=depth,
         topk=topk,
         max_nodes=max_nodes,
+        compile=compile,
     )
 
 
@@ -353,11 +355,9 @@ def test_draft_over_the_whole_cache_length():
     cache, committed = drafter._cache, torch.tensor([30, 12])
     cache.num_keys = cache.key.shape[2]
     assert cache.num_keys > cache.offset + 30  # slots past the longest row take part
-    root_hidden, root_position = drafter._extend(
-        cache, ctx.hidden_states, ctx.next_tokens, ctx.new_mask, ctx.positions, committed
-    )
-    whole = drafter._draft(cache, root_hidden, root_position, committed, eager.num_nodes)
-    _assert_same_trees(whole, eager)
+    whole = drafter._round(cache, ctx.hidden_states, ctx.next_tokens, ctx.new_mask, ctx.positions, committed,
+                           eager.num_nodes)  # fmt: skip
+    _assert_same_trees(DraftTree(*whole), eager)
 
 
 def test_replayed_rounds_read_their_static_inputs(monkeypatch):
@@ -376,6 +376,31 @@ def test_replayed_rounds_read_their_static_inputs(monkeypatch):
         _assert_same_trees(tree, eager)
     # new entries per call: 7 (the prompt: eager), then 3, 2, 3, 2, 3
     assert sorted(key[1] for key in graphed._graphs) == [2, 3] and len(captured) == 2
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_compiled_rounds_are_one_graph_and_draft_the_same_trees(graphed, monkeypatch):
+    """`compile=True`: dynamo traces a round's drafting (extension, every tree level, node ranking) whole, with no
+    graph break (fullgraph), and the trees equal eager drafting's; the prompt is drafted eagerly. Traced on a
+    counting backend that runs the graphs as traced: inductor's code is exercised on the GPU."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    monkeypatch.setattr(torch, "compile", lambda fn: torch._dynamo.optimize(counter, nopython=True)(fn))
+    torch._dynamo.reset()  # sizes seen changing by earlier tests' compiles are kept per code object
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([60, 40])
+    bounds = [[0, 7, 10, 12, 15, 17, 20], [0, 1, 2, 4, 7, 9, 12]]
+    compiled = _drafter(model, mtp, 3, 2, compile=True)
+    if graphed:
+        monkeypatch.setattr(mtp_module, "capture", recording_capture([]))
+        monkeypatch.setattr(compiled, "_replays", lambda device: True)
+    trees = _rounds(compiled, rows, bounds)
+    for tree, eager in zip(trees, _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
+        _assert_same_trees(tree, eager)
+    # the prompt (7 entries) eagerly; the rounds compiled: static, then with the sizes that changed symbolic
+    assert counter.frame_count == 2
 
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")

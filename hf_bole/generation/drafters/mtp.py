@@ -63,6 +63,11 @@ class MTPDrafter:
             On CUDA, replay a round's drafting (the cache extension by the accepted entries, then the tree
             expansion) from a CUDA graph per (batch size, new entries, tree size); see `BoleConfig.cuda_graphs`.
             Calls that bring in more than `depth + 1` entries (the prompt) run eagerly.
+        compile (`bool`, *optional*, defaults to `False`):
+            Run a round's drafting (the same calls) through `torch.compile`, which fuses the head's norms, rotary
+            embedding and the tree bookkeeping between its steps into fewer kernels; with `cuda_graphs` the compiled
+            code is what the graphs capture. The first rounds compile: static, then once more with the sizes that
+            changed (new entries, tree size) symbolic. See `BoleConfig.compile`.
 
     Example:
         ```python
@@ -82,6 +87,7 @@ class MTPDrafter:
         topk: int,
         max_nodes: int | None = None,
         cuda_graphs: bool = False,
+        compile: bool = False,
     ):
         if depth < 1 or topk < 1 or (max_nodes is not None and max_nodes < 1):
             raise ValueError(
@@ -104,6 +110,9 @@ class MTPDrafter:
             )
         self._graphs: dict[tuple[int, int, int], _GraphedDraft] = {}  # (batch size, new entries, nodes) -> graph
         self._graph_pool = None
+        # made on first use: compiling happens on the first call, and a drafter that never drafts compiles nothing
+        self.compile = compile
+        self._compiled_round = None
 
     @classmethod
     def from_model(
@@ -114,6 +123,7 @@ class MTPDrafter:
         topk: int,
         max_nodes: int | None = None,
         cuda_graphs: bool = False,
+        compile: bool = False,
         pretrained: str | os.PathLike | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> MTPDrafter:
@@ -123,7 +133,7 @@ class MTPDrafter:
         Args:
             model (`PreTrainedModel`):
                 A Qwen3.5 or Qwen3.5-MoE model; its embedding, `lm_head` and rotary embedding are shared, not copied.
-            depth, topk, max_nodes, cuda_graphs:
+            depth, topk, max_nodes, cuda_graphs, compile:
                 See [`MTPDrafter`].
             pretrained (`str` or `os.PathLike`, *optional*):
                 Checkpoint folder or Hub repo id holding the `mtp.*` weights; defaults to `model.name_or_path`.
@@ -143,6 +153,7 @@ class MTPDrafter:
             topk=topk,
             max_nodes=max_nodes,
             cuda_graphs=cuda_graphs,
+            compile=compile,
         )
 
     @property
@@ -185,10 +196,33 @@ class MTPDrafter:
         inputs = (hidden, ctx.next_tokens, new_mask, positions, committed)
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
         # A round brings in its accepted path, at most depth + 1 entries; more is a prompt, drafted eagerly.
-        if self._replays(device) and num_new <= self.depth + 1:
-            return self._propose_graphed(cache, inputs, num_nodes)
-        cache.num_keys = cache.offset + max(lengths)  # attend over the slots in use only, not the whole capacity
-        root_hidden, root_position = self._extend(cache, *inputs)
+        is_round = num_new <= self.depth + 1
+        with attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
+            if is_round and self._replays(device):
+                return self._propose_graphed(cache, inputs, num_nodes)
+            cache.num_keys = cache.offset + max(lengths)  # attend over the slots in use only, not the whole capacity
+            return DraftTree(*self._drafting(compiled=is_round)(cache, *inputs, num_nodes))
+
+    def _drafting(self, compiled: bool):
+        """`_round`, or its `torch.compile`d form (made once) with `compile` set."""
+        if not (compiled and self.compile):
+            return self._round
+        if self._compiled_round is None:
+            self._compiled_round = torch.compile(self._round)
+        return self._compiled_round
+
+    def _round(
+        self,
+        cache: _MTPKVCache,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        new_mask: torch.Tensor,
+        positions: torch.Tensor,
+        committed: torch.Tensor,
+        num_nodes: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_extend` then `_draft`: the tree's tokens, parents and draft log-probabilities, each `[B, num_nodes]`."""
+        root_hidden, root_position = self._extend(cache, hidden, next_tokens, new_mask, positions, committed)
         return self._draft(cache, root_hidden, root_position, committed, num_nodes)
 
     def _replays(self, device: torch.device) -> bool:
@@ -238,8 +272,7 @@ class MTPDrafter:
         embeds = self.embed_tokens(tokens).to(device)
         # Qwen3.5's rotary embedding takes multimodal (3, B, T) position ids; text has one position on all three axes
         rope = tuple(t.to(device) for t in self.rotary_emb(embeds, positions.expand(3, *positions.shape)))
-        with attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
-            return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache)
+        return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache)
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float().log_softmax(-1)
@@ -274,7 +307,7 @@ class MTPDrafter:
         return out[rows, last], positions[rows, last]
 
     def _propose_graphed(self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...], num_nodes: int) -> DraftTree:
-        """`_extend` then `_draft`, replayed from a CUDA graph captured once per (batch size, new entries,
+        """`_round` (compiled with `compile`), replayed from a CUDA graph captured once per (batch size, new entries,
         `num_nodes`) and cache buffers; `inputs` are `_extend`'s (hidden, next tokens, mask, positions, committed).
 
         Shapes must not change between replays, so attention covers the cache's whole length rather than the slots
@@ -285,12 +318,12 @@ class MTPDrafter:
         graphed = self._graphs.get(key)
         if graphed is None:
             static = tuple(x.clone() for x in inputs)
+            drafting = self._drafting(compiled=True)
 
             def run() -> DraftTree:
                 # Writing the same entries again rewrites the same slots with the same values, and `_draft` writes
                 # only the tree's scratch slots: the pair may run twice, as `capture` does.
-                root_hidden, root_position = self._extend(cache, *static)
-                return self._draft(cache, root_hidden, root_position, static[-1], num_nodes)
+                return DraftTree(*drafting(cache, *static, num_nodes))
 
             graph, tree = capture(run, hidden.device, self._graph_pool)
             self._graph_pool = graph.pool()
@@ -308,8 +341,9 @@ class MTPDrafter:
         root_position: torch.Tensor,
         committed: torch.Tensor,
         num_nodes: int,
-    ) -> DraftTree:
-        """Grows the tree level by level from the root outputs `[B, hidden]`, then keeps the best `num_nodes`."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Grows the tree level by level from the root outputs `[B, hidden]`, then keeps the best `num_nodes`: their
+        tokens, parents and draft log-probabilities, each `[B, num_nodes]` (a `DraftTree`'s fields)."""
         K = self.topk
         batch_size, hidden_size = root_hidden.shape
         device = root_hidden.device
@@ -359,7 +393,7 @@ class MTPDrafter:
         parents = parents.gather(1, order)
         parents = torch.where(parents >= 0, rank.gather(1, parents.clamp(min=0)), -1)
         logp = torch.where(cum.gather(1, order) > float("-inf"), logp.gather(1, order), float("-inf"))
-        return DraftTree(tokens=tokens.gather(1, order), parents=parents, draft_logprobs=logp)
+        return tokens.gather(1, order), parents, logp
 
 
 @dataclass
