@@ -35,7 +35,8 @@ def warmup(
         batch_size (`int`): the rows of the `generate` calls to prepare (the verify kernels autotune per batch size).
         max_nodes (`int`): the widest tree a round verifies, root included (at most `MAX_NODES`).
         verify (`str`): "closed_form" or "serial", as `bole_verify`.
-        compile (`bool`): as `bole_compile`: the compiled forward is compiled here too.
+        compile (`bool`): as `bole_compile`: the compiled forward is compiled here too (the MTP drafter's
+            compiled rounds are not: they compile in the first `generate` call's rounds, in seconds).
 
     Returns:
         `list[int]`: the widths that were run.

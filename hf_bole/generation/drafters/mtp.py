@@ -66,8 +66,9 @@ class MTPDrafter:
         compile (`bool`, *optional*, defaults to `False`):
             Run a round's drafting (the same calls) through `torch.compile`, which fuses the head's norms, rotary
             embedding and the tree bookkeeping between its steps into fewer kernels; with `cuda_graphs` the compiled
-            code is what the graphs capture. The first rounds compile: static, then once more with the sizes that
-            changed (new entries, tree size) symbolic. See `BoleConfig.compile`.
+            code is what the graphs capture. The first rounds compile a few times: static, then with the sizes that
+            changed (new entries, tree size) symbolic, and once for a round that brings in a single entry (sizes 0
+            and 1 are always specialised). See `BoleConfig.compile`.
 
     Example:
         ```python
@@ -201,11 +202,12 @@ class MTPDrafter:
             if is_round and self._replays(device):
                 return self._propose_graphed(cache, inputs, num_nodes)
             cache.num_keys = cache.offset + max(lengths)  # attend over the slots in use only, not the whole capacity
-            return DraftTree(*self._drafting(compiled=is_round)(cache, *inputs, num_nodes))
+            return DraftTree(*self._drafting(is_round)(cache, *inputs, num_nodes))
 
-    def _drafting(self, compiled: bool):
-        """`_round`, or its `torch.compile`d form (made once) with `compile` set."""
-        if not (compiled and self.compile):
+    def _drafting(self, is_round: bool):
+        """`_round`, through `torch.compile` (made once) for a round with `compile` set; a prompt, whose length comes
+        once per call, is drafted eagerly."""
+        if not (is_round and self.compile):
             return self._round
         if self._compiled_round is None:
             self._compiled_round = torch.compile(self._round)
@@ -318,7 +320,7 @@ class MTPDrafter:
         graphed = self._graphs.get(key)
         if graphed is None:
             static = tuple(x.clone() for x in inputs)
-            drafting = self._drafting(compiled=True)
+            drafting = self._drafting(is_round=True)
 
             def run() -> DraftTree:
                 # Writing the same entries again rewrites the same slots with the same values, and `_draft` writes
