@@ -404,8 +404,10 @@ def test_compiled_rounds_are_one_graph_and_draft_the_same_trees(graphed, monkeyp
 
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
-def test_cuda_graphs_match_eager_drafting():
-    """Replayed trees equal eager ones over rounds of different lengths, batch sizes and a cache that grows."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graphs_match_eager_drafting(compile):
+    """Replayed trees equal eager ones over rounds of different lengths, batch sizes and a cache that grows; with
+    `compile`, the graphs capture inductor's code for the rounds."""
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([300, 40])
@@ -417,7 +419,7 @@ def test_cuda_graphs_match_eager_drafting():
     ]
     graphed = MTPDrafter(
         mtp, model.get_input_embeddings(), model.get_output_embeddings(), model.get_decoder().rotary_emb,
-        depth=3, topk=2, cuda_graphs=True,
+        depth=3, topk=2, cuda_graphs=True, compile=compile,
     )  # fmt: skip
     first = _rounds(graphed, rows, [b[:3] for b in bounds])
     assert graphed._graphs  # captured, not drafted eagerly
