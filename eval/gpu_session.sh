@@ -223,12 +223,12 @@ devmap)  # seventh session: 110 + 300 s (results/devmap_h200x2)
     harness eval122 300 --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8 --num-prompts 8 \
         --prompt-length 128 --max-new-tokens 64 --depth 6 --repeats 1
     ;;
-dp)  # bole only (ar, host-bound at ~11 ms a token, would take most of the step), 48 prompts a dataset so that one
-    # process's share is not decided by a few long completions; one process and two, both through accelerate launch
-    # (which sets OMP_NUM_THREADS=1 in its processes)
-    DP="--datasets mbpp gsm8k --modes bole --batch-sizes 1 --num-prompts 48 --max-new-tokens 128 --repeats 1"
+dp)  # bole only (ar, host-bound at ~11 ms a token, would take most of the step), 32 prompts a dataset (all the
+    # bundled MBPP ones) so that one process's share is not decided by a few long completions; one process and two,
+    # both through accelerate launch (which sets OMP_NUM_THREADS=1 in its processes); ~2 minutes in all
+    DP="--datasets mbpp gsm8k --modes bole --batch-sizes 1 --num-prompts 32 --max-new-tokens 128 --repeats 1"
     for n in 1 2; do
-        step dp_$n 150 accelerate launch --num_processes $n eval/run.py $DP --output-dir /tmp/dp_$n
+        step dp_$n 70 accelerate launch --num_processes $n eval/run.py $DP --output-dir /tmp/dp_$n
         cp /tmp/dp_$n/results.md "$OUT/dp_$n.md" 2>/dev/null
         cp /tmp/dp_$n/results.jsonl "$OUT/dp_$n.jsonl" 2>/dev/null
     done
