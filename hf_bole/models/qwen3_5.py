@@ -226,6 +226,10 @@ def tree_forward(
             f"the BoleCache has {len(cache.layers)} layers but the model {config.num_hidden_layers}; build the cache "
             f"from this model's config"
         )
+    if compile:
+        # A tree cut to the width its forward runs at (the loop's selection pads rows) is a view with the uncut
+        # strides; the compiled forward guards on strides and would compile once more for it.
+        input_ids, parents = input_ids.contiguous(), parents.contiguous()
     ancestors = tree_ancestor_mask(parents)  # one tree for every layer: the mask, positions and GDN kernels share it
     forward = _compiled(decoder) if compile else decoder
     with cache.tree_mode(parents, verify, ancestors=ancestors) as (mask, position_ids):

@@ -162,7 +162,8 @@ def test_compiled_tree_forward_is_one_graph(verify, monkeypatch):
 def test_compile_serves_every_width_from_its_second_graph(monkeypatch, caplog):
     """`bole_compile` compiles static for the first tree, then once more with the sizes that changed symbolic: the
     third width and cache capacity reuse that graph (dynamo traces the tree kernels' fake implementations with
-    symbolic sizes), with the eager logits."""
+    symbolic sizes), with the eager logits, also from a tree given as a narrowed view (as the loop cuts selection's
+    padded rows), whose strides differ."""
     import hf_bole.models.qwen3_5 as adapter
 
     graphs = []
@@ -180,6 +181,9 @@ def test_compile_serves_every_width_from_its_second_graph(monkeypatch, caplog):
     for n in (5, 9, 14):
         parents = batch_trees([random_tree(n, max_depth=4, gen=gen) for _ in range(3)])
         tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+        if n == 14:  # views into wider [3, n + 2] tensors
+            tokens = torch.cat([tokens, tokens[:, :2]], dim=1)[:, :n]
+            parents = torch.cat([parents, parents[:, :2]], dim=1)[:, :n]
         logits = []
         for compile in (False, True):
             cache = BoleCache(model.config, batch_size=3, max_cache_len=32 + n)
