@@ -40,8 +40,9 @@
 #              built across both GPUs (eval/shapes.py build_model_across), ar against bole at batch 1 and 8
 #   dp         on nvidia-h200-x2 (issue 6): the house harness (bole) in one process, then data-parallel over both GPUs
 #              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
+#   dpthreads  on nvidia-h200-x2: dp's one process started plainly and through accelerate launch, same prompts
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -239,6 +240,23 @@ print("| dataset | mode | prompts/s, 1 process | 2 processes | ratio | same outp
 for a, b in zip(one, two):
     print(f"| {a['dataset']} | {a['mode']} | {a['prompts_per_s']:.3f} | {b['prompts_per_s']:.3f} | "
           f"{b['prompts_per_s'] / a['prompts_per_s']:.2f}x | {a['outputs_sha256'] == b['outputs_sha256']} |")
+PY
+    ;;
+dpthreads)  # on nvidia-h200-x2: dp's one process started plainly (torch's default threads) and through accelerate
+    # (OMP_NUM_THREADS=1) on the same prompts and machine: whether the launcher's threads explain the 13-16% gap
+    # between the eighth session's two one-process runs (results/dp_h200x2)
+    DP="--datasets mbpp gsm8k --modes bole --batch-sizes 1 --num-prompts 32 --max-new-tokens 128 --repeats 1"
+    harness dp_python 70 $DP
+    step dp_1 70 accelerate launch --num_processes 1 eval/run.py $DP --output-dir /tmp/dp_1
+    cp /tmp/dp_1/results.jsonl "$OUT/dp_1.jsonl" 2>/dev/null
+    python3 - "$OUT" <<'PY'
+import json, sys
+plain, launched = ([json.loads(l) for l in open(f"{sys.argv[1]}/{n}.jsonl")] for n in ("dp_python", "dp_1"))
+print("| dataset | tokens/s, python | tokens/s, accelerate launch | cpu threads | same outputs |")
+for a, b in zip(plain, launched):
+    print(f"| {a['dataset']} | {a['output_tokens_per_s']:.1f} | {b['output_tokens_per_s']:.1f} | "
+          f"{plain[0]['machine']['cpu_threads']} vs {launched[0]['machine']['cpu_threads']} | "
+          f"{a['outputs_sha256'] == b['outputs_sha256']} |")
 PY
     ;;
 *)
