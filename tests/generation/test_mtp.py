@@ -355,8 +355,8 @@ def test_draft_over_the_whole_cache_length():
     cache, committed = drafter._cache, torch.tensor([30, 12])
     cache.num_keys = cache.key.shape[2]
     assert cache.num_keys > cache.offset + 30  # slots past the longest row take part
-    whole = drafter._round(cache, ctx.hidden_states, ctx.next_tokens, ctx.new_mask, ctx.positions, committed,
-                           eager.num_nodes)  # fmt: skip
+    inputs = (ctx.hidden_states, ctx.next_tokens, ctx.new_mask, ctx.positions, committed)
+    whole = drafter._round(cache, inputs, eager.num_nodes)
     _assert_same_trees(DraftTree(*whole), eager)
 
 

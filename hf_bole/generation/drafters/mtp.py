@@ -111,8 +111,8 @@ class MTPDrafter:
             )
         self._graphs: dict[tuple[int, int, int], _GraphedDraft] = {}  # (batch size, new entries, nodes) -> graph
         self._graph_pool = None
-        # made on first use: compiling happens on the first call, and a drafter that never drafts compiles nothing
         self.compile = compile
+        # made on first use: compiling happens on the first call, and a drafter that never drafts compiles nothing
         self._compiled_round = None
 
     @classmethod
@@ -202,7 +202,7 @@ class MTPDrafter:
             if is_round and self._replays(device):
                 return self._propose_graphed(cache, inputs, num_nodes)
             cache.num_keys = cache.offset + max(lengths)  # attend over the slots in use only, not the whole capacity
-            return DraftTree(*self._drafting(is_round)(cache, *inputs, num_nodes))
+            return DraftTree(*self._drafting(is_round)(cache, inputs, num_nodes))
 
     def _drafting(self, is_round: bool):
         """`_round`, through `torch.compile` (made once) for a round with `compile` set; a prompt, whose length comes
@@ -214,18 +214,12 @@ class MTPDrafter:
         return self._compiled_round
 
     def _round(
-        self,
-        cache: _MTPKVCache,
-        hidden: torch.Tensor,
-        next_tokens: torch.Tensor,
-        new_mask: torch.Tensor,
-        positions: torch.Tensor,
-        committed: torch.Tensor,
-        num_nodes: int,
+        self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...], num_nodes: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_extend` then `_draft`: the tree's tokens, parents and draft log-probabilities, each `[B, num_nodes]`."""
-        root_hidden, root_position = self._extend(cache, hidden, next_tokens, new_mask, positions, committed)
-        return self._draft(cache, root_hidden, root_position, committed, num_nodes)
+        """`_extend` on `inputs` (its hidden, next tokens, mask, positions, committed), then `_draft`: the tree's
+        tokens, parents and draft log-probabilities, each `[B, num_nodes]`."""
+        root_hidden, root_position = self._extend(cache, *inputs)
+        return self._draft(cache, root_hidden, root_position, inputs[-1], num_nodes)
 
     def _replays(self, device: torch.device) -> bool:
         return self.cuda_graphs and device.type == "cuda"
@@ -325,7 +319,7 @@ class MTPDrafter:
             def run() -> DraftTree:
                 # Writing the same entries again rewrites the same slots with the same values, and `_draft` writes
                 # only the tree's scratch slots: the pair may run twice, as `capture` does.
-                return DraftTree(*drafting(cache, *static, num_nodes))
+                return DraftTree(*drafting(cache, static, num_nodes))
 
             graph, tree = capture(run, hidden.device, self._graph_pool)
             self._graph_pool = graph.pool()
