@@ -41,8 +41,12 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness (bole) in one process, then data-parallel over both GPUs
 #              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
 #   dpthreads  on nvidia-h200-x2: dp's one process started plainly and through accelerate launch, same prompts
+#   profile9bc the torch profiler over bole with bole_compile on the 9B shape at batch 1: where the compiled verify
+#              forward's 7 ms go (issue 8's 600 tokens/s)
+#   split      the kernel tests, then the closed form as two kernels (closed_form_split.py) timed beside the one-kernel
+#              forms and fla's chain, at issue 2's target shapes and the tree sizes a model verifies (T <= 64)
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -205,15 +209,19 @@ batch16)
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh
     ;;
-profile)
-    for b in 1 8; do
-        step profile_house_b$b 150 python3 eval/profile_round.py --modes ar chain bole --batch-sizes $b \
-            --datasets gsm8k --max-new-tokens 128 --json "$OUT/profile_house_b$b.json"
-    done
+split)
+    step kernel_tests 150 $PYTEST tests/kernels/test_closed_form.py
+    step bench_split128 240 python3 eval/bench_kernels.py --out "$OUT/kernels_split128.jsonl" --providers fla halves \
+        split solve bole --shapes 32,16,128 48,1,128 32,1,128 64,1,128 48,8,128 48,16,128 64,16,128
+    tail -12 "$OUT/bench_split128.log"
+    step bench_split64 200 python3 eval/bench_kernels.py --out "$OUT/kernels_split64.jsonl" --providers fla rows split \
+        solve bole --shapes 32,1,16 32,1,32 48,1,32 32,1,64 32,4,32 32,8,16 32,8,32 32,8,64 32,16,64 64,16,64
+    tail -14 "$OUT/bench_split64.log"
     ;;
-profile9b)
-    step profile_9b_b1 150 python3 eval/profile_round.py --shape 9B --modes ar bole --depth 6 --batch-sizes 1 \
-        --num-prompts 2 --max-new-tokens 64 --json "$OUT/profile_9b_b1.json"
+profile9bc)
+    step profile_9b_b1_compiled 420 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \
+        --batch-sizes 1 --num-prompts 1 --max-new-tokens 64 --top 30 --json "$OUT/profile_9b_b1_compiled.json"
+    tail -90 "$OUT/profile_9b_b1_compiled.log"
     ;;
 fla)
     step fla_check 300 python3 eval/gpu_fla_check.py

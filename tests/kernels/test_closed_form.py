@@ -3,6 +3,7 @@ import torch
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_verify
 from hf_bole.kernels.tree_gdn.closed_form import tree_gdn_verify_halves_fwd, tree_gdn_verify_rows_fwd
+from hf_bole.kernels.tree_gdn.closed_form_split import tree_gdn_verify_split_fwd
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
 from tests.kernels.trees import gdn_inputs, make_parents, rel_err
 
@@ -47,7 +48,11 @@ def test_closed_form_fp32(backend, kind, B, T, HK, H, K, V):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("launch", [tree_gdn_verify_rows_fwd, tree_gdn_verify_halves_fwd], ids=["rows", "halves"])
+@pytest.mark.parametrize(
+    "launch",
+    [tree_gdn_verify_rows_fwd, tree_gdn_verify_halves_fwd, tree_gdn_verify_split_fwd],
+    ids=["rows", "halves", "split"],
+)
 @pytest.mark.parametrize("kind,T", [("star", 16), ("mixed", 37), ("chain", 64), ("deep", 128)])
 def test_each_kernel_at_every_size(launch, kind, T):
     """`tree_gdn_verify` picks a kernel by tree size; each is exact at every size (the two-half one with one half

@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 
 from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask
-from hf_bole.kernels.tree_gdn.closed_form_rows import ROWS_MAX_NODES, tree_gdn_verify_rows_fwd_kernel
+from hf_bole.kernels.tree_gdn.closed_form_ops import chain_length, grams, state_products
+from hf_bole.kernels.tree_gdn.closed_form_rows import tree_gdn_verify_rows_fwd_kernel
+from hf_bole.kernels.tree_gdn.closed_form_split import tree_gdn_verify_split_fwd
 from hf_bole.kernels.utils import (
     autotune_configs,
     check_dtype,
@@ -37,6 +39,10 @@ from hf_bole.kernels.utils import (
     use_triton,
 )
 
+# The row-block kernel beat the two-kernel form on one H200 only for trees of up to 32 nodes of one request
+# (results/kernels_h200_split/): few programs, each short.
+ROWS_BEST_NODES = 32
+ROWS_BEST_PROGRAMS = 64
 MAX_NODES = 128  # the tree is held as two halves of BT / 2 <= 64 rows, with their [BT/2, BT/2] blocks on chip
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,12 +61,6 @@ VERIFY_CONFIGS = [
 
 
 @triton.jit
-def _chain_length(b_mask):
-    """The longest chain inside a diagonal block whose ancestor mask (self included) is b_mask: N with G^N = 0."""
-    return tl.max(tl.sum(b_mask.to(tl.int32), axis=1), axis=0)
-
-
-@triton.jit
 def _unit_lower_solve(b_G, b_R, n_chain, DOT_PRECISION: tl.constexpr):
     """(I + G)^-1 R = sum_{m < N} (-G)^m R for G with G^N = 0: N - 1 steps U <- R - G U (Horner). One
     [BH, BH] x [BH, BV] product per step, on a tile that stays in registers (the doubling form, with its
@@ -69,94 +69,6 @@ def _unit_lower_solve(b_G, b_R, n_chain, DOT_PRECISION: tl.constexpr):
     for _ in range(n_chain - 1):
         b_U = b_R - tl.dot(b_G, b_U, input_precision=DOT_PRECISION)
     return b_U
-
-
-@triton.jit
-def _grams(
-    p_q,
-    p_k,
-    o_r,
-    m_r,
-    o_c,
-    m_c,
-    stride_qt,
-    K: tl.constexpr,
-    BH: tl.constexpr,
-    BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    """Raw Gram blocks K_r K_c^T and Q_r K_c^T ([BH, BH]) of the row block o_r against the column block o_c."""
-    b_kk = tl.zeros([BH, BH], dtype=tl.float32)
-    b_qk = tl.zeros([BH, BH], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_k = o_k < K
-        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
-        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
-        b_c = tl.load(p_k + o_c[:, None] * stride_qt + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0)
-        if UPCAST_DOT:
-            b_k, b_q, b_c = b_k.to(tl.float32), b_q.to(tl.float32), b_c.to(tl.float32)
-        b_kk = tl.dot(b_k, tl.trans(b_c), b_kk, input_precision=DOT_PRECISION)
-        b_qk = tl.dot(b_q, tl.trans(b_c), b_qk, input_precision=DOT_PRECISION)
-    return b_kk, b_qk
-
-
-@triton.jit
-def _state_products(
-    p_q,
-    p_k,
-    p_h0,
-    o_r,
-    m_r,
-    o_v,
-    m_v,
-    stride_qt,
-    V,
-    K: tl.constexpr,
-    BH: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr,
-    SPLIT_STATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    """Raw K_r S_pre and Q_r S_pre for the V-tile ([BH, BV]) and the squared norms of the rows of k_r, q_r."""
-    b_ks = tl.zeros([BH, BV], dtype=tl.float32)
-    b_qs = tl.zeros([BH, BV], dtype=tl.float32)
-    b_ssk = tl.zeros([BH], dtype=tl.float32)
-    b_ssq = tl.zeros([BH], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_k = o_k < K
-        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
-        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
-        b_ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-        b_ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-        if USE_INITIAL_STATE:
-            b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-            if SPLIT_STATE:
-                # bf16 q/k are exact in bf16, and S_pre = h1 + h2 + h3 (three bf16 pieces, 24 significant
-                # bits): three bf16 products accumulate in fp32 as exactly as an fp32 product, in less than
-                # half the tensor-core time of 3xTF32.
-                b_h1 = b_h.to(tl.bfloat16)
-                b_hr = b_h - b_h1.to(tl.float32)
-                b_h2 = b_hr.to(tl.bfloat16)
-                b_h3 = (b_hr - b_h2.to(tl.float32)).to(tl.bfloat16)
-                if UPCAST_DOT:
-                    b_k, b_q = b_k.to(tl.float32), b_q.to(tl.float32)
-                    b_h1, b_h2, b_h3 = b_h1.to(tl.float32), b_h2.to(tl.float32), b_h3.to(tl.float32)
-                b_ks = tl.dot(b_k, b_h1, b_ks)
-                b_ks = tl.dot(b_k, b_h2, b_ks)
-                b_ks = tl.dot(b_k, b_h3, b_ks)
-                b_qs = tl.dot(b_q, b_h1, b_qs)
-                b_qs = tl.dot(b_q, b_h2, b_qs)
-                b_qs = tl.dot(b_q, b_h3, b_qs)
-            else:
-                b_ks = tl.dot(b_k.to(tl.float32), b_h, b_ks, input_precision=DOT_PRECISION)
-                b_qs = tl.dot(b_q.to(tl.float32), b_h, b_qs, input_precision=DOT_PRECISION)
-    return b_ks, b_qs, b_ssk, b_ssq
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
@@ -229,7 +141,7 @@ def tree_gdn_verify_halves_fwd_kernel(
     b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
     b_m = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
     b_lp0 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1)  # log P: sum of g over ancestors-or-self
-    b_ks, b_qs, b_ssk, b_ssq = _state_products(
+    b_ks, b_qs, b_ssk, b_ssq = state_products(
         p_q, p_k, p_h0, o_r0, m_r0, o_v, m_v, stride_qt, V, K, BH, BK, BV,
         USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
@@ -242,11 +154,11 @@ def tree_gdn_verify_halves_fwd_kernel(
     b_v = tl.load(p_v + o_r0[:, None] * stride_vt + o_v[None, :], mask=m_r0[:, None] & m_v[None, :], other=0)
     b_R = b_beta[:, None] * (b_v.to(tl.float32) - (b_p * b_rk0)[:, None] * b_ks)
     b_o = (b_p * b_rq)[:, None] * b_qs
-    b_kk, b_qk = _grams(p_q, p_k, o_r0, m_r0, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+    b_kk, b_qk = grams(p_q, p_k, o_r0, m_r0, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
     # P_i / P_j on the ancestor mask only (an entry off it would overflow).
     b_dec = tl.exp(tl.where(b_m, b_lp0[:, None] - b_lp0[None, :], float("-inf")))
     b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk0)[:, None] * b_rk0[None, :])
-    b_u0 = _unit_lower_solve(b_G, b_R, _chain_length(b_m), DOT_PRECISION)
+    b_u0 = _unit_lower_solve(b_G, b_R, chain_length(b_m), DOT_PRECISION)
     b_C = b_dec * (b_qk * b_rq[:, None] * b_rk0[None, :])
     b_o = tl.dot(b_C, b_u0, b_o, input_precision=DOT_PRECISION)
     m_rv = m_r0[:, None] & m_v[None, :]
@@ -262,7 +174,7 @@ def tree_gdn_verify_halves_fwd_kernel(
         b_m = tl.load(p_anc + o_r1[:, None] * T + o_r0[None, :], mask=m_r1[:, None] & m_r0[None, :], other=0) != 0
         b_m11 = tl.load(p_anc + o_r1[:, None] * T + o_r1[None, :], mask=m_r1[:, None] & m_r1[None, :], other=0) != 0
         b_lp1 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
-        b_ks, b_qs, b_ssk, b_ssq = _state_products(
+        b_ks, b_qs, b_ssk, b_ssq = state_products(
             p_q, p_k, p_h0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
             USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
@@ -276,17 +188,17 @@ def tree_gdn_verify_halves_fwd_kernel(
         b_R = b_beta[:, None] * (b_v.to(tl.float32) - (b_p * b_rk1)[:, None] * b_ks)
         b_o = (b_p * b_rq)[:, None] * b_qs
         # The first half's contribution: R1 - G10 U0, and C10 U0 towards the output.
-        b_kk, b_qk = _grams(p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        b_kk, b_qk = grams(p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
         b_dec = tl.exp(tl.where(b_m, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
         b_G = b_dec * (b_kk * (b_beta * b_rk1)[:, None] * b_rk0[None, :])
         b_R -= tl.dot(b_G, b_u0, input_precision=DOT_PRECISION)
         b_C = b_dec * (b_qk * b_rq[:, None] * b_rk0[None, :])
         b_o = tl.dot(b_C, b_u0, b_o, input_precision=DOT_PRECISION)
         # The diagonal block.
-        b_kk, b_qk = _grams(p_q, p_k, o_r1, m_r1, o_r1, m_r1, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        b_kk, b_qk = grams(p_q, p_k, o_r1, m_r1, o_r1, m_r1, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
         b_dec = tl.exp(tl.where(b_m11, b_lp1[:, None] - b_lp1[None, :], float("-inf")))
         b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk1)[:, None] * b_rk1[None, :])
-        b_u1 = _unit_lower_solve(b_G, b_R, _chain_length(b_m11), DOT_PRECISION)
+        b_u1 = _unit_lower_solve(b_G, b_R, chain_length(b_m11), DOT_PRECISION)
         b_C = b_dec * (b_qk * b_rq[:, None] * b_rk1[None, :])
         b_o = tl.dot(b_C, b_u1, b_o, input_precision=DOT_PRECISION)
         m_rv = m_r1[:, None] & m_v[None, :]
@@ -296,10 +208,17 @@ def tree_gdn_verify_halves_fwd_kernel(
             tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
 
 
+def verify_kernel(B: int, T: int, H: int) -> str:
+    """The kernel that is faster for B trees of T nodes through H value heads: "rows", the row-block kernel, for
+    small trees of a few (request, value head) pairs, "split", the two-kernel form, otherwise (one H200:
+    results/kernels_h200_split/)."""
+    return "rows" if T <= ROWS_BEST_NODES and B * H <= ROWS_BEST_PROGRAMS else "split"
+
+
 def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
-    """Launches the kernel that is faster for the tree size: the row-block kernel up to ROWS_MAX_NODES nodes, the
-    two-half kernel above (measured on one H200: results/kernels_h200.md)."""
-    launch = tree_gdn_verify_rows_fwd if k.shape[1] <= ROWS_MAX_NODES else tree_gdn_verify_halves_fwd
+    """Launches the kernels `verify_kernel` picks."""
+    rows = verify_kernel(k.shape[0], k.shape[1], v.shape[2]) == "rows"
+    launch = tree_gdn_verify_rows_fwd if rows else tree_gdn_verify_split_fwd
     return launch(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision)
 
 

@@ -1,4 +1,4 @@
-"""The closed form's row-block kernel, for small trees (up to ROWS_MAX_NODES nodes; closed_form.py dispatches).
+"""The closed form's row-block kernel, for small trees of few requests (closed_form.py dispatches).
 
 Forward substitution over row blocks of BS nodes: for each block the rows of G and C are formed on chip from
 streamed K chunks, earlier blocks enter through one matmul with their U (read back from `u`), and the Neumann
@@ -13,8 +13,6 @@ import triton
 import triton.language as tl
 
 from hf_bole.kernels.utils import autotune_configs
-
-ROWS_MAX_NODES = 64
 
 # BV trades parallelism (more V-tiles) against recomputing the Gram rows per tile; BS is the row block of
 # the forward substitution (off-diagonal blocks in one matmul, the Neumann series only inside a block).

@@ -1,0 +1,369 @@
+"""The closed form in two kernels: what does not depend on V once per (request, value head), then plain matmuls per
+V-tile (derivation: README.md beside this file; closed_form.py dispatches).
+
+The tree is held as two halves of BH = BT/2 rows. The first kernel, one program per (request, value head), forms
+the Gram blocks, the decays and G, C, and from them the two lower-triangular T x T matrices that turn R into the
+factors and the outputs:
+
+    M = (I + G)^-1 = [[A0, 0], [-A1 G10 A0, A1]],  A0 = (I + G00)^-1, A1 = (I + G11)^-1
+    W = C M
+    U = M R,   O = D_P Q S_pre + W R,   R = D_beta (V - D_P K S_pre)
+
+Each A is formed by doubling, (I - G)(I + G^2)(I + G^4)..., as many factors as the bits of the longest chain in
+its block, so the solve is log(depth) dependent matmuls, not depth. Their six [BH, BH] blocks (the upper block is
+zero) go to a float32 workspace of `B*H*6*BH*BH` entries, freed with the call. The second kernel, one program per
+(request, value head, V-tile), reads the state tile, forms K S_pre and Q S_pre and applies M and W: six
+independent matmuls after the state products, where the one-kernel form (closed_form.py) repeats the Gram
+products and a depth-long solve in every V-tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_bole.kernels.tree_gdn.closed_form_ops import chain_length, grams, inv_norms
+from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major
+
+# The solve kernel's program is latency-bound (a few dependent [BH, BH] matmuls): with 4 warps two programs can share
+# an SM. The apply kernel's BV trades parallelism (V-tiles are programs) against re-reading the workspace per tile;
+# it holds four [BH, BV] float32 accumulators, so BV = 64 takes 8 warps.
+SOLVE_CONFIGS = [
+    triton.Config({"BK": BK}, num_warps=num_warps, num_stages=1)
+    for BK, num_warps in ((64, 4), (64, 8))
+]  # fmt: skip
+APPLY_CONFIGS = [
+    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
+    for BK, BV, num_warps in ((64, 32, 4), (64, 32, 8), (64, 64, 8))
+]  # fmt: skip
+WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, N10 = A1 G10
+
+
+def workspace_bytes(B: int, T: int, H: int) -> int:
+    """Bytes of the float32 blocks the solve kernel hands to the apply kernel (freed with the call)."""
+    half = _tile(T) // 2
+    return B * H * WORKSPACE_BLOCKS * half * half * 4
+
+
+@triton.jit
+def _unit_lower_inverse(b_G, eye, n_chain, DOT_PRECISION: tl.constexpr):
+    """(I + G)^-1 = sum_{m < N} (-G)^m for G with G^N = 0, as (I - G)(I + G^2)(I + G^4)...: each factor doubles
+    the number of terms, so ceil(log2 N) - 1 squarings."""
+    b_X = tl.where(eye, 1.0, 0.0) - b_G
+    b_P = b_G
+    terms = n_chain * 0 + 2
+    while terms < n_chain:
+        b_P = tl.dot(b_P, b_P, input_precision=DOT_PRECISION)
+        b_X += tl.dot(b_X, b_P, input_precision=DOT_PRECISION)
+        terms *= 2
+    return b_X
+
+
+@triton.jit
+def _store_block(p_ws, i_block, b_x, o_h, BH: tl.constexpr):
+    tl.store(p_ws + i_block * BH * BH + o_h[:, None] * BH + o_h[None, :], b_x)
+
+
+@triton.jit
+def _load_block(p_ws, i_block, o_h, BH: tl.constexpr):
+    return tl.load(p_ws + i_block * BH * BH + o_h[:, None] * BH + o_h[None, :])
+
+
+@triton.autotune(configs=autotune_configs(SOLVE_CONFIGS), key=["B", "BT", "H", "HK", "K", "USE_QK_L2NORM"])
+@triton.jit(do_not_specialize=["T"])
+def tree_gdn_verify_solve_kernel(
+    q,
+    k,
+    g,
+    beta,
+    anc,
+    ws,
+    log_decay,
+    stride_qb,
+    stride_qt,
+    B,
+    T,
+    H,
+    HK,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    # One program per (request, value head, half): the first half's writes A0 and C00; the second half's A1, C11,
+    # C10 and N10 = A1 G10, and neither needs the other's inverse. Each writes its rows of log P.
+    BH: tl.constexpr = BT // 2
+    i_half, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+
+    o_h = tl.arange(0, BH)
+    o_r0 = o_h
+    m_r0 = o_r0 < T
+    p_anc = anc + i_b * T * T
+    p_g = g + i_b * T * H + i_h
+    p_beta = beta + i_b * T * H + i_h
+    p_q = q + i_b * stride_qb + i_hk * K
+    p_k = k + i_b * stride_qb + i_hk * K
+    p_ws = ws + i_bh * 6 * BH * BH
+    eye = o_h[:, None] == o_h[None, :]
+
+    b_g0 = tl.load(p_g + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
+    b_rk0, b_rq0 = inv_norms(p_q, p_k, o_r0, m_r0, stride_qt, K, BH, BK, USE_QK_L2NORM)
+    if i_half == 0:
+        b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
+        b_m = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
+        b_lp0 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1)  # log P: sum of g over ancestors-or-self
+        tl.store(log_decay + (i_b * T + o_r0) * H + i_h, b_lp0, mask=m_r0)
+        b_kk, b_qk = grams(p_q, p_k, o_r0, m_r0, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        # P_i / P_j on the ancestor mask only (an entry off it would overflow).
+        b_dec = tl.exp(tl.where(b_m, b_lp0[:, None] - b_lp0[None, :], float("-inf")))
+        b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk0)[:, None] * b_rk0[None, :])
+        _store_block(p_ws, 0, _unit_lower_inverse(b_G, eye, chain_length(b_m), DOT_PRECISION), o_h, BH)
+        _store_block(p_ws, 1, b_dec * (b_qk * b_rq0[:, None] * b_rk0[None, :]), o_h, BH)
+    elif BH < T:
+        o_r1 = BH + o_h
+        m_r1 = o_r1 < T
+        b_m00 = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
+        b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
+        b_g1 = tl.load(p_g + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
+        b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
+        b_m = tl.load(p_anc + o_r1[:, None] * T + o_r0[None, :], mask=m_r1[:, None] & m_r0[None, :], other=0) != 0
+        b_m11 = tl.load(p_anc + o_r1[:, None] * T + o_r1[None, :], mask=m_r1[:, None] & m_r1[None, :], other=0) != 0
+        b_lp1 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
+        tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
+        b_rk1, b_rq1 = inv_norms(p_q, p_k, o_r1, m_r1, stride_qt, K, BH, BK, USE_QK_L2NORM)
+        b_kk, b_qk = grams(p_q, p_k, o_r1, m_r1, o_r1, m_r1, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        b_dec = tl.exp(tl.where(b_m11, b_lp1[:, None] - b_lp1[None, :], float("-inf")))
+        b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk1)[:, None] * b_rk1[None, :])
+        b_A1 = _unit_lower_inverse(b_G, eye, chain_length(b_m11), DOT_PRECISION)
+        _store_block(p_ws, 2, b_A1, o_h, BH)
+        _store_block(p_ws, 3, b_dec * (b_qk * b_rq1[:, None] * b_rk1[None, :]), o_h, BH)
+        b_kk, b_qk = grams(p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        b_dec = tl.exp(tl.where(b_m, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
+        b_G = b_dec * (b_kk * (b_beta * b_rk1)[:, None] * b_rk0[None, :])
+        _store_block(p_ws, 4, b_dec * (b_qk * b_rq1[:, None] * b_rk0[None, :]), o_h, BH)
+        _store_block(p_ws, 5, tl.dot(b_A1, b_G, input_precision=DOT_PRECISION), o_h, BH)
+
+
+@triton.jit
+def _dot_state(b_x, b_h1, b_h2, b_h3, b_acc):
+    """b_acc + x (h1 + h2 + h3) for the three bf16 pieces of a float32 state tile."""
+    b_acc = tl.dot(b_x, b_h1, b_acc)
+    b_acc = tl.dot(b_x, b_h2, b_acc)
+    return tl.dot(b_x, b_h3, b_acc)
+
+
+@triton.jit
+def _state_products(
+    p_q,
+    p_k,
+    p_h0,
+    o_r0,
+    m_r0,
+    o_r1,
+    m_r1,
+    o_v,
+    m_v,
+    stride_qt,
+    V,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    SPLIT_STATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Raw K S_pre and Q S_pre of both halves' rows for the V-tile ([BH, BV] each), and the squared norms of their
+    k and q rows ([BH] each); every chunk of the state is read, and split, once for both halves."""
+    b_ks0 = tl.zeros([BH, BV], dtype=tl.float32)
+    b_qs0 = tl.zeros([BH, BV], dtype=tl.float32)
+    b_ks1 = tl.zeros([BH, BV], dtype=tl.float32)
+    b_qs1 = tl.zeros([BH, BV], dtype=tl.float32)
+    b_ssk0 = tl.zeros([BH], dtype=tl.float32)
+    b_ssq0 = tl.zeros([BH], dtype=tl.float32)
+    b_ssk1 = tl.zeros([BH], dtype=tl.float32)
+    b_ssq1 = tl.zeros([BH], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        m0 = m_r0[:, None] & m_k[None, :]
+        m1 = m_r1[:, None] & m_k[None, :]
+        b_k0 = tl.load(p_k + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
+        b_q0 = tl.load(p_q + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
+        b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
+        b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
+        b_ssk0 += tl.sum(b_k0.to(tl.float32) * b_k0.to(tl.float32), axis=1)
+        b_ssq0 += tl.sum(b_q0.to(tl.float32) * b_q0.to(tl.float32), axis=1)
+        b_ssk1 += tl.sum(b_k1.to(tl.float32) * b_k1.to(tl.float32), axis=1)
+        b_ssq1 += tl.sum(b_q1.to(tl.float32) * b_q1.to(tl.float32), axis=1)
+        if USE_INITIAL_STATE:
+            b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+            if SPLIT_STATE:
+                # bf16 q/k are exact in bf16, and S_pre = h1 + h2 + h3 (three bf16 pieces, 24 significant
+                # bits): three bf16 products accumulate in fp32 as exactly as an fp32 product, in less than
+                # half the tensor-core time of 3xTF32.
+                b_h1 = b_h.to(tl.bfloat16)
+                b_hr = b_h - b_h1.to(tl.float32)
+                b_h2 = b_hr.to(tl.bfloat16)
+                b_h3 = (b_hr - b_h2.to(tl.float32)).to(tl.bfloat16)
+                if UPCAST_DOT:
+                    b_k0, b_q0, b_k1, b_q1 = b_k0.to(tl.float32), b_q0.to(tl.float32), b_k1.to(tl.float32), b_q1.to(tl.float32)
+                    b_h1, b_h2, b_h3 = b_h1.to(tl.float32), b_h2.to(tl.float32), b_h3.to(tl.float32)
+                b_ks0 = _dot_state(b_k0, b_h1, b_h2, b_h3, b_ks0)
+                b_qs0 = _dot_state(b_q0, b_h1, b_h2, b_h3, b_qs0)
+                b_ks1 = _dot_state(b_k1, b_h1, b_h2, b_h3, b_ks1)
+                b_qs1 = _dot_state(b_q1, b_h1, b_h2, b_h3, b_qs1)
+            else:
+                b_ks0 = tl.dot(b_k0.to(tl.float32), b_h, b_ks0, input_precision=DOT_PRECISION)
+                b_qs0 = tl.dot(b_q0.to(tl.float32), b_h, b_qs0, input_precision=DOT_PRECISION)
+                b_ks1 = tl.dot(b_k1.to(tl.float32), b_h, b_ks1, input_precision=DOT_PRECISION)
+                b_qs1 = tl.dot(b_q1.to(tl.float32), b_h, b_qs1, input_precision=DOT_PRECISION)
+    return b_ks0, b_qs0, b_ssk0, b_ssq0, b_ks1, b_qs1, b_ssk1, b_ssq1
+
+
+@triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
+@triton.autotune(configs=autotune_configs(APPLY_CONFIGS), key=["B", "BT", "H", "HK", "K", "V", "USE_QK_L2NORM"])
+@triton.jit(do_not_specialize=["T"])
+def tree_gdn_verify_apply_kernel(
+    q,
+    k,
+    v,
+    beta,
+    h0,
+    ws,
+    log_decay,
+    o,
+    u,
+    scale,
+    stride_qb,
+    stride_qt,
+    stride_vb,
+    stride_vt,
+    B,
+    T,
+    H,
+    HK,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    SPLIT_STATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    # One program per (request, value head, V-tile), from R = D_beta (V - D_P K S_pre):
+    #   U0 = A0 R0                O0 = D_P Q0 S_pre + C00 U0
+    #   U1 = A1 R1 - N10 U0       O1 = D_P Q1 S_pre + C10 U0 + C11 U1
+    BH: tl.constexpr = BT // 2
+    i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+
+    o_h = tl.arange(0, BH)
+    o_r0 = o_h
+    o_r1 = BH + o_h
+    m_r0 = o_r0 < T
+    m_r1 = o_r1 < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_beta = beta + i_b * T * H + i_h
+    p_lp = log_decay + i_b * T * H + i_h
+    p_q = q + i_b * stride_qb + i_hk * K
+    p_k = k + i_b * stride_qb + i_hk * K
+    p_v = v + i_b * stride_vb + i_h * V
+    p_u = u + (i_b * T * H + i_h) * V
+    p_o = o + (i_b * T * H + i_h) * V
+    p_ws = ws + i_bh * 6 * BH * BH
+    p_h0 = h0
+    if USE_INITIAL_STATE:
+        p_h0 = h0 + i_bh * K * V
+
+    b_ks0, b_qs0, b_ssk0, b_ssq0, b_ks1, b_qs1, b_ssk1, b_ssq1 = _state_products(
+        p_q, p_k, p_h0, o_r0, m_r0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
+        USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
+    if USE_QK_L2NORM:
+        b_ks0 *= tl.rsqrt(b_ssk0 + 1e-6)[:, None]
+        b_qs0 *= tl.rsqrt(b_ssq0 + 1e-6)[:, None]
+        b_ks1 *= tl.rsqrt(b_ssk1 + 1e-6)[:, None]
+        b_qs1 *= tl.rsqrt(b_ssq1 + 1e-6)[:, None]
+
+    # ---- first half ----
+    b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
+    b_p = tl.exp(tl.load(p_lp + o_r0 * H, mask=m_r0, other=0))
+    b_v = tl.load(p_v + o_r0[:, None] * stride_vt + o_v[None, :], mask=m_r0[:, None] & m_v[None, :], other=0)
+    b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_p[:, None] * b_ks0)
+    b_u0 = tl.dot(_load_block(p_ws, 0, o_h, BH), b_R, input_precision=DOT_PRECISION)
+    b_o = tl.dot(_load_block(p_ws, 1, o_h, BH), b_u0, b_p[:, None] * b_qs0, input_precision=DOT_PRECISION)
+    m_rv = m_r0[:, None] & m_v[None, :]
+    tl.store(p_u + o_r0[:, None] * H * V + o_v[None, :], b_u0, mask=m_rv)
+    tl.store(p_o + o_r0[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
+
+    # ---- second half ----
+    if BH < T:
+        b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
+        b_p = tl.exp(tl.load(p_lp + o_r1 * H, mask=m_r1, other=0))
+        b_v = tl.load(p_v + o_r1[:, None] * stride_vt + o_v[None, :], mask=m_r1[:, None] & m_v[None, :], other=0)
+        b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_p[:, None] * b_ks1)
+        b_u1 = tl.dot(_load_block(p_ws, 2, o_h, BH), b_R, input_precision=DOT_PRECISION)
+        b_u1 -= tl.dot(_load_block(p_ws, 5, o_h, BH), b_u0, input_precision=DOT_PRECISION)
+        b_o = tl.dot(_load_block(p_ws, 4, o_h, BH), b_u0, b_p[:, None] * b_qs1, input_precision=DOT_PRECISION)
+        b_o = tl.dot(_load_block(p_ws, 3, o_h, BH), b_u1, b_o, input_precision=DOT_PRECISION)
+        m_rv = m_r1[:, None] & m_v[None, :]
+        tl.store(p_u + o_r1[:, None] * H * V + o_v[None, :], b_u1, mask=m_rv)
+        tl.store(p_o + o_r1[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
+
+
+def tree_gdn_verify_split_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
+    """Launches the solve kernel (one program per request, value head and half), then the apply kernel (one per
+    request, value head and V-tile). Inputs as `tree_gdn_verify` after its checks."""
+    q, k, v = token_major(q), token_major(k), token_major(v)
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+    beta = beta.contiguous()
+    ws, log_decay = solve(q, k, v.shape[2], g, beta, ancestors, use_qk_l2norm, dot_precision)
+    B, T, HK, K = k.shape
+    H, V = v.shape[-2:]
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), B * H)
+
+    with on_device(v):
+        tree_gdn_verify_apply_kernel[grid](
+            q, k, v, beta, initial_state, ws, log_decay, o, u, scale,
+            q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
+            K=K, V=V, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
+            DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
+        )  # fmt: skip
+    return o, u, log_decay
+
+
+def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision):
+    """The solve kernel alone (q and k read in place, as `tree_gdn_verify_split_fwd` passes them): the workspace of
+    `workspace_bytes` and log_decay `[B, T, H]`."""
+    B, T, HK, K = k.shape
+    ws = torch.empty(workspace_bytes(B, T, H) // 4, dtype=torch.float32, device=k.device)
+    log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
+    anc = ancestors.contiguous().view(torch.uint8)
+    with on_device(k):
+        tree_gdn_verify_solve_kernel[(2, B * H)](
+            q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, q.stride(0), q.stride(1), B, T, H, HK,
+            K=K, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
+        )  # fmt: skip
+    return ws, log_decay
+
+
+def _tile(T: int) -> int:
+    """BT: the tree padded to a power of two of >= 32 rows, two halves of >= 16 (the smallest tensor-core tile)."""
+    return max(32, triton.next_power_of_2(T))
