@@ -2,12 +2,9 @@
 
   serial  the tree walk that stores every node's state (SGLang-Tree's algorithm), `tree_gdn_verify_serial`
   fla     fla-core's `fused_recurrent_gated_delta_rule` over a chain of the same T (plain decoding's kernel)
-  rows    the closed form's row-block kernel (closed_form_rows.py)
-  halves  the closed form's two-half kernel (closed_form.py)
-  split   the closed form as two kernels: M and W per (request, value head), then matmuls per V-tile
-          (closed_form_split.py)
-  solve   split's first kernel alone
-  bole    `tree_gdn_verify`'s choice of kernels for the shape (`tree_gdn_verify_fwd`)
+  bole    the closed form's kernels (`tree_gdn_verify_fwd`, closed_form_kernels.py): the V-independent blocks per
+          (request, value head, block), then matmuls per V-tile
+  solve   bole's first kernel alone
 
 Each provider is timed as CUDA-graph replays over rotating input sets (so neither launch overhead nor a
 warm L2 flatters it), median of many; correctness is checked first and a failing op is not reported.
@@ -30,25 +27,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
-from hf_bole.kernels.tree_gdn.closed_form import (  # noqa: E402
-    tree_gdn_verify_fwd,
-    verify_kernel,
-    tree_gdn_verify_halves_fwd,
-    tree_gdn_verify_rows_fwd,
-)
-from hf_bole.kernels.tree_gdn.closed_form_split import solve, tree_gdn_verify_split_fwd, workspace_bytes  # noqa: E402
+from hf_bole.kernels.tree_gdn.closed_form_kernels import solve, tree_gdn_verify_fwd, workspace_bytes  # noqa: E402
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 
 L2_BYTES = 60 * 2**20
 
 
-KERNELS = {
-    "rows": tree_gdn_verify_rows_fwd,
-    "halves": tree_gdn_verify_halves_fwd,
-    "split": tree_gdn_verify_split_fwd,
-    "bole": tree_gdn_verify_fwd,
-}
+KERNELS = {"bole": tree_gdn_verify_fwd}
 
 
 def machine_header() -> dict:
@@ -187,10 +173,8 @@ def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
         if name in KERNELS:
             fn = lambda q, k, v, g, b, h, launch=KERNELS[name]: launch(q, k, v, g, b, ancestors, h, K**-0.5, True, prec)  # noqa: E731
             moved = act + state + B * T * H * V * (2 + 4) + B * T * H * 4
-            transient = B * T * H * V * 4 + B * T * H * 4 + B * T * HK * K * 2  # u, log P, k
-            if name == "split" or name == "bole" and verify_kernel(B, T, H) == "split":
-                moved += 2 * workspace_bytes(B, T, H)  # the solve kernel's blocks, written and read
-                transient += workspace_bytes(B, T, H)
+            transient = B * T * H * V * 4 + B * T * H * 4 + B * T * HK * K * 2  # u, log P, k: kept for the commit
+            moved += 2 * workspace_bytes(B, T, H)  # the solve kernel's blocks, written and read
         elif name == "solve":
             fn = lambda q, k, v, g, b, h: solve(q, k, H, g, b, ancestors, True, prec)  # noqa: E731
             moved = 2 * B * T * HK * K * 2 + B * T * H * (4 + 2 + 4) + workspace_bytes(B, T, H)
@@ -259,7 +243,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--precision", default="tf32x3")
     ap.add_argument("--shapes", nargs="+", metavar="H,B,T", help="these (H, B, T) only, e.g. 32,16,128")
-    ap.add_argument("--providers", nargs="+", default=["serial", "fla", "rows", "halves", "split", "solve", "bole"])
+    ap.add_argument("--providers", nargs="+", default=["serial", "fla", "bole", "solve"])
     args = ap.parse_args()
     header = machine_header()
     quick = quick_gpu_check()
@@ -304,14 +288,14 @@ def main():
 
     print(f"\n{header['gpu']}  torch {header['torch']}  triton {header['triton']}  fla {header['fla']}  commit {header['commit']}")
     print(f"copy ceiling {ceiling:.0f} GB/s; Hk={HK} K=V={K} depth<={depth} bf16 q/k/v, fp32 state; ms per layer (median);")
-    print("bole = tree_gdn_verify's choice; excludes the ancestor mask, built once per tree for all layers (mask/tree)")
-    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'rows':>8} {'halves':>8} {'split':>8} {'solve':>8} {'mask/tree':>9} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10}")
+    print("bole = tree_gdn_verify's kernels (solve: its first); excludes the ancestor mask, built once per tree for all layers")
+    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'bole':>8} {'solve':>8} {'mask/tree':>9} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10} {'wksp MiB':>8}")
     for H, B, T, r in lines:
-        s, fl, ro, ha, sp, so, bo = (r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "rows", "halves", "split", "solve", "bole"))
+        s, fl, bo, so, mk = (r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "bole", "solve", "ancestor_mask_per_tree"))
         snap = r.get("serial", {}).get("transient_bytes", B * T * H * K * V * 4) / 2**20
         fac = r.get("bole", {}).get("transient_bytes", float("nan")) / 2**20
-        mk = r.get("ancestor_mask_per_tree", {}).get("ms", float("nan"))
-        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {ro:8.4f} {ha:8.4f} {sp:8.4f} {so:8.4f} {mk:9.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f}")
+        ws = workspace_bytes(B, T, H) / 2**20
+        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} {so:8.4f} {mk:9.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f} {ws:8.2f}")
     print(
         f"commit: {commit['NL']} layers B={commit['B']} H={commit['H']} K=V={commit['K']} path {commit['L']}: "
         f"{commit['ms']:.4f} ms, {commit['GBps']:.0f} GB/s ({commit['pct_of_copy']:.0f}% of copy)"

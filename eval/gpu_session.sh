@@ -43,8 +43,8 @@
 #   dpthreads  on nvidia-h200-x2: dp's one process started plainly and through accelerate launch, same prompts
 #   profile9bc the torch profiler over bole with bole_compile on the 9B shape at batch 1: where the compiled verify
 #              forward's 7 ms go (issue 8's 600 tokens/s)
-#   split      the kernel tests, then the closed form as two kernels (closed_form_split.py) timed beside the one-kernel
-#              forms and fla's chain, at issue 2's target shapes and the tree sizes a model verifies (T <= 64)
+#   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
+#              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
 PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc}
 OUT=${OUT:-results/gpu_session}
@@ -209,14 +209,13 @@ batch16)
 kernels)
     step kernels 540 bash eval/gpu_kernels.sh
     ;;
-split)
+split)  # ninth session: 150 + 330 + 120 s
     step kernel_tests 150 $PYTEST tests/kernels/test_closed_form.py
-    step bench_split128 240 python3 eval/bench_kernels.py --out "$OUT/kernels_split128.jsonl" --providers fla halves \
-        split solve bole --shapes 32,16,128 48,1,128 32,1,128 64,1,128 48,8,128 48,16,128 64,16,128
-    tail -12 "$OUT/bench_split128.log"
-    step bench_split64 200 python3 eval/bench_kernels.py --out "$OUT/kernels_split64.jsonl" --providers fla rows split \
-        solve bole --shapes 32,1,16 32,1,32 48,1,32 32,1,64 32,4,32 32,8,16 32,8,32 32,8,64 32,16,64 64,16,64
-    tail -14 "$OUT/bench_split64.log"
+    step bench_split 330 python3 eval/bench_kernels.py --out "$OUT/kernels_split.jsonl" --providers serial fla bole \
+        solve --shapes 32,16,128 48,1,128 32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 \
+        32,8,16 32,8,32 32,8,64 32,16,16 32,16,64 64,16,64
+    tail -21 "$OUT/bench_split.log"
+    step model_tests 120 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/generation/test_graphs.py
     ;;
 profile9bc)
     step profile_9b_b1_compiled 420 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \

@@ -2,8 +2,7 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_verify
-from hf_bole.kernels.tree_gdn.closed_form import tree_gdn_verify_halves_fwd, tree_gdn_verify_rows_fwd
-from hf_bole.kernels.tree_gdn.closed_form_split import tree_gdn_verify_split_fwd
+from hf_bole.kernels.tree_gdn.closed_form_kernels import tree_gdn_verify_fwd
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
 from tests.kernels.trees import gdn_inputs, make_parents, rel_err
 
@@ -48,19 +47,14 @@ def test_closed_form_fp32(backend, kind, B, T, HK, H, K, V):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize(
-    "launch",
-    [tree_gdn_verify_rows_fwd, tree_gdn_verify_halves_fwd, tree_gdn_verify_split_fwd],
-    ids=["rows", "halves", "split"],
-)
 @pytest.mark.parametrize("kind,T", [("star", 16), ("mixed", 37), ("chain", 64), ("deep", 128)])
-def test_each_kernel_at_every_size(launch, kind, T):
-    """`tree_gdn_verify` picks a kernel by tree size; each is exact at every size (the two-half one with one half
-    only at T <= 16, and a chain crossing its halves)."""
+def test_kernels_at_every_tile(kind, T):
+    """The kernels hold a tree as two halves of a power-of-two tile: exact with one half only (T <= 16), and with a
+    chain crossing its halves."""
     device = backend_device("triton")
     q, k, v, g, beta, h0 = gdn_inputs(1, T, 1, 2, 16, 16, device=device, seed=T)
     parents = make_parents(kind, T, 1, seed=T).to(device)
-    o, u, lp = launch(q, k, v, g, beta, tree_ancestor_mask(parents), h0, 16**-0.5, True, "tf32x3")
+    o, u, lp = tree_gdn_verify_fwd(q, k, v, g, beta, tree_ancestor_mask(parents), h0, 16**-0.5, True, "tf32x3")
     ref_o, ref_u, ref_lp = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
 

@@ -1,20 +1,19 @@
-"""The closed form in two kernels: what does not depend on V once per (request, value head), then plain matmuls per
-V-tile (derivation: README.md beside this file; closed_form.py dispatches).
+"""The closed form's Triton kernels (closed_form.py holds the derivation's summary, the checks and the torch path).
 
-The tree is held as two halves of BH = BT/2 rows. The first kernel, one program per (request, value head), forms
-the Gram blocks, the decays and G, C, and from them the two lower-triangular T x T matrices that turn R into the
-factors and the outputs:
+The tree (T <= 128 nodes, padded to BT, a power of two >= 32) is held as two halves of BH = BT/2 rows:
 
-    M = (I + G)^-1 = [[A0, 0], [-A1 G10 A0, A1]],  A0 = (I + G00)^-1, A1 = (I + G11)^-1
-    W = C M
-    U = M R,   O = D_P Q S_pre + W R,   R = D_beta (V - D_P K S_pre)
+    [I + G00     0   ] [U0]   [R0]        U0 = A0 R0,                 O0 = D_P Q0 S_pre + C00 U0
+    [  G10    I + G11] [U1] = [R1]   =>   U1 = A1 (R1 - G10 U0),      O1 = D_P Q1 S_pre + C10 U0 + C11 U1
 
-Each A is formed by doubling, (I - G)(I + G^2)(I + G^4)..., as many factors as the bits of the longest chain in
-its block, so the solve is log(depth) dependent matmuls, not depth. Their six [BH, BH] blocks (the upper block is
-zero) go to a float32 workspace of `B*H*6*BH*BH` entries, freed with the call. The second kernel, one program per
-(request, value head, V-tile), reads the state tile, forms K S_pre and Q S_pre and applies M and W: six
-independent matmuls after the state products, where the one-kernel form (closed_form.py) repeats the Gram
-products and a depth-long solve in every V-tile.
+with A0 = (I + G00)^-1, A1 = (I + G11)^-1 and R = D_beta (V - D_P K S_pre). Nothing of that but R depends on V.
+So a solve kernel, one program per (request, value head, block: 00, 11 or 10), forms the Gram block, the decays
+and G, C of its block and, on the diagonal, the inverse by doubling, (I - G)(I + G^2)(I + G^4)..., as many
+factors as the bits of the longest chain inside the block: log(depth) dependent matmuls, not depth. The six
+[BH, BH] float32 blocks A0, C00, A1, C11, C10, G10 go to a workspace (`workspace_bytes`, freed with the call).
+An apply kernel, one program per (request, value head, V-tile), reads the state tile once for both halves, forms
+K S_pre and Q S_pre as three exact bf16 matmuls against a bf16 split of the fp32 state, and applies the blocks.
+The tree enters as its ancestor mask (built once per tree, shared by every head and layer), so log P is a masked
+row sum. Only O and the factors (U, log P) are written: nothing of size K x V per node exists.
 """
 
 from __future__ import annotations
@@ -23,27 +22,84 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.tree_gdn.closed_form_ops import chain_length, grams, inv_norms
 from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major
 
-# The solve kernel's program is latency-bound (a few dependent [BH, BH] matmuls): with 4 warps two programs can share
-# an SM. The apply kernel's BV trades parallelism (V-tiles are programs) against re-reading the workspace per tile;
-# it holds four [BH, BV] float32 accumulators, so BV = 64 takes 8 warps.
+# The solve kernel's programs are short and latency-bound (a Gram block, then a few dependent [BH, BH] matmuls):
+# with 4 warps two share an SM. The apply kernel's BV trades parallelism (V-tiles are programs) against re-reading
+# the workspace per tile; it holds four [BH, BV] float32 accumulators, so BV = 64 takes 8 warps. Each config
+# compiles once per tree tile BT.
 SOLVE_CONFIGS = [
     triton.Config({"BK": BK}, num_warps=num_warps, num_stages=1)
-    for BK, num_warps in ((64, 4), (64, 8))
+    for BK, num_warps in ((64, 4), (128, 4), (64, 8))
 ]  # fmt: skip
 APPLY_CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
     for BK, BV, num_warps in ((64, 32, 4), (64, 32, 8), (64, 64, 8))
 ]  # fmt: skip
-WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, N10 = A1 G10
+WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
 
 def workspace_bytes(B: int, T: int, H: int) -> int:
     """Bytes of the float32 blocks the solve kernel hands to the apply kernel (freed with the call)."""
     half = _tile(T) // 2
     return B * H * WORKSPACE_BLOCKS * half * half * 4
+
+
+@triton.jit
+def _chain_length(b_mask):
+    """The longest chain inside a diagonal block whose ancestor mask (self included) is b_mask: N with G^N = 0."""
+    return tl.max(tl.sum(b_mask.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _grams(
+    p_q,
+    p_k,
+    o_r,
+    m_r,
+    o_c,
+    m_c,
+    stride_qt,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    DIAG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Raw Gram blocks K_r K_c^T and Q_r K_c^T ([BH, BH]) of the row block o_r against the column block o_c (the
+    same block when DIAG), and from the same loads the squared norms of k_r, q_r and k_c ([BH] each)."""
+    b_kk = tl.zeros([BH, BH], dtype=tl.float32)
+    b_qk = tl.zeros([BH, BH], dtype=tl.float32)
+    b_ssk = tl.zeros([BH], dtype=tl.float32)
+    b_ssq = tl.zeros([BH], dtype=tl.float32)
+    b_ssc = tl.zeros([BH], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
+        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
+        if DIAG:
+            b_c = b_k
+        else:
+            b_c = tl.load(p_k + o_c[:, None] * stride_qt + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0)
+        b_ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+        b_ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+        b_ssc += tl.sum(b_c.to(tl.float32) * b_c.to(tl.float32), axis=1)
+        if UPCAST_DOT:
+            b_k, b_q, b_c = b_k.to(tl.float32), b_q.to(tl.float32), b_c.to(tl.float32)
+        b_kk = tl.dot(b_k, tl.trans(b_c), b_kk, input_precision=DOT_PRECISION)
+        b_qk = tl.dot(b_q, tl.trans(b_c), b_qk, input_precision=DOT_PRECISION)
+    return b_kk, b_qk, b_ssk, b_ssq, b_ssc
+
+
+@triton.jit
+def _inv_norm(b_ss, USE_QK_L2NORM: tl.constexpr):
+    """1 / ||x|| from the squared norm, with the eps of transformers' and fla's l2norm; ones without it."""
+    if USE_QK_L2NORM:
+        return tl.rsqrt(b_ss + 1e-6)
+    else:
+        return tl.full(b_ss.shape, 1.0, dtype=tl.float32)
 
 
 @triton.jit
@@ -93,16 +149,18 @@ def tree_gdn_verify_solve_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    # One program per (request, value head, half): the first half's writes A0 and C00; the second half's A1, C11,
-    # C10 and N10 = A1 G10, and neither needs the other's inverse. Each writes its rows of log P.
+    # One program per (block, request x value head). Block 0: A0 and C00, and log P of the first half's rows;
+    # block 1: A1 and C11, and log P of the second half's; block 2: C10 and G10. None needs another's results.
     BH: tl.constexpr = BT // 2
-    i_half, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_blk, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
 
     o_h = tl.arange(0, BH)
     o_r0 = o_h
+    o_r1 = BH + o_h
     m_r0 = o_r0 < T
+    m_r1 = o_r1 < T
     p_anc = anc + i_b * T * T
     p_g = g + i_b * T * H + i_h
     p_beta = beta + i_b * T * H + i_h
@@ -111,42 +169,46 @@ def tree_gdn_verify_solve_kernel(
     p_ws = ws + i_bh * 6 * BH * BH
     eye = o_h[:, None] == o_h[None, :]
 
+    # log P (sum of g over ancestors-or-self) of the first half's rows: every block needs it but block 1.
     b_g0 = tl.load(p_g + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
-    b_rk0, b_rq0 = inv_norms(p_q, p_k, o_r0, m_r0, stride_qt, K, BH, BK, USE_QK_L2NORM)
-    if i_half == 0:
-        b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
-        b_m = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
-        b_lp0 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1)  # log P: sum of g over ancestors-or-self
+    b_m00 = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
+    b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
+    if i_blk == 0:
         tl.store(log_decay + (i_b * T + o_r0) * H + i_h, b_lp0, mask=m_r0)
-        b_kk, b_qk = grams(p_q, p_k, o_r0, m_r0, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
+        b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
+        b_kk, b_qk, b_ssk, b_ssq, _ = _grams(
+            p_q, p_k, o_r0, m_r0, o_r0, m_r0, stride_qt, K, BH, BK, True, DOT_PRECISION, UPCAST_DOT
+        )  # fmt: skip
+        b_rk, b_rq = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM)
         # P_i / P_j on the ancestor mask only (an entry off it would overflow).
-        b_dec = tl.exp(tl.where(b_m, b_lp0[:, None] - b_lp0[None, :], float("-inf")))
-        b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk0)[:, None] * b_rk0[None, :])
-        _store_block(p_ws, 0, _unit_lower_inverse(b_G, eye, chain_length(b_m), DOT_PRECISION), o_h, BH)
-        _store_block(p_ws, 1, b_dec * (b_qk * b_rq0[:, None] * b_rk0[None, :]), o_h, BH)
+        b_dec = tl.exp(tl.where(b_m00, b_lp0[:, None] - b_lp0[None, :], float("-inf")))
+        b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk)[:, None] * b_rk[None, :])
+        _store_block(p_ws, 0, _unit_lower_inverse(b_G, eye, _chain_length(b_m00), DOT_PRECISION), o_h, BH)
+        _store_block(p_ws, 1, b_dec * (b_qk * b_rq[:, None] * b_rk[None, :]), o_h, BH)
     elif BH < T:
-        o_r1 = BH + o_h
-        m_r1 = o_r1 < T
-        b_m00 = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
-        b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
         b_g1 = tl.load(p_g + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
         b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
-        b_m = tl.load(p_anc + o_r1[:, None] * T + o_r0[None, :], mask=m_r1[:, None] & m_r0[None, :], other=0) != 0
+        b_m10 = tl.load(p_anc + o_r1[:, None] * T + o_r0[None, :], mask=m_r1[:, None] & m_r0[None, :], other=0) != 0
         b_m11 = tl.load(p_anc + o_r1[:, None] * T + o_r1[None, :], mask=m_r1[:, None] & m_r1[None, :], other=0) != 0
-        b_lp1 = tl.sum(tl.where(b_m, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
-        tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
-        b_rk1, b_rq1 = inv_norms(p_q, p_k, o_r1, m_r1, stride_qt, K, BH, BK, USE_QK_L2NORM)
-        b_kk, b_qk = grams(p_q, p_k, o_r1, m_r1, o_r1, m_r1, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
-        b_dec = tl.exp(tl.where(b_m11, b_lp1[:, None] - b_lp1[None, :], float("-inf")))
-        b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk1)[:, None] * b_rk1[None, :])
-        b_A1 = _unit_lower_inverse(b_G, eye, chain_length(b_m11), DOT_PRECISION)
-        _store_block(p_ws, 2, b_A1, o_h, BH)
-        _store_block(p_ws, 3, b_dec * (b_qk * b_rq1[:, None] * b_rk1[None, :]), o_h, BH)
-        b_kk, b_qk = grams(p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, DOT_PRECISION, UPCAST_DOT)
-        b_dec = tl.exp(tl.where(b_m, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
-        b_G = b_dec * (b_kk * (b_beta * b_rk1)[:, None] * b_rk0[None, :])
-        _store_block(p_ws, 4, b_dec * (b_qk * b_rq1[:, None] * b_rk0[None, :]), o_h, BH)
-        _store_block(p_ws, 5, tl.dot(b_A1, b_G, input_precision=DOT_PRECISION), o_h, BH)
+        b_lp1 = tl.sum(tl.where(b_m10, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
+        if i_blk == 1:
+            tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
+            b_kk, b_qk, b_ssk, b_ssq, _ = _grams(
+                p_q, p_k, o_r1, m_r1, o_r1, m_r1, stride_qt, K, BH, BK, True, DOT_PRECISION, UPCAST_DOT
+            )  # fmt: skip
+            b_rk, b_rq = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM)
+            b_dec = tl.exp(tl.where(b_m11, b_lp1[:, None] - b_lp1[None, :], float("-inf")))
+            b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk)[:, None] * b_rk[None, :])
+            _store_block(p_ws, 2, _unit_lower_inverse(b_G, eye, _chain_length(b_m11), DOT_PRECISION), o_h, BH)
+            _store_block(p_ws, 3, b_dec * (b_qk * b_rq[:, None] * b_rk[None, :]), o_h, BH)
+        else:
+            b_kk, b_qk, b_ssk, b_ssq, b_ssc = _grams(
+                p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, False, DOT_PRECISION, UPCAST_DOT
+            )  # fmt: skip
+            b_rk, b_rq, b_rc = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM), _inv_norm(b_ssc, USE_QK_L2NORM)
+            b_dec = tl.exp(tl.where(b_m10, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
+            _store_block(p_ws, 4, b_dec * (b_qk * b_rq[:, None] * b_rc[None, :]), o_h, BH)
+            _store_block(p_ws, 5, b_dec * (b_kk * (b_beta * b_rk)[:, None] * b_rc[None, :]), o_h, BH)
 
 
 @triton.jit
@@ -261,8 +323,8 @@ def tree_gdn_verify_apply_kernel(
     UPCAST_DOT: tl.constexpr,
 ):
     # One program per (request, value head, V-tile), from R = D_beta (V - D_P K S_pre):
-    #   U0 = A0 R0                O0 = D_P Q0 S_pre + C00 U0
-    #   U1 = A1 R1 - N10 U0       O1 = D_P Q1 S_pre + C10 U0 + C11 U1
+    #   U0 = A0 R0                    O0 = D_P Q0 S_pre + C00 U0
+    #   U1 = A1 (R1 - G10 U0)         O1 = D_P Q1 S_pre + C10 U0 + C11 U1
     BH: tl.constexpr = BT // 2
     i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -314,8 +376,8 @@ def tree_gdn_verify_apply_kernel(
         b_p = tl.exp(tl.load(p_lp + o_r1 * H, mask=m_r1, other=0))
         b_v = tl.load(p_v + o_r1[:, None] * stride_vt + o_v[None, :], mask=m_r1[:, None] & m_v[None, :], other=0)
         b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_p[:, None] * b_ks1)
+        b_R -= tl.dot(_load_block(p_ws, 5, o_h, BH), b_u0, input_precision=DOT_PRECISION)
         b_u1 = tl.dot(_load_block(p_ws, 2, o_h, BH), b_R, input_precision=DOT_PRECISION)
-        b_u1 -= tl.dot(_load_block(p_ws, 5, o_h, BH), b_u0, input_precision=DOT_PRECISION)
         b_o = tl.dot(_load_block(p_ws, 4, o_h, BH), b_u0, b_p[:, None] * b_qs1, input_precision=DOT_PRECISION)
         b_o = tl.dot(_load_block(p_ws, 3, o_h, BH), b_u1, b_o, input_precision=DOT_PRECISION)
         m_rv = m_r1[:, None] & m_v[None, :]
@@ -323,8 +385,8 @@ def tree_gdn_verify_apply_kernel(
         tl.store(p_o + o_r1[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
 
 
-def tree_gdn_verify_split_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
-    """Launches the solve kernel (one program per request, value head and half), then the apply kernel (one per
+def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
+    """Launches the solve kernel (one program per request, value head and block), then the apply kernel (one per
     request, value head and V-tile). Inputs as `tree_gdn_verify` after its checks."""
     q, k, v = token_major(q), token_major(k), token_major(v)
     if q.stride() != k.stride():
@@ -350,14 +412,14 @@ def tree_gdn_verify_split_fwd(q, k, v, g, beta, ancestors, initial_state, scale,
 
 
 def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision):
-    """The solve kernel alone (q and k read in place, as `tree_gdn_verify_split_fwd` passes them): the workspace of
+    """The solve kernel alone (q and k read in place, as `tree_gdn_verify_fwd` passes them): the workspace of
     `workspace_bytes` and log_decay `[B, T, H]`."""
     B, T, HK, K = k.shape
     ws = torch.empty(workspace_bytes(B, T, H) // 4, dtype=torch.float32, device=k.device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
     anc = ancestors.contiguous().view(torch.uint8)
     with on_device(k):
-        tree_gdn_verify_solve_kernel[(2, B * H)](
+        tree_gdn_verify_solve_kernel[(3, B * H)](
             q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, q.stride(0), q.stride(1), B, T, H, HK,
             K=K, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
         )  # fmt: skip
