@@ -64,8 +64,9 @@ class BoleConfig:
             round of each width captures its graph. The cache and graphs stay allocated for the next call of the
             same batch size and verify mode (the returned `past_key_values` is that cache, reset by the next call);
             `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers are
-            captured under transformers' `experts_implementation="grouped_mm"` (its default) or `"batched_mm"`;
-            under `"eager"` (data-dependent shapes) they run without graphs and say so once. No effect off CUDA.
+            captured under transformers' `experts_implementation="grouped_mm"` (its default; bf16 weights only:
+            torch's grouped_mm reads the routing on the host in other dtypes) or `"batched_mm"`; otherwise (as under
+            `"eager"`, whose shapes depend on the routing) they run without graphs and say so once. No effect off CUDA.
         compile (`bool`, *optional*, defaults to `False`):
             Run the verify forward's decoder through `torch.compile`, which fuses the norms, gates and projections
             around hf_bole's tree kernels (custom ops in the one compiled graph). The first verify forwards of a

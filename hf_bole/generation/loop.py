@@ -48,7 +48,15 @@ from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import Placement, attention_backends, cache_argument, check_supported_model, placement, tree_forward
+from hf_bole.models import (
+    Placement,
+    attention_backends,
+    cache_argument,
+    check_supported_model,
+    graph_unsafe_experts,
+    placement,
+    tree_forward,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -351,13 +359,13 @@ def _decode(
     capacity = P + max_new + 2 * (per_row + 1)
     graphed = captures(model, bole.cuda_graphs)
     if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
-        implementation = model.config.get_text_config(decoder=True)._experts_implementation
         logger.warning_once(
-            f"hf_bole: the model's mixture-of-experts layers run experts_implementation={implementation!r}, whose "
-            f"token routing CUDA graphs cannot capture; its verify forwards run without them, launched from Python. "
-            f"Load the model with experts_implementation='grouped_mm' (or call "
-            f"model.set_experts_implementation('grouped_mm')) to replay them from graphs; bole_cuda_graphs=False "
-            f"says the same without this warning"
+            f"hf_bole: CUDA graphs cannot capture the model's mixture-of-experts layers "
+            f"({graph_unsafe_experts(model)[0]}, ...): eager experts route tokens on the host, and torch's grouped_mm "
+            f"does outside bf16. Its verify forwards run without graphs, launched from Python. To replay them from "
+            f"graphs load the model in bf16 with experts_implementation='grouped_mm' (transformers' default), or "
+            f"call model.set_experts_implementation('batched_mm'); bole_cuda_graphs=False says the same without this "
+            f"warning"
         )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
         cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile)

@@ -112,20 +112,28 @@ class TreeForwardOutput:
 
 # transformers' experts implementations that keep shapes fixed: every token's top-k experts in one grouped or
 # batched matmul. "eager" loops in Python over the experts that received tokens (a host read, data-dependent
-# shapes); others (kernels from the Hub) are not known to be capturable.
+# shapes); others (kernels from the Hub) are not known to be capturable. torch's grouped_mm runs bf16 natively; in
+# other dtypes it falls back to a loop over experts that reads the routing offsets on the host (a copy that a CUDA
+# graph refuses: "Cannot copy between CPU and CUDA tensors during CUDA graph capture", seen on an H200, float32).
 GRAPH_SAFE_EXPERTS = ("grouped_mm", "batched_mm")
 
 
 def graph_unsafe_experts(module: torch.nn.Module) -> list[str]:
-    """The mixture-of-experts blocks of `module` whose experts implementation (`config._experts_implementation`,
-    set by `from_pretrained(..., experts_implementation=...)` or `set_experts_implementation`) a CUDA graph cannot
-    capture: any but `GRAPH_SAFE_EXPERTS`. Empty for dense models."""
-    return [
-        name
-        for name, m in module.named_modules()
-        if name.endswith("experts")
-        and getattr(getattr(m, "config", None), "_experts_implementation", None) not in GRAPH_SAFE_EXPERTS
-    ]
+    """The mixture-of-experts blocks of `module` that a CUDA graph cannot capture, each as "name (why)": an experts
+    implementation (`config._experts_implementation`, set by `from_pretrained(..., experts_implementation=...)` or
+    `set_experts_implementation`) other than `GRAPH_SAFE_EXPERTS`, or "grouped_mm" with weights other than bf16.
+    Empty for dense models."""
+    unsafe = []
+    for name, m in module.named_modules():
+        if not name.endswith("experts"):
+            continue
+        implementation = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        dtype = next(m.parameters()).dtype
+        if implementation not in GRAPH_SAFE_EXPERTS:
+            unsafe.append(f"{name} (experts_implementation={implementation!r})")
+        elif implementation == "grouped_mm" and dtype != torch.bfloat16:
+            unsafe.append(f"{name} (experts_implementation='grouped_mm' with {str(dtype).removeprefix('torch.')} weights)")
+    return unsafe
 
 
 def check_supported_model(model: torch.nn.Module) -> None:

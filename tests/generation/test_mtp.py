@@ -437,9 +437,10 @@ def test_cuda_graphs_match_eager_drafting(compile):
 
 def test_cuda_graphs_refused_for_eager_experts(caplog):
     """An MTP layer whose experts run transformers' "eager" implementation routes with data-dependent shapes: no
-    capture, and a warning that names it; under "grouped_mm" (the default) it is captured."""
+    capture, and a warning that names it; under "batched_mm" it is captured (and under "grouped_mm", the default,
+    in bf16: test_graphs.py)."""
     model = _model(moe=True)
-    for implementation, captured in (("grouped_mm", True), ("eager", False)):
+    for implementation, captured in (("batched_mm", True), ("eager", False)):
         model.set_experts_implementation(implementation)  # the MTP layer copies the target's config when built
         with caplog.at_level(logging.WARNING):
             drafter = MTPDrafter(

@@ -100,14 +100,15 @@ class MTPDrafter:
         self.mtp, self.embed_tokens, self.lm_head, self.rotary_emb = mtp, embed_tokens, lm_head, rotary_emb
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         self._cache: _MTPKVCache | None = None
-        # Experts run by transformers' "eager" implementation route tokens with data-dependent shapes, which a CUDA
-        # graph cannot hold (the layer's config is a copy of the target's, made when the drafter was built).
-        self.cuda_graphs = cuda_graphs and not graph_unsafe_experts(mtp)
-        if cuda_graphs and not self.cuda_graphs:
+        # Experts run by transformers' "eager" implementation (or grouped_mm outside bf16) route tokens on the host,
+        # which a CUDA graph cannot hold (the layer's config is a copy of the target's, made when the drafter was built).
+        unsafe = graph_unsafe_experts(mtp)
+        self.cuda_graphs = cuda_graphs and not unsafe
+        if cuda_graphs and unsafe:
             logger.warning_once(
-                f"hf_bole: the MTP drafter's layer is a mixture of experts with experts_implementation="
-                f"{mtp.config._experts_implementation!r}, which CUDA graphs cannot capture; it drafts without them "
-                f"('grouped_mm' can be captured; bole_cuda_graphs=False says the same without this warning)"
+                f"hf_bole: the MTP drafter's layer is a mixture of experts that CUDA graphs cannot capture "
+                f"({unsafe[0]}); it drafts without them (bf16 'grouped_mm' and 'batched_mm' can be captured; "
+                f"bole_cuda_graphs=False says the same without this warning)"
             )
         self._graphs: dict[tuple[int, int, int], _GraphedDraft] = {}  # (batch size, new entries, nodes) -> graph
         self._graph_pool = None
