@@ -41,12 +41,13 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness (bole) in one process, then data-parallel over both GPUs
 #              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
 #   dpthreads  on nvidia-h200-x2: dp's one process started plainly and through accelerate launch, same prompts
+#   tune       every launch config of the closed form's kernels at issue 2's two target shapes (eval/tune_kernels.py)
 #   profile9bc the torch profiler over bole with bole_compile on the 9B shape at batch 1: where the compiled verify
 #              forward's 7 ms go (issue 8's 600 tokens/s)
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -197,8 +198,9 @@ compile16)  # eighth session: what compile816 could not reach: batch 16, bole_co
 housec)  # eighth session: bole_compile now compiles the MTP drafter's rounds too (house: drafting is the largest
     # phase); its CUDA test, then ar, chain and bole with and without it at batch 1, against issue 8's bole >= 1.2x
     # chain. In the eighth session 190 s reached only the compiled chain's compile: give it the rest of the call
-    step drafter_tests 100 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_mtp.py -k "cuda_graphs_match"
-    harness house_compile 440 --datasets mbpp --modes ar chain bole --batch-sizes 1 --num-prompts 8 \
+    # ninth session: 100 s passed 2 of the drafter's CUDA tests, the compiled one still compiling; the harness took 289 s
+    step drafter_tests 200 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/generation/test_mtp.py -k "cuda_graphs_match"
+    harness house_compile 360 --datasets mbpp --modes ar chain bole --batch-sizes 1 --num-prompts 8 \
         --max-new-tokens 128 --profile --repeats 1 --compile off on
     ;;
 batch16)
@@ -216,6 +218,10 @@ split)  # ninth session: 150 + 330 + 120 s
         32,8,16 32,8,32 32,8,64 32,16,16 32,16,64 64,16,64
     tail -21 "$OUT/bench_split.log"
     step model_tests 120 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/generation/test_graphs.py
+    ;;
+tune)  # ninth session, not yet run: 28 configs compile per tree tile; the table picks SOLVE_CONFIGS, APPLY_CONFIGS
+    step tune 560 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"
+    tail -40 "$OUT/tune.log"
     ;;
 profile9bc)
     step profile_9b_b1_compiled 420 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \
