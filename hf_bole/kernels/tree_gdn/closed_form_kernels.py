@@ -126,6 +126,38 @@ def _load_block(p_ws, i_block, o_h, BH: tl.constexpr):
     return tl.load(p_ws + i_block * BH * BH + o_h[:, None] * BH + o_h[None, :])
 
 
+@triton.jit
+def _diagonal_block(
+    p_q,
+    p_k,
+    p_ws,
+    i_block,
+    o_r,
+    m_r,
+    b_m,
+    b_lp,
+    b_beta,
+    stride_qt,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """The diagonal block of the rows o_r (ancestor mask b_m, log P b_lp): (I + G)^-1 and C, written to the
+    workspace's blocks i_block and i_block + 1."""
+    b_kk, b_qk, b_ssk, b_ssq, _ = _grams(p_q, p_k, o_r, m_r, o_r, m_r, stride_qt, K, BH, BK, True, DOT_PRECISION, UPCAST_DOT)
+    b_rk, b_rq = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM)
+    # P_i / P_j on the ancestor mask only (an entry off it would overflow).
+    b_dec = tl.exp(tl.where(b_m, b_lp[:, None] - b_lp[None, :], float("-inf")))
+    o_h = tl.arange(0, BH)
+    eye = o_h[:, None] == o_h[None, :]
+    b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk)[:, None] * b_rk[None, :])
+    _store_block(p_ws, i_block, _unit_lower_inverse(b_G, eye, _chain_length(b_m), DOT_PRECISION), o_h, BH)
+    _store_block(p_ws, i_block + 1, b_dec * (b_qk * b_rq[:, None] * b_rk[None, :]), o_h, BH)
+
+
 @triton.autotune(configs=autotune_configs(SOLVE_CONFIGS), key=["B", "BT", "H", "HK", "K", "USE_QK_L2NORM"])
 @triton.jit(do_not_specialize=["T"])
 def tree_gdn_verify_solve_kernel(
@@ -167,7 +199,6 @@ def tree_gdn_verify_solve_kernel(
     p_q = q + i_b * stride_qb + i_hk * K
     p_k = k + i_b * stride_qb + i_hk * K
     p_ws = ws + i_bh * 6 * BH * BH
-    eye = o_h[:, None] == o_h[None, :]
 
     # log P (sum of g over ancestors-or-self) of the first half's rows: every block needs it but block 1.
     b_g0 = tl.load(p_g + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
@@ -176,15 +207,10 @@ def tree_gdn_verify_solve_kernel(
     if i_blk == 0:
         tl.store(log_decay + (i_b * T + o_r0) * H + i_h, b_lp0, mask=m_r0)
         b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
-        b_kk, b_qk, b_ssk, b_ssq, _ = _grams(
-            p_q, p_k, o_r0, m_r0, o_r0, m_r0, stride_qt, K, BH, BK, True, DOT_PRECISION, UPCAST_DOT
+        _diagonal_block(
+            p_q, p_k, p_ws, 0, o_r0, m_r0, b_m00, b_lp0, b_beta, stride_qt,
+            K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
-        b_rk, b_rq = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM)
-        # P_i / P_j on the ancestor mask only (an entry off it would overflow).
-        b_dec = tl.exp(tl.where(b_m00, b_lp0[:, None] - b_lp0[None, :], float("-inf")))
-        b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk)[:, None] * b_rk[None, :])
-        _store_block(p_ws, 0, _unit_lower_inverse(b_G, eye, _chain_length(b_m00), DOT_PRECISION), o_h, BH)
-        _store_block(p_ws, 1, b_dec * (b_qk * b_rq[:, None] * b_rk[None, :]), o_h, BH)
     elif BH < T:
         b_g1 = tl.load(p_g + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
         b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
@@ -193,14 +219,10 @@ def tree_gdn_verify_solve_kernel(
         b_lp1 = tl.sum(tl.where(b_m10, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
         if i_blk == 1:
             tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
-            b_kk, b_qk, b_ssk, b_ssq, _ = _grams(
-                p_q, p_k, o_r1, m_r1, o_r1, m_r1, stride_qt, K, BH, BK, True, DOT_PRECISION, UPCAST_DOT
+            _diagonal_block(
+                p_q, p_k, p_ws, 2, o_r1, m_r1, b_m11, b_lp1, b_beta, stride_qt,
+                K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
-            b_rk, b_rq = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM)
-            b_dec = tl.exp(tl.where(b_m11, b_lp1[:, None] - b_lp1[None, :], float("-inf")))
-            b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk)[:, None] * b_rk[None, :])
-            _store_block(p_ws, 2, _unit_lower_inverse(b_G, eye, _chain_length(b_m11), DOT_PRECISION), o_h, BH)
-            _store_block(p_ws, 3, b_dec * (b_qk * b_rq[:, None] * b_rk[None, :]), o_h, BH)
         else:
             b_kk, b_qk, b_ssk, b_ssq, b_ssc = _grams(
                 p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, False, DOT_PRECISION, UPCAST_DOT
