@@ -60,13 +60,16 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 python3 -c "import torch, triton, transformers, importlib.util as u; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, 'fla', u.find_spec('fla') is not None)"
+FAILED_STEPS=""  # steps that exited non-zero (not those run in the background with &: a subshell's)
 step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log's tail on screen
     local name=$1 limit=$2
     shift 2
     echo "== $name (at most ${limit} s)"
     local start=$SECONDS
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "exit $?, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+    local rc=$?
+    [ $rc = 0 ] || FAILED_STEPS="$FAILED_STEPS $name($rc)"
+    echo "exit $rc, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
     grep -E "passed|failed|FAILED|Error|^\|" "$OUT/$name.log" | tail -30
 }
 harness() {  # harness NAME SECONDS ARGS...: eval/run.py into /tmp/NAME, its table and rows copied to $OUT
@@ -278,3 +281,8 @@ PY
     exit 2
     ;;
 esac
+# the part's exit status says whether every step passed (each step's own status is in its log and above)
+if [ -n "$FAILED_STEPS" ]; then
+    echo "failed steps:$FAILED_STEPS"
+    exit 1
+fi
