@@ -114,6 +114,13 @@ def layer_inputs(B, T, HK, H, K, V, seed):
     return q, k, v, g, beta, h0
 
 
+def rotating_inputs(B, T, HK, H, K, V) -> list[tuple]:
+    """Enough `layer_inputs` sets (2 to 16) to span 3x the L2 cache, so that timed calls read from memory."""
+    set_bytes = B * H * K * V * 4 + 3 * B * T * H * V * 4
+    n_sets = max(2, min(16, -(-3 * L2_BYTES // set_bytes)))
+    return [layer_inputs(B, T, HK, H, K, V, seed=s) for s in range(n_sets)]
+
+
 def rel_err(x, ref) -> float:
     x, ref = x.double().cpu(), ref.double().cpu()
     return float("nan") if torch.isnan(x).any() else ((x - ref).norm() / ref.norm()).item()
@@ -163,9 +170,7 @@ def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
     parents = bounded_depth(parents, depth)
     # One tree serves every GDN layer of a forward: its ancestor mask is built once, outside the per-layer time.
     ancestors = tree_ancestor_mask(parents)
-    set_bytes = B * H * K * V * 4 + 3 * B * T * H * V * 4
-    n_sets = max(2, min(16, -(-3 * L2_BYTES // set_bytes)))
-    sets = [layer_inputs(B, T, HK, H, K, V, seed=s) for s in range(n_sets)]
+    sets = rotating_inputs(B, T, HK, H, K, V)
     rows = []
     act = 2 * (2 * B * T * HK * K + B * T * H * V) + B * T * H * (4 + 2) + B * T * 8  # q k v g beta parents
     state = B * H * K * V * 4

@@ -24,7 +24,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval.bench_kernels import bounded_depth, layer_inputs, machine_header, rel_err, time_graph  # noqa: E402
+from eval.bench_kernels import bounded_depth, machine_header, rel_err, rotating_inputs, time_graph  # noqa: E402
 from hf_bole.kernels import tree_ancestor_mask  # noqa: E402
 from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels  # noqa: E402
 from hf_bole.kernels.tree_gdn.closed_form import torch_tree_gdn_verify  # noqa: E402
@@ -55,8 +55,7 @@ def pinned(autotuner, configs: list[triton.Config]):
 def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128, depth: int = 8) -> list[dict]:
     parents = bounded_depth(make_parents("mixed", T, B, seed=T).cuda(), depth)
     anc = tree_ancestor_mask(parents)
-    n_sets = max(2, min(16, -(-3 * 60 * 2**20 // (B * H * K * V * 4 + 3 * B * T * H * V * 4))))
-    sets = [layer_inputs(B, T, HK, H, K, V, seed=s) for s in range(n_sets)]
+    sets = rotating_inputs(B, T, HK, H, K, V)
     q, k, v, g, beta, h0 = sets[0]
     ref_o, ref_u, _ = torch_tree_gdn_verify(*(x.double() for x in (q, k, v, g, beta)), anc, h0.double(), K**-0.5, True)
     solve_kernel, apply_kernel = kernels.tree_gdn_verify_solve_kernel, kernels.tree_gdn_verify_apply_kernel.fn
@@ -77,7 +76,7 @@ def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128,
             return {**row, "error": f"strays from float64: o {err_o:.2e}, u {err_u:.2e}"}
         return row
 
-    rows = []
+    rows, solve_times = [], []  # solve_times: (ms, config) of the solve configs that ran
     try:
         pinned(apply_kernel, tuned[1][:1])
         for config in SOLVE_SPACE:
@@ -85,11 +84,10 @@ def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128,
             row = check("solve", config)
             if "error" not in row:
                 row["ms"] = time_graph(lambda q, k, v, g, b, h: kernels.solve(q, k, H, g, b, anc, True, "tf32x3"), sets)[0]
+                solve_times.append((row["ms"], config))
             rows.append(row)
             print(row, flush=True)
-        timed = [r for r in rows if "ms" in r]
-        best_solve = SOLVE_SPACE[[describe(c) for c in SOLVE_SPACE].index(min(timed, key=lambda r: r["ms"])["config"])]
-        pinned(solve_kernel, [best_solve])
+        pinned(solve_kernel, [min(solve_times, key=lambda t: t[0])[1]])
         for config in APPLY_SPACE:
             pinned(apply_kernel, [config])
             row = check("layer", config)
