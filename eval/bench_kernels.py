@@ -3,7 +3,9 @@
   serial  the tree walk that stores every node's state (SGLang-Tree's algorithm), `tree_gdn_verify_serial`
   fla     fla-core's `fused_recurrent_gated_delta_rule` over a chain of the same T (plain decoding's kernel)
   bole    the closed form's kernels (`tree_gdn_verify_fwd`, closed_form_kernels.py): the V-independent blocks per
-          (request, value head, block), then matmuls per V-tile
+          (request, value head, block), then matmuls per V-tile; on Hopper the second launched while the first runs
+          (programmatic dependent launch)
+  bole-nopdl  the same kernels launched one after the other
   solve   bole's first kernel alone
 
 Each provider is timed as CUDA-graph replays over rotating input sets (so neither launch overhead nor a
@@ -15,6 +17,7 @@ table. Usage: `python eval/bench_kernels.py --out results/kernels.jsonl [--quick
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -34,7 +37,7 @@ from tests.kernels.trees import make_parents  # noqa: E402
 L2_BYTES = 60 * 2**20
 
 
-KERNELS = {"bole": tree_gdn_verify_fwd}
+KERNELS = {"bole": tree_gdn_verify_fwd, "bole-nopdl": functools.partial(tree_gdn_verify_fwd, pdl=False)}
 
 
 def machine_header() -> dict:
@@ -248,7 +251,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--precision", default="tf32x3")
     ap.add_argument("--shapes", nargs="+", metavar="H,B,T", help="these (H, B, T) only, e.g. 32,16,128")
-    ap.add_argument("--providers", nargs="+", default=["serial", "fla", "bole", "solve"])
+    ap.add_argument("--providers", nargs="+", default=["serial", "fla", "bole", "bole-nopdl", "solve"])
     args = ap.parse_args()
     header = machine_header()
     quick = quick_gpu_check()
@@ -294,13 +297,15 @@ def main():
     print(f"\n{header['gpu']}  torch {header['torch']}  triton {header['triton']}  fla {header['fla']}  commit {header['commit']}")
     print(f"copy ceiling {ceiling:.0f} GB/s; Hk={HK} K=V={K} depth<={depth} bf16 q/k/v, fp32 state; ms per layer (median);")
     print("bole = tree_gdn_verify's kernels (solve: its first); excludes the ancestor mask, built once per tree for all layers")
-    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'bole':>8} {'solve':>8} {'mask/tree':>9} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10} {'wksp MiB':>8}")
+    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'bole':>8} {'no-pdl':>8} {'solve':>8} {'mask/tree':>9} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10} {'wksp MiB':>8}")
     for H, B, T, r in lines:
-        s, fl, bo, so, mk = (r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "bole", "solve", "ancestor_mask_per_tree"))
+        s, fl, bo, bn, so, mk = (
+            r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "bole", "bole-nopdl", "solve", "ancestor_mask_per_tree")
+        )
         snap = r.get("serial", {}).get("transient_bytes", B * T * H * K * V * 4) / 2**20
         fac = r.get("bole", {}).get("transient_bytes", float("nan")) / 2**20
         ws = workspace_bytes(B, T, H) / 2**20
-        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} {so:8.4f} {mk:9.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f} {ws:8.2f}")
+        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} {bn:8.4f} {so:8.4f} {mk:9.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f} {ws:8.2f}")
     print(
         f"commit: {commit['NL']} layers B={commit['B']} H={commit['H']} K=V={commit['K']} path {commit['L']}: "
         f"{commit['ms']:.4f} ms, {commit['GBps']:.0f} GB/s ({commit['pct_of_copy']:.0f}% of copy)"

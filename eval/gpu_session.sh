@@ -44,10 +44,12 @@
 #   tune       every launch config of the closed form's kernels at issue 2's two target shapes (eval/tune_kernels.py)
 #   profile9bc the torch profiler over bole with bole_compile on the 9B shape at batch 1: where the compiled verify
 #              forward's 7 ms go (issue 8's 600 tokens/s)
+#   pdl        the kernel tests; the benchmark with the apply kernel launched during the solve kernel (programmatic
+#              dependent launch) beside it launched after; Nsight Compute over both kernels at issue 2's two shapes
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -221,6 +223,18 @@ split)  # ninth session: 150 + 330 + 120 s
         32,8,16 32,8,32 32,8,64 32,16,16 32,16,64 64,16,64
     tail -21 "$OUT/bench_split.log"
     step model_tests 120 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/generation/test_graphs.py
+    ;;
+pdl)  # tenth session: 100 + 300 + 90 s
+    step kernel_tests 100 $PYTEST tests/kernels/test_closed_form.py
+    step bench_pdl 300 python3 eval/bench_kernels.py --out "$OUT/kernels_pdl.jsonl" --shapes 32,16,128 48,1,128 \
+        32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 32,8,16 32,8,32 32,8,64 32,16,16 \
+        32,16,64 64,16,64
+    tail -21 "$OUT/bench_pdl.log"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    step ncu 90 "$NCU" --clock-control none -k regex:tree_gdn_verify --section LaunchStats --section Occupancy \
+        --section SpeedOfLight --section WarpStateStats python3 eval/ncu_kernels.py --shapes 32,16,128 48,1,128
+    grep -E "tree_gdn|Registers|Spill|Achieved Occ|Theoretical Occ|Duration|Compute \(SM\) Thr|Memory Thr|Block Limit" \
+        "$OUT/ncu.log" | head -80
     ;;
 tune)  # ninth session, not yet run: 28 configs compile per tree tile; the table picks SOLVE_CONFIGS, APPLY_CONFIGS
     step tune 560 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"

@@ -52,7 +52,8 @@ def pinned(autotuner, configs: list[triton.Config]):
     autotuner.cache = {}
 
 
-def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128, depth: int = 8) -> list[dict]:
+def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128, depth: int = 8):
+    """Yields one row per config as it is measured (so a run cut short keeps what it finished)."""
     parents = bounded_depth(make_parents("mixed", T, B, seed=T).cuda(), depth)
     anc = tree_ancestor_mask(parents)
     sets = rotating_inputs(B, T, HK, H, K, V)
@@ -76,7 +77,7 @@ def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128,
             return {**row, "error": f"strays from float64: o {err_o:.2e}, u {err_u:.2e}"}
         return row
 
-    rows, solve_times = [], []  # solve_times: (ms, config) of the solve configs that ran
+    solve_times = []  # (ms, config) of the solve configs that ran
     try:
         pinned(apply_kernel, tuned[1][:1])
         for config in SOLVE_SPACE:
@@ -85,23 +86,20 @@ def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128,
             if "error" not in row:
                 row["ms"] = time_graph(lambda q, k, v, g, b, h: kernels.solve(q, k, H, g, b, anc, True, "tf32x3"), sets)[0]
                 solve_times.append((row["ms"], config))
-            rows.append(row)
-            print(row, flush=True)
+            yield row
         pinned(solve_kernel, [min(solve_times, key=lambda t: t[0])[1]])
         for config in APPLY_SPACE:
             pinned(apply_kernel, [config])
             row = check("layer", config)
             if "error" not in row:
                 row["ms"] = time_graph(layer, sets)[0]
-            rows.append(row)
-            print(row, flush=True)
+            yield row
         pinned(solve_kernel, tuned[0])
         pinned(apply_kernel, tuned[1])  # what tree_gdn_verify runs: the autotuner's pick among the committed configs
-        rows.append({"H": H, "B": B, "T": T, "kernel": "layer", "config": "autotuned", "ms": time_graph(layer, sets)[0]})
+        yield {"H": H, "B": B, "T": T, "kernel": "layer", "config": "autotuned", "ms": time_graph(layer, sets)[0]}
     finally:
         pinned(solve_kernel, tuned[0])
         pinned(apply_kernel, tuned[1])
-    return rows
 
 
 def main() -> None:
@@ -117,7 +115,9 @@ def main() -> None:
         for shape in args.shapes:
             H, B, T = (int(x) for x in shape.split(","))
             for row in tune_shape(H, B, T):
+                print(row, flush=True)
                 f.write(json.dumps(row) + "\n")
+                f.flush()
                 table.append(row)
     print(f"\n{header['gpu']}  torch {header['torch']}  triton {header['triton']}  commit {header['commit']}")
     print("ms per layer (median of CUDA-graph replays); solve rows: the solve kernel alone; layer rows: both kernels")

@@ -47,6 +47,13 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def use_pdl(x: torch.Tensor) -> bool:
+    """True where a kernel on `x` may launch while the kernel before it still runs (programmatic dependent launch:
+    CUDA tensors on Hopper or later, not under the interpreter). The later kernel waits (`gdc_wait`) before it reads
+    what the earlier one writes, so only its independent first part overlaps."""
+    return x.is_cuda and not is_interpreter() and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 def token_major(x: torch.Tensor) -> torch.Tensor:
     """A `[B, T, heads, dim]` tensor whose (heads, dim) block is contiguous, as the q/k/v views that split one
     projection are, is read in place by the kernels through its (batch, token) strides; anything else is copied."""

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major
+from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major, use_pdl
 
 # The solve kernel's programs are short and latency-bound (a Gram block, then a few dependent [BH, BH] matmuls):
 # with 4 warps two share an SM. The apply kernel's BV trades parallelism (V-tiles are programs) against re-reading
@@ -117,6 +117,12 @@ def _unit_lower_inverse(b_G, eye, n_chain, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _mask_block(p_anc, o_r, m_r, o_c, m_c, T):
+    """The ancestor mask's block of rows o_r and columns o_c (False off the tree)."""
+    return tl.load(p_anc + o_r[:, None] * T + o_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+
+
+@triton.jit
 def _store_block(p_ws, i_block, b_x, o_h, BH: tl.constexpr):
     tl.store(p_ws + i_block * BH * BH + o_h[:, None] * BH + o_h[None, :], b_x)
 
@@ -154,8 +160,9 @@ def _diagonal_block(
     o_h = tl.arange(0, BH)
     eye = o_h[:, None] == o_h[None, :]
     b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk)[:, None] * b_rk[None, :])
-    _store_block(p_ws, i_block, _unit_lower_inverse(b_G, eye, _chain_length(b_m), DOT_PRECISION), o_h, BH)
+    # C first: its Gram block and the decays are then dead during the inverse's matmuls (fewer live registers).
     _store_block(p_ws, i_block + 1, b_dec * (b_qk * b_rq[:, None] * b_rk[None, :]), o_h, BH)
+    _store_block(p_ws, i_block, _unit_lower_inverse(b_G, eye, _chain_length(b_m), DOT_PRECISION), o_h, BH)
 
 
 @triton.autotune(configs=autotune_configs(SOLVE_CONFIGS), key=["B", "BT", "H", "HK", "K", "USE_QK_L2NORM"])
@@ -180,9 +187,14 @@ def tree_gdn_verify_solve_kernel(
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per (block, request x value head). Block 0: A0 and C00, and log P of the first half's rows;
     # block 1: A1 and C11, and log P of the second half's; block 2: C10 and G10. None needs another's results.
+    if USE_PDL:
+        # The apply kernel may start now: its state products need nothing of this kernel's, and it waits for
+        # this kernel's end before it reads the workspace.
+        tl.extra.cuda.gdc_launch_dependents()
     BH: tl.constexpr = BT // 2
     i_blk, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -200,11 +212,12 @@ def tree_gdn_verify_solve_kernel(
     p_k = k + i_b * stride_qb + i_hk * K
     p_ws = ws + i_bh * 6 * BH * BH
 
-    # log P (sum of g over ancestors-or-self) of the first half's rows: every block needs it but block 1.
+    # log P (the sum of g over ancestors-or-self): the first half's rows from the block 00 of the mask, the second
+    # half's from its blocks 10 and 11.
     b_g0 = tl.load(p_g + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
-    b_m00 = tl.load(p_anc + o_r0[:, None] * T + o_r0[None, :], mask=m_r0[:, None] & m_r0[None, :], other=0) != 0
-    b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
     if i_blk == 0:
+        b_m00 = _mask_block(p_anc, o_r0, m_r0, o_r0, m_r0, T)
+        b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
         tl.store(log_decay + (i_b * T + o_r0) * H + i_h, b_lp0, mask=m_r0)
         b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
         _diagonal_block(
@@ -214,8 +227,8 @@ def tree_gdn_verify_solve_kernel(
     elif BH < T:
         b_g1 = tl.load(p_g + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
         b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
-        b_m10 = tl.load(p_anc + o_r1[:, None] * T + o_r0[None, :], mask=m_r1[:, None] & m_r0[None, :], other=0) != 0
-        b_m11 = tl.load(p_anc + o_r1[:, None] * T + o_r1[None, :], mask=m_r1[:, None] & m_r1[None, :], other=0) != 0
+        b_m10 = _mask_block(p_anc, o_r1, m_r1, o_r0, m_r0, T)
+        b_m11 = _mask_block(p_anc, o_r1, m_r1, o_r1, m_r1, T)
         b_lp1 = tl.sum(tl.where(b_m10, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
         if i_blk == 1:
             tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
@@ -224,6 +237,8 @@ def tree_gdn_verify_solve_kernel(
                 K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
         else:
+            b_m00 = _mask_block(p_anc, o_r0, m_r0, o_r0, m_r0, T)
+            b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
             b_kk, b_qk, b_ssk, b_ssq, b_ssc = _grams(
                 p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, False, DOT_PRECISION, UPCAST_DOT
             )  # fmt: skip
@@ -343,6 +358,7 @@ def tree_gdn_verify_apply_kernel(
     SPLIT_STATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per (request, value head, V-tile), from R = D_beta (V - D_P K S_pre):
     #   U0 = A0 R0                    O0 = D_P Q0 S_pre + C00 U0
@@ -380,6 +396,10 @@ def tree_gdn_verify_apply_kernel(
         b_qs0 *= tl.rsqrt(b_ssq0 + 1e-6)[:, None]
         b_ks1 *= tl.rsqrt(b_ssk1 + 1e-6)[:, None]
         b_qs1 *= tl.rsqrt(b_ssq1 + 1e-6)[:, None]
+    if USE_PDL:
+        # Launched while the solve kernel may still run (it reads the same inputs, writes only the workspace and
+        # log P): wait for its end before reading those, and before any store.
+        tl.extra.cuda.gdc_wait()
 
     # ---- first half ----
     b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
@@ -407,14 +427,17 @@ def tree_gdn_verify_apply_kernel(
         tl.store(p_o + o_r1[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
 
 
-def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision):
+def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision, pdl=None):
     """Launches the solve kernel (one program per request, value head and block), then the apply kernel (one per
-    request, value head and V-tile). Inputs as `tree_gdn_verify` after its checks."""
+    request, value head and V-tile). Inputs as `tree_gdn_verify` after its checks. With `pdl` (default: where the
+    GPU has it, `use_pdl`) the apply kernel launches while the solve kernel runs and forms its state products
+    meanwhile, which matters when a small batch leaves most of the GPU idle during the solve."""
+    pdl = use_pdl(v) if pdl is None else pdl
     q, k, v = token_major(q), token_major(k), token_major(v)
     if q.stride() != k.stride():
         q, k = q.contiguous(), k.contiguous()
     beta = beta.contiguous()
-    ws, log_decay = solve(q, k, v.shape[2], g, beta, ancestors, use_qk_l2norm, dot_precision)
+    ws, log_decay = solve(q, k, v.shape[2], g, beta, ancestors, use_qk_l2norm, dot_precision, pdl)
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
@@ -428,14 +451,15 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
             q, k, v, beta, initial_state, ws, log_decay, o, u, scale,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
             K=K, V=V, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
-            DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
+            DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return o, u, log_decay
 
 
-def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision):
+def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
     """The solve kernel alone (q and k read in place, as `tree_gdn_verify_fwd` passes them): the workspace of
-    `workspace_bytes` and log_decay `[B, T, H]`."""
+    `workspace_bytes` and log_decay `[B, T, H]`. `pdl`: let the next kernel (the apply kernel, launched with
+    programmatic dependent launch) start at once."""
     B, T, HK, K = k.shape
     ws = torch.empty(workspace_bytes(B, T, H) // 4, dtype=torch.float32, device=k.device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
@@ -444,6 +468,7 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision):
         tree_gdn_verify_solve_kernel[(3, B * H)](
             q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, q.stride(0), q.stride(1), B, T, H, HK,
             K=K, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
+            USE_PDL=pdl,
         )  # fmt: skip
     return ws, log_decay
 
