@@ -41,7 +41,8 @@
 #   dp         on nvidia-h200-x2 (issue 6): the house harness (bole) in one process, then data-parallel over both GPUs
 #              (accelerate launch): compare the rows' prompts/s (all processes together) with the one-process run's
 #   dpthreads  on nvidia-h200-x2: dp's one process started plainly and through accelerate launch, same prompts
-#   tune       every launch config of the closed form's kernels at issue 2's two target shapes (eval/tune_kernels.py)
+#   tune       the kernel, model and graph tests on CUDA; every launch config of the closed form's kernels at issue
+#              2's two target shapes (eval/tune_kernels.py); Nsight Compute over the 8-warp configs
 #   profile9bc the torch profiler over bole with bole_compile on the 9B shape at batch 1: where the compiled verify
 #              forward's 7 ms go (issue 8's 600 tokens/s)
 #   pdl        the kernel tests; the benchmark with the apply kernel launched during the solve kernel (programmatic
@@ -236,9 +237,16 @@ pdl)  # tenth session: 100 + 300 + 90 s
     grep -E "tree_gdn|Registers|Spill|Achieved Occ|Theoretical Occ|Duration|Compute \(SM\) Thr|Memory Thr|Block Limit" \
         "$OUT/ncu.log" | head -80
     ;;
-tune)  # ninth session, not yet run: 28 configs compile per tree tile; the table picks SOLVE_CONFIGS, APPLY_CONFIGS
-    step tune 560 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"
-    tail -40 "$OUT/tune.log"
+tune)  # tenth session: 100 + 130 + 280 + 40 s; 24 configs compile per tree tile and batch of 1 or more
+    step kernel_tests 100 $PYTEST tests/kernels/test_closed_form.py
+    step model_tests 130 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/generation/test_graphs.py
+    step tune 280 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"
+    tail -30 "$OUT/tune.log"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    step ncu8 40 "$NCU" --clock-control none -k regex:tree_gdn_verify --section LaunchStats --section Occupancy \
+        --section SpeedOfLight --section WarpStateStats python3 eval/ncu_kernels.py --shapes 32,16,128 48,1,128 \
+        --calls 1 --solve-config 64,8,1 --apply-config 64,32,8,1
+    grep -E "^  tree_gdn|Registers Per|Achieved Occ|Duration|Est. Local|stalled" "$OUT/ncu8.log" | head -60
     ;;
 profile9bc)
     step profile_9b_b1_compiled 420 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \

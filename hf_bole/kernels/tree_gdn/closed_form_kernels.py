@@ -123,6 +123,13 @@ def _mask_block(p_anc, o_r, m_r, o_c, m_c, T):
 
 
 @triton.jit
+def _log_p(p_anc, b_g, o_r, m_r, o_t, T):
+    """log P of the rows o_r ([BH]): the sum of g ([BT], the whole tree's) over each row's ancestors and itself."""
+    b_m = _mask_block(p_anc, o_r, m_r, o_t, o_t < T, T)  # [BH, BT]
+    return tl.sum(tl.where(b_m, b_g[None, :], 0.0), axis=1)
+
+
+@triton.jit
 def _store_block(p_ws, i_block, b_x, o_h, BH: tl.constexpr):
     tl.store(p_ws + i_block * BH * BH + o_h[:, None] * BH + o_h[None, :], b_x)
 
@@ -190,7 +197,8 @@ def tree_gdn_verify_solve_kernel(
     USE_PDL: tl.constexpr,
 ):
     # One program per (block, request x value head). Block 0: A0 and C00, and log P of the first half's rows;
-    # block 1: A1 and C11, and log P of the second half's; block 2: C10 and G10. None needs another's results.
+    # block 1: A1 and C11, and log P of the second half's (nothing when the tree fits in one half); block 2: C10 and
+    # G10. None needs another's results.
     if USE_PDL:
         # The apply kernel may start now: its state products need nothing of this kernel's, and it waits for
         # this kernel's end before it reads the workspace.
@@ -201,51 +209,41 @@ def tree_gdn_verify_solve_kernel(
     i_hk = i_h // (H // HK)
 
     o_h = tl.arange(0, BH)
-    o_r0 = o_h
-    o_r1 = BH + o_h
-    m_r0 = o_r0 < T
-    m_r1 = o_r1 < T
+    o_t = tl.arange(0, BT)
     p_anc = anc + i_b * T * T
-    p_g = g + i_b * T * H + i_h
     p_beta = beta + i_b * T * H + i_h
     p_q = q + i_b * stride_qb + i_hk * K
     p_k = k + i_b * stride_qb + i_hk * K
     p_ws = ws + i_bh * 6 * BH * BH
+    b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=o_t < T, other=0).to(tl.float32)  # [BT]
 
-    # log P (the sum of g over ancestors-or-self): the first half's rows from the block 00 of the mask, the second
-    # half's from its blocks 10 and 11.
-    b_g0 = tl.load(p_g + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
-    if i_blk == 0:
-        b_m00 = _mask_block(p_anc, o_r0, m_r0, o_r0, m_r0, T)
-        b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
-        tl.store(log_decay + (i_b * T + o_r0) * H + i_h, b_lp0, mask=m_r0)
-        b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
-        _diagonal_block(
-            p_q, p_k, p_ws, 0, o_r0, m_r0, b_m00, b_lp0, b_beta, stride_qt,
-            K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
-    elif BH < T:
-        b_g1 = tl.load(p_g + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
-        b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
-        b_m10 = _mask_block(p_anc, o_r1, m_r1, o_r0, m_r0, T)
-        b_m11 = _mask_block(p_anc, o_r1, m_r1, o_r1, m_r1, T)
-        b_lp1 = tl.sum(tl.where(b_m10, b_g0[None, :], 0.0), axis=1) + tl.sum(tl.where(b_m11, b_g1[None, :], 0.0), axis=1)
-        if i_blk == 1:
-            tl.store(log_decay + (i_b * T + o_r1) * H + i_h, b_lp1, mask=m_r1)
+    if i_blk < 2:
+        # One call site for both diagonal blocks: the kernel's code is short enough that the instruction cache holds
+        # it (with one per block, a third of the stalls at batch 1 were instruction fetches).
+        o_r = i_blk * BH + o_h
+        m_r = o_r < T
+        if i_blk * BH < T:
+            b_lp = _log_p(p_anc, b_g, o_r, m_r, o_t, T)
+            tl.store(log_decay + (i_b * T + o_r) * H + i_h, b_lp, mask=m_r)
+            b_beta = tl.load(p_beta + o_r * H, mask=m_r, other=0).to(tl.float32)
             _diagonal_block(
-                p_q, p_k, p_ws, 2, o_r1, m_r1, b_m11, b_lp1, b_beta, stride_qt,
-                K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
+                p_q, p_k, p_ws, 2 * i_blk, o_r, m_r, _mask_block(p_anc, o_r, m_r, o_r, m_r, T), b_lp, b_beta,
+                stride_qt, K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
-        else:
-            b_m00 = _mask_block(p_anc, o_r0, m_r0, o_r0, m_r0, T)
-            b_lp0 = tl.sum(tl.where(b_m00, b_g0[None, :], 0.0), axis=1)
-            b_kk, b_qk, b_ssk, b_ssq, b_ssc = _grams(
-                p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, False, DOT_PRECISION, UPCAST_DOT
-            )  # fmt: skip
-            b_rk, b_rq, b_rc = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM), _inv_norm(b_ssc, USE_QK_L2NORM)
-            b_dec = tl.exp(tl.where(b_m10, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
-            _store_block(p_ws, 4, b_dec * (b_qk * b_rq[:, None] * b_rc[None, :]), o_h, BH)
-            _store_block(p_ws, 5, b_dec * (b_kk * (b_beta * b_rk)[:, None] * b_rc[None, :]), o_h, BH)
+    elif BH < T:
+        o_r0, o_r1 = o_h, BH + o_h
+        m_r0, m_r1 = o_r0 < T, o_r1 < T
+        b_lp0 = _log_p(p_anc, b_g, o_r0, m_r0, o_t, T)
+        b_lp1 = _log_p(p_anc, b_g, o_r1, m_r1, o_t, T)
+        b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
+        b_kk, b_qk, b_ssk, b_ssq, b_ssc = _grams(
+            p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, False, DOT_PRECISION, UPCAST_DOT
+        )  # fmt: skip
+        b_rk, b_rq, b_rc = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM), _inv_norm(b_ssc, USE_QK_L2NORM)
+        b_m10 = _mask_block(p_anc, o_r1, m_r1, o_r0, m_r0, T)
+        b_dec = tl.exp(tl.where(b_m10, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
+        _store_block(p_ws, 4, b_dec * (b_qk * b_rq[:, None] * b_rc[None, :]), o_h, BH)
+        _store_block(p_ws, 5, b_dec * (b_kk * (b_beta * b_rk)[:, None] * b_rc[None, :]), o_h, BH)
 
 
 @triton.jit
