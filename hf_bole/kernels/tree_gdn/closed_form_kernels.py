@@ -24,17 +24,18 @@ import triton.language as tl
 
 from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major, use_pdl
 
-# The solve kernel's programs are short and latency-bound (a Gram block, then a few dependent [BH, BH] matmuls):
-# with 4 warps two share an SM. The apply kernel's BV trades parallelism (V-tiles are programs) against re-reading
-# the workspace per tile; it holds four [BH, BV] float32 accumulators, so BV = 64 takes 8 warps. Each config
-# compiles once per tree tile BT.
+# Launch configs, from `eval/tune_kernels.py` on an H200 (results/kernels_h200_tune): both kernels hold [BT/2, BT/2]
+# float32 tiles and run at their register limit, two programs of 4 warps per SM; with 8 warps they took 1.6-2x as
+# long. The solve kernel's Gram loop is fastest in one step (BK = 128). num_stages stays 1: with 2 (Triton 3.6), the
+# solve kernel's two-step Gram loop strayed from float64 (o off by 1.5e-2) and the apply kernel made an illegal
+# memory access; the cause was not isolated. Each config compiles once per tree tile BT.
 SOLVE_CONFIGS = [
-    triton.Config({"BK": BK}, num_warps=num_warps, num_stages=1)
-    for BK, num_warps in ((64, 4), (128, 4), (64, 8))
+    triton.Config({"BK": BK}, num_warps=4, num_stages=1)
+    for BK in (128, 64)
 ]  # fmt: skip
 APPLY_CONFIGS = [
-    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
-    for BK, BV, num_warps in ((64, 32, 4), (64, 32, 8), (64, 64, 8))
+    triton.Config({"BK": BK, "BV": 32}, num_warps=4, num_stages=1)
+    for BK in (64, 32)
 ]  # fmt: skip
 WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
