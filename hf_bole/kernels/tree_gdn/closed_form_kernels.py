@@ -24,18 +24,21 @@ import triton.language as tl
 
 from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major, use_pdl
 
-# Launch configs, from `eval/tune_kernels.py` on an H200 (results/kernels_h200_tune): both kernels hold [BT/2, BT/2]
-# float32 tiles and run at their register limit, two programs of 4 warps per SM; with 8 warps they took 1.6-2x as
-# long. The solve kernel's Gram loop is fastest in one step (BK = 128). num_stages stays 1: with 2 (Triton 3.6), the
-# solve kernel's two-step Gram loop strayed from float64 (o off by 1.5e-2) and the apply kernel made an illegal
-# memory access; the cause was not isolated. Each config compiles once per tree tile BT.
+# Launch configs, from `eval/tune_kernels.py` on an H200 (results/kernels_h200_tenth). At T = 128 both kernels hold
+# [64, 64] float32 tiles at their register limit, two programs of 4 warps per SM, and 8 warps took 1.6-2x as long;
+# the 8-warp configs serve the smaller tiles (T <= 64), where the tenth session's runs without them were 5-10%
+# slower. The solve kernel's Gram loop is fastest in one step (BK = 128). The apply kernel's BV = 64 halves how often
+# the workspace is read (B = 16: 0.219 against 0.250 ms at BV = 32), BV = 32 doubles the programs a small batch
+# spreads over the GPU (B = 1: 32.3 against 43.1 us). num_stages stays 1: with 2 (Triton 3.6) the solve kernel's
+# two-step Gram loop strayed from float64 (o off by 1.5e-2) and the apply kernel made an illegal memory access; the
+# cause was not isolated. Each config compiles once per tree tile BT (and batch of one or more).
 SOLVE_CONFIGS = [
-    triton.Config({"BK": BK}, num_warps=4, num_stages=1)
-    for BK in (128, 64)
+    triton.Config({"BK": BK}, num_warps=num_warps, num_stages=1)
+    for BK, num_warps in ((128, 4), (64, 4), (64, 8))
 ]  # fmt: skip
 APPLY_CONFIGS = [
-    triton.Config({"BK": BK, "BV": 32}, num_warps=4, num_stages=1)
-    for BK in (64, 32)
+    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
+    for BK, BV, num_warps in ((32, 64, 4), (32, 32, 4), (64, 32, 4), (64, 32, 8), (64, 64, 8))
 ]  # fmt: skip
 WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
