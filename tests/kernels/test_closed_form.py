@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_verify
+from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels
 from hf_bole.kernels.tree_gdn.closed_form_kernels import tree_gdn_verify_fwd
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
 from tests.kernels.trees import gdn_inputs, make_parents, rel_err
@@ -55,6 +56,29 @@ def test_kernels_at_every_tile(kind, T):
     q, k, v, g, beta, h0 = gdn_inputs(1, T, 1, 2, 16, 16, device=device, seed=T)
     parents = make_parents(kind, T, 1, seed=T).to(device)
     o, u, lp = tree_gdn_verify_fwd(q, k, v, g, beta, tree_ancestor_mask(parents), h0, 16**-0.5, True, "tf32x3")
+    ref_o, ref_u, ref_lp = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
+
+
+LAUNCH_CONFIGS = [pytest.param("solve", i, id=f"solve{i}") for i in range(len(kernels.SOLVE_CONFIGS))] + [
+    pytest.param("apply", i, id=f"apply{i}") for i in range(len(kernels.APPLY_CONFIGS))
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("which,index", LAUNCH_CONFIGS)
+def test_every_launch_config(which, index, monkeypatch):
+    """Every committed launch config is exact on its own: the autotuner picks among them by time alone (on an
+    H200, two stages made the solve kernel stray and the apply kernel fault). K = 64 takes the K loop two steps at
+    BK = 32, and the mixed tree of 100 nodes spans both halves of its 128-row tile."""
+    tuner = kernels.tree_gdn_verify_solve_kernel if which == "solve" else kernels.tree_gdn_verify_apply_kernel.fn
+    configs = kernels.SOLVE_CONFIGS if which == "solve" else kernels.APPLY_CONFIGS
+    monkeypatch.setattr(tuner, "configs", [configs[index]])
+    monkeypatch.setattr(tuner, "cache", {})
+    device = backend_device("triton")
+    q, k, v, g, beta, h0 = gdn_inputs(1, 100, 1, 2, 64, 64, device=device, seed=index)
+    parents = make_parents("mixed", 100, 1, seed=index).to(device)
+    o, u, lp = tree_gdn_verify_fwd(q, k, v, g, beta, tree_ancestor_mask(parents), h0, 64**-0.5, True, "tf32x3")
     ref_o, ref_u, ref_lp = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
 
