@@ -47,8 +47,8 @@
 #              forward's 7 ms go (issue 8's 600 tokens/s)
 #   pdl        the kernel tests; the benchmark with the apply kernel launched during the solve kernel (programmatic
 #              dependent launch) beside it launched after; Nsight Compute over both kernels at issue 2's two shapes
-#   twopass    the apply kernel's two-pass schedule: every launch config's test, the sweep and the benchmark at issue
-#              2's two shapes
+#   twopass    every launch config's test, the sweep and the benchmark at issue 2's two shapes (ran on a4be6ef, whose
+#              two-pass apply schedule was slower and is gone)
 #   bench10    the benchmark at 16 shapes (final10's, with time to finish)
 #   final10    the benchmark at 16 shapes with the launch configs kernels10 chose; then profile9bc
 #   kernels10  the kernel tests, the narrowed config sweep at issue 2's two shapes, the benchmark at 16 shapes
@@ -262,7 +262,7 @@ kernels10)  # tenth session: 100 + 150 + 270 s
         32,16,64 64,16,64
     tail -21 "$OUT/bench.log"
     ;;
-twopass)  # tenth session, the last 4 minutes of device time: 60 + 100 + 60 s
+twopass)  # tenth session: 60 + 100 + 60 s, on a4be6ef (an apply schedule tried and reverted, slower)
     step config_tests 60 $PYTEST tests/kernels/test_closed_form.py -k every_launch
     step tune 100 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"
     tail -16 "$OUT/tune.log"

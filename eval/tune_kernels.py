@@ -36,9 +36,8 @@ from tests.kernels.trees import make_parents  # noqa: E402
 # isolated), so none of those is searched again.
 SOLVE_SPACE = [triton.Config({"BK": BK}, num_warps=4, num_stages=1) for BK in (128, 64)]
 APPLY_SPACE = [
-    triton.Config({"BK": BK, "BV": BV, "TWO_PASS": two_pass}, num_warps=4, num_stages=1)
-    for two_pass in (False, True)
-    for BV, BK in ((32, 64), (32, 32), (64, 64), (64, 32))
+    triton.Config({"BK": BK, "BV": BV}, num_warps=4, num_stages=1)
+    for BV, BK in ((32, 64), (32, 32), (32, 128), (64, 64), (64, 32), (64, 128))
 ]
 
 

@@ -37,11 +37,8 @@ SOLVE_CONFIGS = [
     for BK, num_warps in ((128, 4), (64, 4), (64, 8))
 ]  # fmt: skip
 APPLY_CONFIGS = [
-    triton.Config({"BK": BK, "BV": BV, "TWO_PASS": two_pass}, num_warps=num_warps, num_stages=1)
-    for BK, BV, num_warps, two_pass in (
-        (32, 64, 4, False), (32, 32, 4, False), (64, 32, 4, False), (64, 32, 8, False), (64, 64, 8, False),
-        (32, 64, 4, True), (32, 32, 4, True),
-    )
+    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
+    for BK, BV, num_warps in ((32, 64, 4), (32, 32, 4), (64, 32, 4), (64, 32, 8), (64, 64, 8))
 ]  # fmt: skip
 WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
@@ -331,61 +328,6 @@ def _state_products(
     return b_ks0, b_qs0, b_ssk0, b_ssq0, b_ks1, b_qs1, b_ssk1, b_ssq1
 
 
-@triton.jit
-def _half_products(
-    p_q,
-    p_k,
-    p_h0,
-    o_r,
-    m_r,
-    o_v,
-    m_v,
-    stride_qt,
-    V,
-    K: tl.constexpr,
-    BH: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-    SPLIT_STATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    """K S_pre and Q S_pre of one half's rows o_r for the V-tile ([BH, BV] each), L2-normalised when asked: half
-    the accumulators of `_state_products`, for the two-pass schedule."""
-    b_ks = tl.zeros([BH, BV], dtype=tl.float32)
-    b_qs = tl.zeros([BH, BV], dtype=tl.float32)
-    b_ssk = tl.zeros([BH], dtype=tl.float32)
-    b_ssq = tl.zeros([BH], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_k = o_k < K
-        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
-        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0)
-        b_ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-        b_ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-        if USE_INITIAL_STATE:
-            b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-            if SPLIT_STATE:
-                b_h1 = b_h.to(tl.bfloat16)
-                b_hr = b_h - b_h1.to(tl.float32)
-                b_h2 = b_hr.to(tl.bfloat16)
-                b_h3 = (b_hr - b_h2.to(tl.float32)).to(tl.bfloat16)
-                if UPCAST_DOT:
-                    b_k, b_q = b_k.to(tl.float32), b_q.to(tl.float32)
-                    b_h1, b_h2, b_h3 = b_h1.to(tl.float32), b_h2.to(tl.float32), b_h3.to(tl.float32)
-                b_ks = _dot_state(b_k, b_h1, b_h2, b_h3, b_ks)
-                b_qs = _dot_state(b_q, b_h1, b_h2, b_h3, b_qs)
-            else:
-                b_ks = tl.dot(b_k.to(tl.float32), b_h, b_ks, input_precision=DOT_PRECISION)
-                b_qs = tl.dot(b_q.to(tl.float32), b_h, b_qs, input_precision=DOT_PRECISION)
-    if USE_QK_L2NORM:
-        b_ks *= tl.rsqrt(b_ssk + 1e-6)[:, None]
-        b_qs *= tl.rsqrt(b_ssq + 1e-6)[:, None]
-    return b_ks, b_qs
-
-
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
 @triton.autotune(configs=autotune_configs(APPLY_CONFIGS), key=["B", "BT", "H", "HK", "K", "V", "USE_QK_L2NORM"])
 @triton.jit(do_not_specialize=["T"])
@@ -419,14 +361,10 @@ def tree_gdn_verify_apply_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
-    TWO_PASS: tl.constexpr,
 ):
     # One program per (request, value head, V-tile), from R = D_beta (V - D_P K S_pre):
     #   U0 = A0 R0                    O0 = D_P Q0 S_pre + C00 U0
     #   U1 = A1 (R1 - G10 U0)         O1 = D_P Q1 S_pre + C10 U0 + C11 U1
-    # One pass forms both halves' state products before the solve kernel's results are needed (reading the state
-    # once, overlapping the solve kernel longest); TWO_PASS forms the second half's after the first half is done
-    # (reading the state tile again, from cache), holding half the accumulators.
     BH: tl.constexpr = BT // 2
     i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -451,21 +389,15 @@ def tree_gdn_verify_apply_kernel(
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V
 
-    if TWO_PASS:
-        b_ks0, b_qs0 = _half_products(
-            p_q, p_k, p_h0, o_r0, m_r0, o_v, m_v, stride_qt, V, K, BH, BK, BV,
-            USE_INITIAL_STATE, USE_QK_L2NORM, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
-    else:
-        b_ks0, b_qs0, b_ssk0, b_ssq0, b_ks1, b_qs1, b_ssk1, b_ssq1 = _state_products(
-            p_q, p_k, p_h0, o_r0, m_r0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
-            USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
-        if USE_QK_L2NORM:
-            b_ks0 *= tl.rsqrt(b_ssk0 + 1e-6)[:, None]
-            b_qs0 *= tl.rsqrt(b_ssq0 + 1e-6)[:, None]
-            b_ks1 *= tl.rsqrt(b_ssk1 + 1e-6)[:, None]
-            b_qs1 *= tl.rsqrt(b_ssq1 + 1e-6)[:, None]
+    b_ks0, b_qs0, b_ssk0, b_ssq0, b_ks1, b_qs1, b_ssk1, b_ssq1 = _state_products(
+        p_q, p_k, p_h0, o_r0, m_r0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
+        USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
+    if USE_QK_L2NORM:
+        b_ks0 *= tl.rsqrt(b_ssk0 + 1e-6)[:, None]
+        b_qs0 *= tl.rsqrt(b_ssq0 + 1e-6)[:, None]
+        b_ks1 *= tl.rsqrt(b_ssk1 + 1e-6)[:, None]
+        b_qs1 *= tl.rsqrt(b_ssq1 + 1e-6)[:, None]
     if USE_PDL:
         # Launched while the solve kernel may still run (it reads the same inputs, writes only the workspace and
         # log P): wait for its end before reading those, and before any store.
@@ -484,11 +416,6 @@ def tree_gdn_verify_apply_kernel(
 
     # ---- second half ----
     if BH < T:
-        if TWO_PASS:
-            b_ks1, b_qs1 = _half_products(
-                p_q, p_k, p_h0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
-                USE_INITIAL_STATE, USE_QK_L2NORM, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
-            )  # fmt: skip
         b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
         b_p = tl.exp(tl.load(p_lp + o_r1 * H, mask=m_r1, other=0))
         b_v = tl.load(p_v + o_r1[:, None] * stride_vt + o_v[None, :], mask=m_r1[:, None] & m_v[None, :], other=0)
