@@ -49,9 +49,14 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def use_pdl(x: torch.Tensor) -> bool:
     """True where a kernel on `x` may launch while the kernel before it still runs (programmatic dependent launch:
-    CUDA tensors on Hopper or later, not under the interpreter). The later kernel waits (`gdc_wait`) before it reads
-    what the earlier one writes, so only its independent first part overlaps."""
-    return x.is_cuda and not is_interpreter() and torch.cuda.get_device_capability(x.device)[0] >= 9
+    CUDA tensors on an NVIDIA GPU of Hopper or later, not under the interpreter). The later kernel waits
+    (`gdc_wait`) before it reads what the earlier one writes, so only its independent first part overlaps."""
+    return (
+        x.is_cuda
+        and torch.version.hip is None  # ROCm reports its own capability numbers, and has no such launch
+        and not is_interpreter()
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
 
 
 def token_major(x: torch.Tensor) -> torch.Tensor:

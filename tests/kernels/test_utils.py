@@ -36,3 +36,16 @@ def test_on_device():
         with utils.on_device(torch.zeros(1, device="cuda:1")):
             assert torch.cuda.current_device() == 1
         assert torch.cuda.current_device() == 0
+
+
+def test_use_pdl_only_for_nvidia_hopper(monkeypatch):
+    """Programmatic dependent launch is asked for only on an NVIDIA GPU of compute capability 9 or later: the
+    interpreter and other backends do not know the launch option or the wait instruction."""
+    x = torch.zeros(1)
+    assert not utils.use_pdl(x)  # a CPU tensor (the interpreter's)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(utils, "is_interpreter", lambda: False)
+    for capability, hip, expected in (((9, 0), None, True), ((8, 0), None, False), ((9, 4), "6.2", False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        monkeypatch.setattr(torch.version, "hip", hip)
+        assert utils.use_pdl(x) is expected, (capability, hip)

@@ -453,7 +453,8 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
             q, k, v, beta, initial_state, ws, log_decay, o, u, scale,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
             K=K, V=V, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
-            DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl, launch_pdl=pdl,
+            DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl,
+            **({"launch_pdl": True} if pdl else {}),  # a launch option only NVIDIA's Triton backend knows
         )  # fmt: skip
     return o, u, log_decay
 
