@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
+from hf_bole.kernels.tree_gdn import closed_form_kernels  # noqa: E402
 from hf_bole.kernels.tree_gdn.closed_form_kernels import solve, tree_gdn_verify_fwd, workspace_bytes  # noqa: E402
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
@@ -104,6 +105,19 @@ def copy_ceiling_gbps() -> float:
     y = torch.empty_like(x)
     ms, _, _ = time_graph(lambda a, b: b.copy_(a), [(x, y)], reps=30)
     return 2 * x.numel() / ms / 1e6
+
+
+def describe(config) -> str:
+    """A triton.Config as `BK=..,BV=..,w=..,s=..`."""
+    kw = ",".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"{kw},w={config.num_warps},s={config.num_stages}"
+
+
+def chosen_configs() -> dict:
+    """The launch configs the closed form's autotuners chose at the shape they ran last."""
+    solve_tuner = closed_form_kernels.tree_gdn_verify_solve_kernel
+    tuners = {"solve": solve_tuner, "apply": closed_form_kernels.tree_gdn_verify_apply_kernel.fn}
+    return {name: describe(tuner.best_config) for name, tuner in tuners.items()}
 
 
 def layer_inputs(B, T, HK, H, K, V, seed):
@@ -209,6 +223,7 @@ def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
             continue
         rows.append(
             {"provider": name, "ms": ms, "ms_q20": lo, "ms_q80": hi, "bytes_moved": moved, "transient_bytes": transient}
+            | ({"configs": chosen_configs()} if name in KERNELS else {})
         )
     mask_ms, _, _ = time_graph(lambda p: tree_ancestor_mask(p), [(parents,)])
     rows.append({"provider": "ancestor_mask_per_tree", "ms": mask_ms, "bytes_moved": 0, "transient_bytes": B * T * T})

@@ -24,7 +24,15 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eval.bench_kernels import bounded_depth, machine_header, rel_err, rotating_inputs, time_graph  # noqa: E402
+from eval.bench_kernels import (  # noqa: E402
+    bounded_depth,
+    chosen_configs,
+    describe,
+    machine_header,
+    rel_err,
+    rotating_inputs,
+    time_graph,
+)
 from hf_bole.kernels import tree_ancestor_mask  # noqa: E402
 from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels  # noqa: E402
 from hf_bole.kernels.tree_gdn.closed_form import torch_tree_gdn_verify  # noqa: E402
@@ -39,11 +47,6 @@ APPLY_SPACE = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=4, num_stages=1)
     for BV, BK in ((32, 64), (32, 32), (32, 128), (64, 64), (64, 32), (64, 128))
 ]
-
-
-def describe(config: triton.Config) -> str:
-    kw = ",".join(f"{k}={v}" for k, v in config.kwargs.items())
-    return f"{kw},w={config.num_warps},s={config.num_stages}"
 
 
 def pinned(autotuner, configs: list[triton.Config]):
@@ -96,7 +99,8 @@ def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128,
             yield row
         pinned(solve_kernel, tuned[0])
         pinned(apply_kernel, tuned[1])  # what tree_gdn_verify runs: the autotuner's pick among the committed configs
-        yield {"H": H, "B": B, "T": T, "kernel": "layer", "config": "autotuned", "ms": time_graph(layer, sets)[0]}
+        ms = time_graph(layer, sets)[0]
+        yield {"H": H, "B": B, "T": T, "kernel": "layer", "config": "autotuned", "ms": ms, "chosen": chosen_configs()}
     finally:
         pinned(solve_kernel, tuned[0])
         pinned(apply_kernel, tuned[1])
@@ -125,7 +129,7 @@ def main() -> None:
         group = sorted(group, key=lambda r: r.get("ms", float("inf")))
         print(f"H={H} B={B} T={T} {kernel}:")
         for r in group[:5] + [r for r in group[5:] if r["config"] == "autotuned" or "error" in r]:
-            print(f"  {r['config']:<32} {r.get('ms', float('nan')):8.4f}  {r.get('error', '')}")
+            print(f"  {r['config']:<32} {r.get('ms', float('nan')):8.4f}  {r.get('error', r.get('chosen', ''))}")
 
 
 if __name__ == "__main__":
