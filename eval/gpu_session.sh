@@ -49,13 +49,12 @@
 #              dependent launch) beside it launched after; Nsight Compute over both kernels at issue 2's two shapes
 #   twopass    every launch config's test, the sweep and the benchmark at issue 2's two shapes (ran on a4be6ef, whose
 #              two-pass apply schedule was slower and is gone)
-#   bench10    the benchmark at 16 shapes (final10's, with time to finish)
-#   final10    the benchmark at 16 shapes with the launch configs kernels10 chose; then profile9bc
+#   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
 #   kernels10  the kernel tests, the narrowed config sweep at issue 2's two shapes, the benchmark at 16 shapes
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|final10|bench10|twopass}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|twopass}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -87,6 +86,17 @@ harness() {  # harness NAME SECONDS ARGS...: eval/run.py into /tmp/NAME, its tab
     cp "/tmp/$name/results.md" "$OUT/$name.md" 2>/dev/null
     cp "/tmp/$name/results.jsonl" "$OUT/$name.jsonl" 2>/dev/null || cp "/tmp/$name/results.partial.jsonl" "$OUT/$name.jsonl"
 }
+ncu_step() {  # ncu_step NAME SECONDS ARGS...: eval/ncu_kernels.py ARGS under Nsight Compute (registers, stalls)
+    local name=$1 limit=$2
+    shift 2
+    local ncu
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    step "$name" "$limit" "$ncu" --clock-control none -k regex:tree_gdn_verify --section LaunchStats \
+        --section Occupancy --section SpeedOfLight --section WarpStateStats python3 eval/ncu_kernels.py "$@"
+}
+# Issue 2's two target shapes first, then the tree sizes a model verifies
+SHAPES16="32,16,128 48,1,128 32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 32,8,16 32,8,32
+    32,8,64 32,16,16 32,16,64 64,16,64"
 # 8 workers, as eval/gpu_tests.sh runs them: one process spent check7's 100 s compiling Triton kernels test by test
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rf --tb=short $XDIST"
@@ -225,20 +235,15 @@ kernels)
 split)  # ninth session: 150 + 330 + 120 s
     step kernel_tests 150 $PYTEST tests/kernels/test_closed_form.py
     step bench_split 330 python3 eval/bench_kernels.py --out "$OUT/kernels_split.jsonl" --providers serial fla bole \
-        solve --shapes 32,16,128 48,1,128 32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 \
-        32,8,16 32,8,32 32,8,64 32,16,16 32,16,64 64,16,64
+        solve --shapes $SHAPES16
     tail -21 "$OUT/bench_split.log"
     step model_tests 120 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/generation/test_graphs.py
     ;;
 pdl)  # tenth session: 100 + 300 + 90 s
     step kernel_tests 100 $PYTEST tests/kernels/test_closed_form.py
-    step bench_pdl 300 python3 eval/bench_kernels.py --out "$OUT/kernels_pdl.jsonl" --shapes 32,16,128 48,1,128 \
-        32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 32,8,16 32,8,32 32,8,64 32,16,16 \
-        32,16,64 64,16,64
+    step bench_pdl 300 python3 eval/bench_kernels.py --out "$OUT/kernels_pdl.jsonl" --shapes $SHAPES16
     tail -21 "$OUT/bench_pdl.log"
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    step ncu 90 "$NCU" --clock-control none -k regex:tree_gdn_verify --section LaunchStats --section Occupancy \
-        --section SpeedOfLight --section WarpStateStats python3 eval/ncu_kernels.py --shapes 32,16,128 48,1,128
+    ncu_step ncu 90 --shapes 32,16,128 48,1,128
     grep -E "tree_gdn|Registers|Spill|Achieved Occ|Theoretical Occ|Duration|Compute \(SM\) Thr|Memory Thr|Block Limit" \
         "$OUT/ncu.log" | head -80
     ;;
@@ -247,19 +252,14 @@ tune)  # tenth session: 100 + 130 + 280 + 40 s; 24 configs compile per tree tile
     step model_tests 130 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/generation/test_graphs.py
     step tune 280 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"
     tail -30 "$OUT/tune.log"
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    step ncu8 40 "$NCU" --clock-control none -k regex:tree_gdn_verify --section LaunchStats --section Occupancy \
-        --section SpeedOfLight --section WarpStateStats python3 eval/ncu_kernels.py --shapes 32,16,128 48,1,128 \
-        --calls 1 --solve-config 64,8,1 --apply-config 64,32,8,1
+    ncu_step ncu8 40 --shapes 32,16,128 48,1,128 --calls 1 --solve-config 64,8,1 --apply-config 64,32,8,1
     grep -E "^  tree_gdn|Registers Per|Achieved Occ|Duration|Est. Local|stalled" "$OUT/ncu8.log" | head -60
     ;;
 kernels10)  # tenth session: 100 + 150 + 270 s
     step kernel_tests 100 $PYTEST tests/kernels/test_closed_form.py
     step tune 150 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"
     tail -22 "$OUT/tune.log"
-    step bench 270 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes 32,16,128 48,1,128 \
-        32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 32,8,16 32,8,32 32,8,64 32,16,16 \
-        32,16,64 64,16,64
+    step bench 270 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16
     tail -21 "$OUT/bench.log"
     ;;
 twopass)  # tenth session: 60 + 100 + 60 s, on a4be6ef (an apply schedule tried and reverted, slower)
@@ -270,20 +270,9 @@ twopass)  # tenth session: 60 + 100 + 60 s, on a4be6ef (an apply schedule tried 
         --providers fla bole solve
     tail -5 "$OUT/bench.log"
     ;;
-bench10)  # tenth session: final10's benchmark, which ran past its 150 s
-    step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes 32,16,128 48,1,128 \
-        32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 32,8,16 32,8,32 32,8,64 32,16,16 \
-        32,16,64 64,16,64
+bench10)  # tenth session: 300 s (a first try with 150 s on a fresh machine was cut short)
+    step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16
     tail -21 "$OUT/bench.log"
-    ;;
-final10)  # tenth session: 150 + 420 s (the benchmark ran past its 150 s: bench10 repeats it)
-    step bench 150 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes 32,16,128 48,1,128 \
-        32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 32,8,16 32,8,32 32,8,64 32,16,16 \
-        32,16,64 64,16,64
-    tail -21 "$OUT/bench.log"
-    step profile_9b_b1_compiled 420 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \
-        --batch-sizes 1 --num-prompts 1 --max-new-tokens 64 --top 30 --json "$OUT/profile_9b_b1_compiled.json"
-    tail -60 "$OUT/profile_9b_b1_compiled.log"
     ;;
 profile9bc)
     step profile_9b_b1_compiled 420 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \
