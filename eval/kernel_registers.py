@@ -1,0 +1,101 @@
+"""Registers and spills of the closed form's kernels for an H200 (sm_90a), compiled offline: no GPU needed.
+
+Triton compiles each launch config to PTX for the target, and the ptxas that ships in Triton's wheel reports
+registers, spill stores and spill loads per thread (`ptxas -v`). On an H200 both kernels ran at their register
+limit (Nsight Compute, results/kernels_h200_tenth), so spills are what a change to them should be checked for
+before a GPU run. The figures come from this machine's Triton, which may differ from the GPU's. Usage:
+
+    python eval/kernel_registers.py [--tile 128] [--precision tf32x3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not for the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+# Pointer and scalar types of the kernels' arguments as a model calls them (bf16 q/k/v/beta, fp32 g and state).
+POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "h0": "*fp32", "anc": "*u8",
+            "o": "*bf16", "scale": "fp32"}  # fmt: skip
+
+
+def ptxas() -> str:
+    """Triton's bundled ptxas that accepts the PTX version this Triton emits (the newest one shipped)."""
+    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    names = [n for n in ("ptxas-blackwell", "ptxas") if os.path.exists(os.path.join(folder, n))]
+    if not names:
+        raise SystemExit(f"no ptxas in {folder}: this Triton wheel does not ship one")
+    return os.path.join(folder, names[0])
+
+
+def signature(fn, constexprs: dict) -> dict:
+    """Every argument of `fn` typed: constexprs as such, pointers by name (fp32 by default), the rest i32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            sig[name] = POINTERS[name]
+        elif name.startswith("stride") or name in ("B", "T", "H", "HK"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "*fp32"
+    return sig
+
+
+def registers(fn, constexprs: dict, config: triton.Config) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) per thread of `fn` built with `constexprs` and `config`."""
+    constexprs = {**constexprs, **config.kwargs}
+    source = ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    compiled = triton.compile(source, target=TARGET, options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        run = subprocess.run(
+            [ptxas(), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "kernel.cubin")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    report = run.stdout + run.stderr
+    used = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return int(used.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tile", type=int, default=128, help="the tree tile BT (32, 64 or 128)")
+    ap.add_argument("--precision", default="tf32x3", help="dot_precision of the float32 matmuls")
+    args = ap.parse_args()
+    common = {"K": 128, "BT": args.tile, "USE_QK_L2NORM": True, "DOT_PRECISION": args.precision, "UPCAST_DOT": False,
+              "USE_PDL": True}  # fmt: skip
+    apply = {**common, "V": 128, "USE_INITIAL_STATE": True, "SPLIT_STATE": True}
+    print(f"Triton {triton.__version__}, sm_90a, K = V = 128, BT = {args.tile}, {args.precision}")
+    print(f"{'kernel':<7} {'config':<28} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
+    for name, fn, constexprs, configs in (
+        ("solve", kernels.tree_gdn_verify_solve_kernel.fn, common, kernels.SOLVE_CONFIGS),
+        ("apply", kernels.tree_gdn_verify_apply_kernel.fn.fn, apply, kernels.APPLY_CONFIGS),
+    ):
+        for config in configs:
+            described = ",".join(f"{k}={v}" for k, v in config.kwargs.items()) + f",w={config.num_warps}"
+            regs, stores, loads = registers(fn, constexprs, config)
+            print(f"{name:<7} {described:<28} {regs:>9} {stores:>12} {loads:>11}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
