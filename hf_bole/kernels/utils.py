@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 
@@ -51,12 +52,14 @@ def use_pdl(x: torch.Tensor) -> bool:
     """True where a kernel on `x` may launch while the kernel before it still runs (programmatic dependent launch:
     CUDA tensors on an NVIDIA GPU of Hopper or later, not under the interpreter). The later kernel waits
     (`gdc_wait`) before it reads what the earlier one writes, so only its independent first part overlaps."""
-    return (
-        x.is_cuda
-        and torch.version.hip is None  # ROCm reports its own capability numbers, and has no such launch
-        and not is_interpreter()
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
+    return x.is_cuda and not is_interpreter() and _launches_dependents(x.device.index)
+
+
+@functools.cache
+def _launches_dependents(device_index: int) -> bool:
+    """Whether the GPU has programmatic dependent launch; asked once per device, not at every layer's launch."""
+    # ROCm reports its own capability numbers, and has no such launch.
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def token_major(x: torch.Tensor) -> torch.Tensor:

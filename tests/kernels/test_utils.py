@@ -48,4 +48,6 @@ def test_use_pdl_only_for_nvidia_hopper(monkeypatch):
     for capability, hip, expected in (((9, 0), None, True), ((8, 0), None, False), ((9, 4), "6.2", False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
         monkeypatch.setattr(torch.version, "hip", hip)
+        utils._launches_dependents.cache_clear()  # asked once per device: each case is a new GPU
         assert utils.use_pdl(x) is expected, (capability, hip)
+    utils._launches_dependents.cache_clear()
