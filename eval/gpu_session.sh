@@ -47,14 +47,12 @@
 #              forward's 7 ms go (issue 8's 600 tokens/s)
 #   pdl        the kernel tests; the benchmark with the apply kernel launched during the solve kernel (programmatic
 #              dependent launch) beside it launched after; Nsight Compute over both kernels at issue 2's two shapes
-#   twopass    every launch config's test, the sweep and the benchmark at issue 2's two shapes (ran on a4be6ef, whose
-#              two-pass apply schedule was slower and is gone)
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
 #   kernels10  the kernel tests, the narrowed config sweep at issue 2's two shapes, the benchmark at 16 shapes
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|twopass}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -261,14 +259,6 @@ kernels10)  # tenth session: 100 + 150 + 270 s
     tail -22 "$OUT/tune.log"
     step bench 270 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16
     tail -21 "$OUT/bench.log"
-    ;;
-twopass)  # tenth session: 60 + 100 + 60 s, on a4be6ef (an apply schedule tried and reverted, slower)
-    step config_tests 60 $PYTEST tests/kernels/test_closed_form.py -k every_launch
-    step tune 100 python3 eval/tune_kernels.py --shapes 32,16,128 48,1,128 --out "$OUT/tune.jsonl"
-    tail -16 "$OUT/tune.log"
-    step bench 60 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes 32,16,128 48,1,128 \
-        --providers fla bole solve
-    tail -5 "$OUT/bench.log"
     ;;
 bench10)  # tenth session: 300 s (a first try with 150 s on a fresh machine was cut short)
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16
