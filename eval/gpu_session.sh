@@ -47,12 +47,14 @@
 #              forward's 7 ms go (issue 8's 600 tokens/s)
 #   pdl        the kernel tests; the benchmark with the apply kernel launched during the solve kernel (programmatic
 #              dependent launch) beside it launched after; Nsight Compute over both kernels at issue 2's two shapes
+#   bench11    the benchmark at 16 shapes (kernels without elementwise norms); the 9B shape's budget table; the kernel
+#              tests on CUDA
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
 #   kernels10  the kernel tests, the narrowed config sweep at issue 2's two shapes, the benchmark at 16 shapes
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -259,6 +261,14 @@ kernels10)  # tenth session: 100 + 150 + 270 s
     tail -22 "$OUT/tune.log"
     step bench 270 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16
     tail -21 "$OUT/bench.log"
+    ;;
+bench11)  # eleventh session, first call: 300 + 190 + 80 s
+    step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16 --providers serial fla \
+        bole solve
+    tail -21 "$OUT/bench.log"
+    step calibrate_9b 190 python3 -m hf_bole.calibrate --shape 9B --dtype bf16 --batch-sizes 1 4 8 16 \
+        --kv-lengths 512 --reps 5 --out "$OUT/budget_9b.json" --plot "$OUT/budget_9b.png"
+    step kernel_tests 80 $PYTEST tests/kernels/test_closed_form.py
     ;;
 bench10)  # tenth session: 300 s (a first try with 150 s on a fresh machine was cut short)
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16

@@ -10,6 +10,10 @@ So a solve kernel, one program per (request, value head, block: 00, 11 or 10), f
 and G, C of its block and, on the diagonal, the inverse by doubling, (I - G)(I + G^2)(I + G^4)..., as many
 factors as the bits of the longest chain inside the block: log(depth) dependent matmuls, not depth. The six
 [BH, BH] float32 blocks A0, C00, A1, C11, C10, G10 go to a workspace (`workspace_bytes`, freed with the call).
+With q and k L2-normalised in the kernel, the key norms come from the diagonal of K K^T; only the inverses need
+them inside; C and the off-diagonal blocks are stored without the row and column norms the apply kernel can apply
+to their products (its rows' 1 / ||k||, 1 / ||q|| written by the solve kernel), so that neither kernel squares
+[BH, BK] tiles elementwise, which had filled their registers (spills of 1-4 KB a thread at T = 128).
 An apply kernel, one program per (request, value head, V-tile), reads the state tile once for both halves, forms
 K S_pre and Q S_pre as three exact bf16 matmuls against a bf16 split of the fp32 state, and applies the blocks.
 The tree enters as its ancestor mask (built once per tree, shared by every head and layer), so log P is a masked
@@ -24,12 +28,12 @@ import triton.language as tl
 
 from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major, use_pdl
 
-# Launch configs, from `eval/tune_kernels.py` on an H200 (results/kernels_h200_tenth). At T = 128 both kernels hold
-# [64, 64] float32 tiles at their register limit, two programs of 4 warps per SM, and 8 warps took 1.6-2x as long;
+# Launch configs, from `eval/tune_kernels.py` on an H200 (results/kernels_h200_tenth, kernels_h200_eleventh). At
+# T = 128 both kernels hold [64, 64] float32 tiles, two programs of 4 warps per SM, and 8 warps took 1.6-2x as long;
 # the 8-warp configs serve the smaller tiles (T <= 64), where the tenth session's runs without them were 5-10%
 # slower. The solve kernel's Gram loop is fastest in one step (BK = 128). The apply kernel's BV = 64 halves how often
-# the workspace is read (B = 16: 0.219 against 0.250 ms at BV = 32), BV = 32 doubles the programs a small batch
-# spreads over the GPU (B = 1: 32.3 against 43.1 us). num_stages stays 1: with 2 (Triton 3.6) the solve kernel's
+# the workspace is read (B = 16, T = 128: 0.209 against 0.235 ms at BV = 32), BV = 32 doubles the programs a small
+# batch spreads over the GPU (B = 1: 31.1 against 39.1 us). num_stages stays 1: with 2 (Triton 3.6) the solve kernel's
 # two-step Gram loop strayed from float64 (o off by 1.5e-2) and the apply kernel made an illegal memory access; the
 # cause was not isolated. Each config compiles once per tree tile BT (and batch of one or more).
 SOLVE_CONFIGS = [
@@ -72,12 +76,10 @@ def _grams(
     UPCAST_DOT: tl.constexpr,
 ):
     """Raw Gram blocks K_r K_c^T and Q_r K_c^T ([BH, BH]) of the row block o_r against the column block o_c (the
-    same block when DIAG), and from the same loads the squared norms of k_r, q_r and k_c ([BH] each)."""
+    same block when DIAG). No norms here: squaring [BH, BK] tiles elementwise is what filled the kernels' registers;
+    the keys' come from the diagonal of K_r K_r^T, the queries' from `_sq_norms`."""
     b_kk = tl.zeros([BH, BH], dtype=tl.float32)
     b_qk = tl.zeros([BH, BH], dtype=tl.float32)
-    b_ssk = tl.zeros([BH], dtype=tl.float32)
-    b_ssq = tl.zeros([BH], dtype=tl.float32)
-    b_ssc = tl.zeros([BH], dtype=tl.float32)
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = o_k < K
@@ -87,14 +89,22 @@ def _grams(
             b_c = b_k
         else:
             b_c = tl.load(p_k + o_c[:, None] * stride_qt + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0)
-        b_ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-        b_ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-        b_ssc += tl.sum(b_c.to(tl.float32) * b_c.to(tl.float32), axis=1)
         if UPCAST_DOT:
             b_k, b_q, b_c = b_k.to(tl.float32), b_q.to(tl.float32), b_c.to(tl.float32)
         b_kk = tl.dot(b_k, tl.trans(b_c), b_kk, input_precision=DOT_PRECISION)
         b_qk = tl.dot(b_q, tl.trans(b_c), b_qk, input_precision=DOT_PRECISION)
-    return b_kk, b_qk, b_ssk, b_ssq, b_ssc
+    return b_kk, b_qk
+
+
+@triton.jit
+def _sq_norms(p_x, o_r, m_r, stride_qt, K: tl.constexpr, BH: tl.constexpr):
+    """Squared norms ([BH]) of the rows o_r, 32 columns at a time (few registers)."""
+    b_ss = tl.zeros([BH], dtype=tl.float32)
+    for i_k in range(0, K, 32):
+        o_k = i_k + tl.arange(0, 32)
+        b_x = tl.load(p_x + o_r[:, None] * stride_qt + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0)
+        b_ss += tl.sum(b_x.to(tl.float32) * b_x.to(tl.float32), axis=1)
+    return b_ss
 
 
 @triton.jit
@@ -148,6 +158,7 @@ def _diagonal_block(
     p_q,
     p_k,
     p_ws,
+    p_rn,
     i_block,
     o_r,
     m_r,
@@ -155,6 +166,8 @@ def _diagonal_block(
     b_lp,
     b_beta,
     stride_qt,
+    WRITE_NORMS,
+    HK,
     K: tl.constexpr,
     BH: tl.constexpr,
     BK: tl.constexpr,
@@ -162,17 +175,22 @@ def _diagonal_block(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """The diagonal block of the rows o_r (ancestor mask b_m, log P b_lp): (I + G)^-1 and C, written to the
-    workspace's blocks i_block and i_block + 1."""
-    b_kk, b_qk, b_ssk, b_ssq, _ = _grams(p_q, p_k, o_r, m_r, o_r, m_r, stride_qt, K, BH, BK, True, DOT_PRECISION, UPCAST_DOT)
-    b_rk, b_rq = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM)
-    # P_i / P_j on the ancestor mask only (an entry off it would overflow).
-    b_dec = tl.exp(tl.where(b_m, b_lp[:, None] - b_lp[None, :], float("-inf")))
+    """The diagonal block of the rows o_r (ancestor mask b_m, log P b_lp): (I + G)^-1 and C D_rq^-1 (C without
+    the queries' norms, which the apply kernel applies), written to the workspace's blocks i_block and i_block + 1;
+    with WRITE_NORMS (one value head per key head) also the rows' 1 / ||k|| and 1 / ||q|| to p_rn."""
+    b_kk, b_qk = _grams(p_q, p_k, o_r, m_r, o_r, m_r, stride_qt, K, BH, BK, True, DOT_PRECISION, UPCAST_DOT)
     o_h = tl.arange(0, BH)
     eye = o_h[:, None] == o_h[None, :]
+    b_rk = _inv_norm(tl.sum(tl.where(eye, b_kk, 0.0), axis=1), USE_QK_L2NORM)  # ||k_i||^2 = (K K^T)_ii
+    if USE_QK_L2NORM:
+        if WRITE_NORMS:
+            tl.store(p_rn + o_r * HK * 2, b_rk, mask=m_r)
+            tl.store(p_rn + o_r * HK * 2 + 1, _inv_norm(_sq_norms(p_q, o_r, m_r, stride_qt, K, BH), True), mask=m_r)
+    # P_i / P_j on the ancestor mask only (an entry off it would overflow).
+    b_dec = tl.exp(tl.where(b_m, b_lp[:, None] - b_lp[None, :], float("-inf")))
     b_G = tl.where(eye, 0.0, b_dec) * (b_kk * (b_beta * b_rk)[:, None] * b_rk[None, :])
     # C first: its Gram block and the decays are then dead during the inverse's matmuls (fewer live registers).
-    _store_block(p_ws, i_block + 1, b_dec * (b_qk * b_rq[:, None] * b_rk[None, :]), o_h, BH)
+    _store_block(p_ws, i_block + 1, b_dec * (b_qk * b_rk[None, :]), o_h, BH)
     _store_block(p_ws, i_block, _unit_lower_inverse(b_G, eye, _chain_length(b_m), DOT_PRECISION), o_h, BH)
 
 
@@ -186,6 +204,7 @@ def tree_gdn_verify_solve_kernel(
     anc,
     ws,
     log_decay,
+    rnorm,
     stride_qb,
     stride_qt,
     B,
@@ -202,7 +221,9 @@ def tree_gdn_verify_solve_kernel(
 ):
     # One program per (block, request x value head). Block 0: A0 and C00, and log P of the first half's rows;
     # block 1: A1 and C11, and log P of the second half's (nothing when the tree fits in one half); block 2: C10 and
-    # G10. None needs another's results.
+    # G10 without norms or beta (the apply kernel scales their products). None needs another's results. The
+    # diagonal blocks' programs of each key head's first value head write the rows' inverse norms to rnorm
+    # ([B, T, HK, 2]: keys, queries), which the apply kernel reads.
     if USE_PDL:
         # The apply kernel may start now: its state products need nothing of this kernel's, and it waits for
         # this kernel's end before it reads the workspace.
@@ -219,6 +240,7 @@ def tree_gdn_verify_solve_kernel(
     p_q = q + i_b * stride_qb + i_hk * K
     p_k = k + i_b * stride_qb + i_hk * K
     p_ws = ws + i_bh * 6 * BH * BH
+    p_rn = rnorm + (i_b * T * HK + i_hk) * 2
     b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=o_t < T, other=0).to(tl.float32)  # [BT]
 
     if i_blk < 2:
@@ -231,23 +253,28 @@ def tree_gdn_verify_solve_kernel(
             tl.store(log_decay + (i_b * T + o_r) * H + i_h, b_lp, mask=m_r)
             b_beta = tl.load(p_beta + o_r * H, mask=m_r, other=0).to(tl.float32)
             _diagonal_block(
-                p_q, p_k, p_ws, 2 * i_blk, o_r, m_r, _mask_block(p_anc, o_r, m_r, o_r, m_r, T), b_lp, b_beta,
-                stride_qt, K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
+                p_q, p_k, p_ws, p_rn, 2 * i_blk, o_r, m_r, _mask_block(p_anc, o_r, m_r, o_r, m_r, T), b_lp, b_beta,
+                stride_qt, i_h % (H // HK) == 0, HK, K, BH, BK, USE_QK_L2NORM, DOT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
     elif BH < T:
         o_r0, o_r1 = o_h, BH + o_h
         m_r0, m_r1 = o_r0 < T, o_r1 < T
         b_lp0 = _log_p(p_anc, b_g, o_r0, m_r0, o_t, T)
         b_lp1 = _log_p(p_anc, b_g, o_r1, m_r1, o_t, T)
-        b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
-        b_kk, b_qk, b_ssk, b_ssq, b_ssc = _grams(
-            p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, False, DOT_PRECISION, UPCAST_DOT
-        )  # fmt: skip
-        b_rk, b_rq, b_rc = _inv_norm(b_ssk, USE_QK_L2NORM), _inv_norm(b_ssq, USE_QK_L2NORM), _inv_norm(b_ssc, USE_QK_L2NORM)
+        b_kk, b_qk = _grams(p_q, p_k, o_r1, m_r1, o_r0, m_r0, stride_qt, K, BH, BK, False, DOT_PRECISION, UPCAST_DOT)
         b_m10 = _mask_block(p_anc, o_r1, m_r1, o_r0, m_r0, T)
         b_dec = tl.exp(tl.where(b_m10, b_lp1[:, None] - b_lp0[None, :], float("-inf")))
-        _store_block(p_ws, 4, b_dec * (b_qk * b_rq[:, None] * b_rc[None, :]), o_h, BH)
-        _store_block(p_ws, 5, b_dec * (b_kk * (b_beta * b_rk)[:, None] * b_rc[None, :]), o_h, BH)
+        _store_block(p_ws, 4, b_dec * b_qk, o_h, BH)
+        _store_block(p_ws, 5, b_dec * b_kk, o_h, BH)
+
+
+@triton.jit
+def _row_norms(p_rn, o_r, m_r, HK, BH: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+    """The rows' 1 / ||k|| and 1 / ||q|| ([BH] each) the solve kernel wrote, or ones without the L2 norm."""
+    if USE_QK_L2NORM:
+        return tl.load(p_rn + o_r * HK * 2, mask=m_r, other=0), tl.load(p_rn + o_r * HK * 2 + 1, mask=m_r, other=0)
+    else:
+        return tl.full([BH], 1.0, dtype=tl.float32), tl.full([BH], 1.0, dtype=tl.float32)
 
 
 @triton.jit
@@ -280,16 +307,12 @@ def _state_products(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Raw K S_pre and Q S_pre of both halves' rows for the V-tile ([BH, BV] each), and the squared norms of their
-    k and q rows ([BH] each); every chunk of the state is read, and split, once for both halves."""
+    """Raw K S_pre and Q S_pre of both halves' rows for the V-tile ([BH, BV] each); every chunk of the state is
+    read, and split, once for both halves. (The rows' norms come from the solve kernel.)"""
     b_ks0 = tl.zeros([BH, BV], dtype=tl.float32)
     b_qs0 = tl.zeros([BH, BV], dtype=tl.float32)
     b_ks1 = tl.zeros([BH, BV], dtype=tl.float32)
     b_qs1 = tl.zeros([BH, BV], dtype=tl.float32)
-    b_ssk0 = tl.zeros([BH], dtype=tl.float32)
-    b_ssq0 = tl.zeros([BH], dtype=tl.float32)
-    b_ssk1 = tl.zeros([BH], dtype=tl.float32)
-    b_ssq1 = tl.zeros([BH], dtype=tl.float32)
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = o_k < K
@@ -299,10 +322,6 @@ def _state_products(
         b_q0 = tl.load(p_q + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
         b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
         b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
-        b_ssk0 += tl.sum(b_k0.to(tl.float32) * b_k0.to(tl.float32), axis=1)
-        b_ssq0 += tl.sum(b_q0.to(tl.float32) * b_q0.to(tl.float32), axis=1)
-        b_ssk1 += tl.sum(b_k1.to(tl.float32) * b_k1.to(tl.float32), axis=1)
-        b_ssq1 += tl.sum(b_q1.to(tl.float32) * b_q1.to(tl.float32), axis=1)
         if USE_INITIAL_STATE:
             b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
             if SPLIT_STATE:
@@ -325,7 +344,7 @@ def _state_products(
                 b_qs0 = tl.dot(b_q0.to(tl.float32), b_h, b_qs0, input_precision=DOT_PRECISION)
                 b_ks1 = tl.dot(b_k1.to(tl.float32), b_h, b_ks1, input_precision=DOT_PRECISION)
                 b_qs1 = tl.dot(b_q1.to(tl.float32), b_h, b_qs1, input_precision=DOT_PRECISION)
-    return b_ks0, b_qs0, b_ssk0, b_ssq0, b_ks1, b_qs1, b_ssk1, b_ssq1
+    return b_ks0, b_qs0, b_ks1, b_qs1
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
@@ -339,6 +358,7 @@ def tree_gdn_verify_apply_kernel(
     h0,
     ws,
     log_decay,
+    rnorm,
     o,
     u,
     scale,
@@ -362,9 +382,10 @@ def tree_gdn_verify_apply_kernel(
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # One program per (request, value head, V-tile), from R = D_beta (V - D_P K S_pre):
-    #   U0 = A0 R0                    O0 = D_P Q0 S_pre + C00 U0
-    #   U1 = A1 (R1 - G10 U0)         O1 = D_P Q1 S_pre + C10 U0 + C11 U1
+    # One program per (request, value head, V-tile), from R = D_beta (V - D_P K S_pre), with the norms the solve
+    # kernel left out of C and of the off-diagonal blocks (r_k, r_q: the rows' 1 / ||k||, 1 / ||q||):
+    #   U0 = A0 R0                                          O0 = D_P Q0 S_pre + D_rq0 C00' U0
+    #   U1 = A1 (R1 - D_beta1 D_rk1 G10' D_rk0 U0)          O1 = D_P Q1 S_pre + D_rq1 (C10' D_rk0 U0 + C11' U1)
     BH: tl.constexpr = BT // 2
     i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -379,6 +400,7 @@ def tree_gdn_verify_apply_kernel(
     m_v = o_v < V
     p_beta = beta + i_b * T * H + i_h
     p_lp = log_decay + i_b * T * H + i_h
+    p_rn = rnorm + (i_b * T * HK + i_hk) * 2
     p_q = q + i_b * stride_qb + i_hk * K
     p_k = k + i_b * stride_qb + i_hk * K
     p_v = v + i_b * stride_vb + i_h * V
@@ -389,27 +411,25 @@ def tree_gdn_verify_apply_kernel(
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V
 
-    b_ks0, b_qs0, b_ssk0, b_ssq0, b_ks1, b_qs1, b_ssk1, b_ssq1 = _state_products(
+    b_ks0, b_qs0, b_ks1, b_qs1 = _state_products(
         p_q, p_k, p_h0, o_r0, m_r0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
         USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
-    if USE_QK_L2NORM:
-        b_ks0 *= tl.rsqrt(b_ssk0 + 1e-6)[:, None]
-        b_qs0 *= tl.rsqrt(b_ssq0 + 1e-6)[:, None]
-        b_ks1 *= tl.rsqrt(b_ssk1 + 1e-6)[:, None]
-        b_qs1 *= tl.rsqrt(b_ssq1 + 1e-6)[:, None]
     if USE_PDL:
-        # Launched while the solve kernel may still run (it reads the same inputs, writes only the workspace and
-        # log P): wait for its end before reading those, and before any store.
+        # Launched while the solve kernel may still run (it reads the same inputs, writes only the workspace, log P
+        # and the norms): wait for its end before reading those, and before any store.
         tl.extra.cuda.gdc_wait()
+    b_rk0, b_rq0 = _row_norms(p_rn, o_r0, m_r0, HK, BH, USE_QK_L2NORM)
+    b_rk1, b_rq1 = _row_norms(p_rn, o_r1, m_r1, HK, BH, USE_QK_L2NORM)
 
     # ---- first half ----
     b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
     b_p = tl.exp(tl.load(p_lp + o_r0 * H, mask=m_r0, other=0))
     b_v = tl.load(p_v + o_r0[:, None] * stride_vt + o_v[None, :], mask=m_r0[:, None] & m_v[None, :], other=0)
-    b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_p[:, None] * b_ks0)
+    b_R = b_beta[:, None] * (b_v.to(tl.float32) - (b_p * b_rk0)[:, None] * b_ks0)
     b_u0 = tl.dot(_load_block(p_ws, 0, o_h, BH), b_R, input_precision=DOT_PRECISION)
-    b_o = tl.dot(_load_block(p_ws, 1, o_h, BH), b_u0, b_p[:, None] * b_qs0, input_precision=DOT_PRECISION)
+    b_o = tl.dot(_load_block(p_ws, 1, o_h, BH), b_u0, input_precision=DOT_PRECISION)
+    b_o = b_rq0[:, None] * (b_p[:, None] * b_qs0 + b_o)
     m_rv = m_r0[:, None] & m_v[None, :]
     tl.store(p_u + o_r0[:, None] * H * V + o_v[None, :], b_u0, mask=m_rv)
     tl.store(p_o + o_r0[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
@@ -419,11 +439,13 @@ def tree_gdn_verify_apply_kernel(
         b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
         b_p = tl.exp(tl.load(p_lp + o_r1 * H, mask=m_r1, other=0))
         b_v = tl.load(p_v + o_r1[:, None] * stride_vt + o_v[None, :], mask=m_r1[:, None] & m_v[None, :], other=0)
-        b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_p[:, None] * b_ks1)
-        b_R -= tl.dot(_load_block(p_ws, 5, o_h, BH), b_u0, input_precision=DOT_PRECISION)
-        b_u1 = tl.dot(_load_block(p_ws, 2, o_h, BH), b_R, input_precision=DOT_PRECISION)
-        b_o = tl.dot(_load_block(p_ws, 4, o_h, BH), b_u0, b_p[:, None] * b_qs1, input_precision=DOT_PRECISION)
+        b_u0 *= b_rk0[:, None]  # stored above; from here on D_rk0 U0
+        b_R = b_v.to(tl.float32) - (b_p * b_rk1)[:, None] * b_ks1
+        b_R -= b_rk1[:, None] * tl.dot(_load_block(p_ws, 5, o_h, BH), b_u0, input_precision=DOT_PRECISION)
+        b_u1 = tl.dot(_load_block(p_ws, 2, o_h, BH), b_beta[:, None] * b_R, input_precision=DOT_PRECISION)
+        b_o = tl.dot(_load_block(p_ws, 4, o_h, BH), b_u0, input_precision=DOT_PRECISION)
         b_o = tl.dot(_load_block(p_ws, 3, o_h, BH), b_u1, b_o, input_precision=DOT_PRECISION)
+        b_o = b_rq1[:, None] * (b_p[:, None] * b_qs1 + b_o)
         m_rv = m_r1[:, None] & m_v[None, :]
         tl.store(p_u + o_r1[:, None] * H * V + o_v[None, :], b_u1, mask=m_rv)
         tl.store(p_o + o_r1[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
@@ -439,7 +461,7 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
     if q.stride() != k.stride():
         q, k = q.contiguous(), k.contiguous()
     beta = beta.contiguous()
-    ws, log_decay = solve(q, k, v.shape[2], g, beta, ancestors, use_qk_l2norm, dot_precision, pdl)
+    ws, log_decay, rnorm = solve(q, k, v.shape[2], g, beta, ancestors, use_qk_l2norm, dot_precision, pdl)
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
@@ -450,7 +472,7 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
 
     with on_device(v):
         tree_gdn_verify_apply_kernel[grid](
-            q, k, v, beta, initial_state, ws, log_decay, o, u, scale,
+            q, k, v, beta, initial_state, ws, log_decay, rnorm, o, u, scale,
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
             K=K, V=V, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
             DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl,
@@ -461,19 +483,21 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
 
 def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
     """The solve kernel alone (q and k read in place, as `tree_gdn_verify_fwd` passes them): the workspace of
-    `workspace_bytes` and log_decay `[B, T, H]`. `pdl`: let the next kernel (the apply kernel, launched with
-    programmatic dependent launch) start at once."""
+    `workspace_bytes`, log_decay `[B, T, H]` and the rows' inverse key and query norms `[B, T, HK, 2]` (unwritten
+    without `use_qk_l2norm`). `pdl`: let the next kernel (the apply kernel, launched with programmatic dependent
+    launch) start at once."""
     B, T, HK, K = k.shape
     ws = torch.empty(workspace_bytes(B, T, H) // 4, dtype=torch.float32, device=k.device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
+    rnorm = torch.empty(B, T, HK, 2, dtype=torch.float32, device=k.device)
     anc = ancestors.contiguous().view(torch.uint8)
     with on_device(k):
         tree_gdn_verify_solve_kernel[(3, B * H)](
-            q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, q.stride(0), q.stride(1), B, T, H, HK,
+            q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, rnorm, q.stride(0), q.stride(1), B, T, H, HK,
             K=K, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
             USE_PDL=pdl,
         )  # fmt: skip
-    return ws, log_decay
+    return ws, log_decay, rnorm
 
 
 def _tile(T: int) -> int:
