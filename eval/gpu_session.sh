@@ -47,6 +47,7 @@
 #              forward's 7 ms go (issue 8's 600 tokens/s)
 #   pdl        the kernel tests; the benchmark with the apply kernel launched during the solve kernel (programmatic
 #              dependent launch) beside it launched after; Nsight Compute over both kernels at issue 2's two shapes
+#   sweep11    issue 5 on the 9B shape: the table bench11 measured installed, budgets 16-128, auto and goodput
 #   bench11    the benchmark at 16 shapes (kernels without elementwise norms); the 9B shape's budget table; the kernel
 #              tests on CUDA
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
@@ -54,7 +55,7 @@
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -261,6 +262,15 @@ kernels10)  # tenth session: 100 + 150 + 270 s
     tail -22 "$OUT/tune.log"
     step bench 270 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16
     tail -21 "$OUT/bench.log"
+    ;;
+sweep11)  # eleventh session, second call: bench11's 9B table installed (not measured again), 96 new tokens
+    python3 - <<'PY'
+from hf_bole.generation.budget import BudgetTable
+table = BudgetTable.load("results/kernels_h200_eleventh/bench11/budget_9b.json")
+print("installed", table.save(table.default_path()))
+PY
+    harness sweep_9b 560 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+        --max-new-tokens 96 --budget 16 32 64 128 auto goodput --profile
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16 --providers serial fla \

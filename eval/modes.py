@@ -80,10 +80,10 @@ def make_modes(name: str, batch_size: int, args) -> list[Mode]:
     swept = {k: len(getattr(args, k)) > 1 for k in ("depth", "budget", "epsilon")}
     modes = []
     for compiled, depth, budget, epsilon in itertools.product(args.compile, args.depth, args.budget, args.epsilon):
-        if budget != "auto" and epsilon != args.epsilon[0]:
-            continue  # epsilon only shapes the "auto" budget: a fixed budget runs once
+        if isinstance(budget, int) and epsilon != args.epsilon[0]:
+            continue  # epsilon only shapes the "auto" (and goodput's first) budget: a fixed budget runs once
         tags = [f"{k[0]}{v}" for k, v in (("depth", depth), ("budget", budget), ("epsilon", epsilon)) if swept[k]]
-        if budget != "auto" and swept["epsilon"]:
+        if isinstance(budget, int) and swept["epsilon"]:
             tags.pop()  # no epsilon in a fixed budget's label
         tags += ["compiled"] * (compiled and len(args.compile) > 1)
         label = " ".join([name, *tags])

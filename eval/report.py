@@ -211,7 +211,7 @@ def _save(fig, path: Path) -> Path:
 
 def budget_sweep(rows: list[dict]) -> list[str]:
     """Markdown lines comparing budgets (issue 5): per (dataset, mode, depth, batch size) with at least two fixed
-    budgets, the best fixed one against each `auto` row; then each fixed budget's largest shortfall from the best
+    budgets, the best fixed one against each `auto` and `goodput` row; then each fixed budget's largest shortfall from the best
     over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
     cells: dict[tuple, dict] = {}  # (dataset, mode, depth, batch) -> {budget label: tokens/s}
     for r in rows:
@@ -219,6 +219,7 @@ def budget_sweep(rows: list[dict]) -> list[str]:
         if mode in ("tree-serial", "bole") and r["output_tokens_per_s"]:
             mode += " compiled" * bool(r.get("compiled"))  # a --compile off on sweep compares budgets per form
             budget = r["tree_budget"] if r["tree_budget"] != "auto" else f"auto ε={r['tree_epsilon']}"
+            budget = budget if budget != "goodput" else f"goodput (ε={r['tree_epsilon']} first)"
             cells.setdefault((r["dataset"], mode, r["tree_depth"], r["batch_size"]), {})[budget] = r["output_tokens_per_s"]
     swept = {k: v for k, v in cells.items() if sum(isinstance(b, int) for b in v) >= 2}
     if not swept:

@@ -11,6 +11,7 @@ VERIFY_MODES = ("closed_form", "serial")
 BUILTIN_DRAFTERS = ("mtp", "ngram")
 KWARG_PREFIX = "bole_"
 AUTO_BUDGET = "auto"
+GOODPUT_BUDGET = "goodput"
 # What `budget="auto"` verifies per round where no calibration table applies (no table for this model, GPU, dtype
 # and verify mode; or not a CUDA device): this many draft nodes per active request, at most FALLBACK_BUDGET_MAX
 # across the batch (a forward of a few hundred tokens is compute-bound on current GPUs at every model size).
@@ -30,7 +31,7 @@ class BoleConfig:
         topk (`int`, *optional*, defaults to 4):
             Children a drafter considers per expanded node (MTP: tokens per expansion; n-gram: continuations per
             branch point).
-        budget (`int` or `"auto"`, *optional*, defaults to `"auto"`):
+        budget (`int`, `"auto"` or `"goodput"`, *optional*, defaults to `"auto"`):
             Draft nodes verified per round across the whole batch, the roots not counted (DESIGN.md §5), shared by
             cumulative draft probability. Every request with a draft still keeps its best root child when the
             budget is smaller than the batch. An int is a fixed budget. `"auto"` looks the budget up every round in
@@ -38,9 +39,12 @@ class BoleConfig:
             `hf_bole.generation.budget`), at the table's batch-size bucket at or below the number of active
             requests and its KV-length bucket at or below the longest active request. Without a table, or off
             CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * active requests, FALLBACK_BUDGET_MAX)` (32 per request,
-            at most 128) and says so once in a log line.
+            at most 128) and says so once in a log line. `"goodput"` reads the same table but chooses every round
+            the size of most expected tokens per millisecond, weighing the table's verify times against the draft
+            probabilities of the rounds before and the measured rest of a round
+            (`hf_bole.generation.budget.GoodputRule`); it falls back the same way.
         epsilon (`float`, *optional*, defaults to 0.25):
-            The slack of `budget="auto"`: the budget is the most nodes whose verify forward costs at most
+            The slack of `budget="auto"` (and of `"goodput"`'s first round): the budget is the most nodes whose verify forward costs at most
             `(1 + epsilon)` times a plain one-token decode step, `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}`
             (0 when none does: each request then verifies its best root child). Tables store the raw timings, so any
             epsilon applies without measuring again. On the 9B shape on an H200 (`results/budget_h200_9b/`), 0.25
@@ -109,8 +113,10 @@ class BoleConfig:
         for name in ("depth", "topk", "ngram_max_size", "ngram_min_size"):
             if not _is_positive_int(getattr(self, name)):
                 raise ValueError(f"BoleConfig.{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.budget != AUTO_BUDGET and not _is_positive_int(self.budget):
-            raise ValueError(f"BoleConfig.budget must be a positive int or {AUTO_BUDGET!r}, got {self.budget!r}")
+        if self.budget not in (AUTO_BUDGET, GOODPUT_BUDGET) and not _is_positive_int(self.budget):
+            raise ValueError(
+                f"BoleConfig.budget must be a positive int, {AUTO_BUDGET!r} or {GOODPUT_BUDGET!r}, got {self.budget!r}"
+            )
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")

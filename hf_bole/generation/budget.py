@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ import torch
 from hf_bole.config import (
     AUTO_BUDGET,
     FALLBACK_BUDGET_MAX,
+    GOODPUT_BUDGET,
     FALLBACK_BUDGET_PER_REQUEST,
     BoleConfig,
 )
@@ -117,6 +119,47 @@ def choose_budget(nodes: Sequence[int], t_ver: Sequence[float], t_dec: float, ep
         raise ValueError(f"epsilon must be >= 0, got {epsilon}")
     limit = (1 + epsilon) * t_dec
     return max((n for n, t in zip(nodes, t_ver) if t <= limit), default=0)
+
+
+def choose_goodput(
+    nodes: Sequence[int], t_ver: Sequence[float], gain: Sequence[float], fixed: float, rows: int, max_budget: int
+) -> int:
+    """The measured size `N >= 1` (at most `max_budget`) of most expected tokens per millisecond,
+    `(rows + gain(N)) / (T_ver(N) + fixed)`; the smallest of equals.
+
+    Args:
+        nodes, t_ver (`Sequence[int]`, `Sequence[float]`): a table entry's sizes and verify times (ms).
+        gain (`Sequence[float]`): the batch's draft nodes' cumulative draft probabilities, best first: what each is
+            expected to add to the accepted tokens (nodes past its end add nothing).
+        fixed (`float`): the rest of a round in ms (drafting, acceptance, commit, the host), >= 0.
+        rows (`int`): the active requests, each of which gains its bonus token every round.
+        max_budget (`int`): the largest size allowed.
+
+    Returns:
+        `int`: the budget, or 0 when the entry holds no size in `[1, max_budget]`.
+
+    Example:
+
+    ```python
+    >>> # nodes 9-16 add 0.4 tokens for 0.5 ms: (1 + 3.4) / 10.5 beats (1 + 3.0) / 10; nodes 17-32 add nothing
+    >>> choose_goodput([0, 8, 16, 32], [9.0, 9.0, 9.5, 14.0], gain=[0.5] * 4 + [0.25] * 4 + [0.05] * 8,
+    ...                fixed=1.0, rows=1, max_budget=64)
+    16
+    ```
+    """
+    if len(nodes) != len(t_ver):
+        raise ValueError(f"{len(nodes)} node counts but {len(t_ver)} timings")
+    if fixed < 0 or rows < 1:
+        raise ValueError(f"fixed must be >= 0 and rows >= 1, got {fixed} and {rows}")
+    cumulative = list(itertools.accumulate(gain)) or [0.0]
+    best, best_rate = 0, -1.0
+    for n, t in sorted(zip(nodes, t_ver)):
+        if not 1 <= n <= max_budget:
+            continue
+        rate = (rows + cumulative[min(n, len(cumulative)) - 1]) / (t + fixed)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
 
 
 def fallback_budget(active_rows: int) -> int:
@@ -276,9 +319,10 @@ def _bucket(buckets: Sequence[int], value: int) -> int:
 class BudgetResolver:
     """The budget of every round: `resolver(active_rows, kv_length) -> int`, from a fixed number, a calibration
     table, or the fallback. Host-side only (dict and bisect look-ups); `max_budget` bounds every answer, so the
-    decoding loop can size its buffers once.
+    decoding loop can size its buffers once. After selection the loop hands each round's draft trees to
+    `observe`, which only the goodput rule reads (`GoodputRule`).
 
-    Build with `for_model` (what `generate` does), `from_table`, `fixed` or `fallback`.
+    Build with `for_model` (what `generate` does), `from_table`, `goodput`, `fixed` or `fallback`.
     """
 
     def __init__(self, rule: Callable[[int, int], int], max_budget: int, source: str):
@@ -288,6 +332,11 @@ class BudgetResolver:
         """The budget for a round with `active_rows` requests still decoding, the longest of which has committed
         `kv_length` tokens (left padding included)."""
         return self._rule(active_rows, kv_length)
+
+    def observe(self, tree: DraftTree) -> None:
+        """This round's draft trees (`[B, N]`, finished rows' draft log-probabilities at -inf)."""
+        if isinstance(self._rule, GoodputRule):
+            self._rule.observe(tree)
 
     def __repr__(self) -> str:
         return f"BudgetResolver({self.source}, max_budget={self.max_budget})"
@@ -303,33 +352,30 @@ class BudgetResolver:
     @classmethod
     def from_table(cls, table: BudgetTable, epsilon: float) -> BudgetResolver:
         """Looks budgets up in `table`, chosen from its timings at `epsilon`."""
-        if not table.entries:
-            raise ValueError(f"the budget table for {table.key} has no entries")
-        chosen: dict[int, tuple[list[int], list[int]]] = {}  # batch bucket -> (kv buckets, budgets)
-        for entry in sorted(table.entries, key=lambda e: (e.batch_size, e.kv_length)):
-            kvs, budgets = chosen.setdefault(entry.batch_size, ([], []))
-            kvs.append(entry.kv_length)
-            budgets.append(entry.choose(epsilon))
-        batch_buckets = sorted(chosen)
+        entry_for = _entry_lookup(table)
+        chosen = {id(e): e.choose(epsilon) for e in table.entries}
+        rule = lambda active_rows, kv_length: chosen[id(entry_for(active_rows, kv_length))]  # noqa: E731
+        return cls(rule, max(chosen.values()), f"table {table.key.filename} at epsilon {epsilon}")
 
-        def rule(active_rows: int, kv_length: int) -> int:
-            kvs, budgets = chosen[_bucket(batch_buckets, active_rows)]
-            return budgets[_bucket_index(kvs, kv_length)]
-
-        max_budget = max(b for _, budgets in chosen.values() for b in budgets)
-        return cls(rule, max_budget, f"table {table.key.filename} at epsilon {epsilon}")
+    @classmethod
+    def goodput(cls, table: BudgetTable, epsilon: float) -> BudgetResolver:
+        """Chooses every round the budget of most expected tokens per millisecond (`GoodputRule`) from `table`'s
+        timings; the first round, with nothing observed yet, takes `epsilon`'s budget."""
+        rule = GoodputRule(table, epsilon)
+        return cls(rule, rule.max_budget, f"goodput over table {table.key.filename}")
 
     @classmethod
     def for_model(cls, model, config: BoleConfig, batch_size: int) -> BudgetResolver:
-        """What `generate` uses: a fixed budget for an int `config.budget`; for `"auto"` the stored table of this
-        model, device, dtype and verify mode at `config.epsilon`, or the fallback, said once in a log line."""
-        if config.budget != AUTO_BUDGET:
+        """What `generate` uses: a fixed budget for an int `config.budget`; for `"auto"` (`"goodput"`) the stored
+        table of this model, device, dtype and verify mode at `config.epsilon` (under the goodput rule), or the
+        fallback, said once in a log line."""
+        if config.budget not in (AUTO_BUDGET, GOODPUT_BUDGET):
             return cls.fixed(config.budget)
         place = placement(model)
         device = place.input_device
         fallback = (
-            f"budget='auto' uses the fallback of {FALLBACK_BUDGET_PER_REQUEST} draft nodes per active request, at "
-            f"most {FALLBACK_BUDGET_MAX} per round (pass bole_budget=<int> to fix it)"
+            f"budget={config.budget!r} uses the fallback of {FALLBACK_BUDGET_PER_REQUEST} draft nodes per active "
+            f"request, at most {FALLBACK_BUDGET_MAX} per round (pass bole_budget=<int> to fix it)"
         )
         if device.type != "cuda":
             _warn_once(f"hf_bole: no calibrated verification budget on {device.type}: {fallback}")
@@ -352,7 +398,101 @@ class BudgetResolver:
                 f"`python -m hf_bole.calibrate --model <checkpoint> --dtype {key.dtype} --verify {key.verify}{eager}`."
             )
             return cls.fallback(batch_size)
+        if config.budget == GOODPUT_BUDGET:
+            return cls.goodput(table, config.epsilon)
         return cls.from_table(table, config.epsilon)
+
+
+def _entry_lookup(table: BudgetTable) -> Callable[[int, int], BudgetEntry]:
+    """`(active_rows, kv_length) -> entry`: the batch bucket at or below `active_rows`, then the KV bucket at or
+    below `kv_length` (the smallest bucket below all)."""
+    if not table.entries:
+        raise ValueError(f"the budget table for {table.key} has no entries")
+    by_batch: dict[int, tuple[list[int], list[BudgetEntry]]] = {}  # batch bucket -> (kv buckets, entries)
+    for entry in sorted(table.entries, key=lambda e: (e.batch_size, e.kv_length)):
+        kvs, entries = by_batch.setdefault(entry.batch_size, ([], []))
+        kvs.append(entry.kv_length)
+        entries.append(entry)
+    batch_buckets = sorted(by_batch)
+
+    def entry_for(active_rows: int, kv_length: int) -> BudgetEntry:
+        kvs, entries = by_batch[_bucket(batch_buckets, active_rows)]
+        return entries[_bucket_index(kvs, kv_length)]
+
+    return entry_for
+
+
+class GoodputRule:
+    """`bole_budget="goodput"`: every round, the table's size `N` of most expected tokens per millisecond,
+    `(rows + gain(N)) / (T_ver(N) + fixed)` (`choose_goodput`), where
+
+    - `T_ver(N)` is the table's verify forward at the round's (batch, KV) bucket;
+    - `gain(N)`, what the `N` best draft nodes add to the accepted tokens, sums their cumulative draft probabilities
+      (exact for a calibrated drafter under greedy acceptance), taken from the batch's trees of the rounds before:
+      `observe` sorts them on the device and copies them to the host without waiting, and the round's one
+      synchronisation (the stopping rules' read) has them there before the next round asks;
+    - `fixed` is the rest of a round (drafting, acceptance, commit, the host): the host's wall time from one round's
+      start to the next, less the table's `T_ver` of the budget it ran.
+
+    Both estimates are running averages (weight `decay` on the past), so one odd round does not swing the budget. The
+    first round, before any estimate, takes the epsilon rule's budget. The epsilon rule keeps a budget while the
+    verify forward stays nearly free; this one also weighs what the nodes would yield (with few confident nodes it
+    verifies fewer, with many more) and what the rest of the round costs.
+    """
+
+    def __init__(self, table: BudgetTable, epsilon: float, decay: float = 0.7):
+        self._entry_for = _entry_lookup(table)
+        self._first = {id(e): e.choose(epsilon) for e in table.entries}
+        self.max_budget = max(n for e in table.entries for n in e.nodes) or 1
+        self.decay = decay
+        self.gain: torch.Tensor | None = None  # [max_budget] float32 on the host, running average
+        self.fixed: float | None = None  # ms
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # the last observed round's copy
+        self._last: tuple[float, float] | None = None  # (host time at the last round's start, its T_ver in ms)
+        self._host: torch.Tensor | None = None  # pinned, on CUDA
+
+    def __call__(self, active_rows: int, kv_length: int) -> int:
+        now = time.perf_counter()
+        if self._pending is not None:
+            sorted_rho, copied = self._pending
+            if copied is not None:
+                copied.synchronize()  # already done: the round's stopping read waited for it
+            self.gain = self._average(self.gain, sorted_rho)
+            self._pending = None
+        if self._last is not None:
+            started, t_ver = self._last
+            self.fixed = self._average(self.fixed, max(0.0, 1e3 * (now - started) - t_ver))
+        entry = self._entry_for(active_rows, kv_length)
+        if self.gain is None or self.fixed is None:
+            budget = self._first[id(entry)]
+        else:
+            gain = self.gain.tolist()
+            budget = choose_goodput(entry.nodes, entry.t_ver, gain, self.fixed, active_rows, self.max_budget)
+            budget = budget or self._first[id(entry)]
+        # The table's time at the size measured nearest below the budget
+        i = max(bisect.bisect_right(entry.nodes, budget) - 1, 0)
+        self._last = (now, entry.t_ver[i])
+        return budget
+
+    def observe(self, tree: DraftTree) -> None:
+        """Enqueues the sort of `tree`'s nodes by cumulative draft probability and its copy to the host."""
+        rho = torch.nan_to_num(tree.cumulative_logprobs().exp().flatten(), nan=0.0)  # [B * N]; padding, finished rows: 0
+        k = min(self.max_budget, rho.numel())
+        best = torch.nn.functional.pad(rho.topk(k).values.float(), (0, self.max_budget - k))  # [max_budget], descending
+        if not best.is_cuda:
+            self._pending = (best, None)
+            return
+        if self._host is None:  # read by the next round's call before this round's copy overwrites it
+            self._host = torch.empty(self.max_budget, pin_memory=True)
+        self._host.copy_(best, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._pending = (self._host, copied)
+
+    def _average(self, old, new):
+        if old is None:
+            return new.clone() if isinstance(new, torch.Tensor) else new
+        return self.decay * old + (1 - self.decay) * new
 
 
 def synthetic_draft_tree(
@@ -663,12 +803,14 @@ def _versions() -> dict:
 
 __all__ = [
     "BudgetEntry",
+    "GoodputRule",
     "BudgetResolver",
     "BudgetTable",
     "TableKey",
     "cache_dir",
     "calibrate",
     "choose_budget",
+    "choose_goodput",
     "fallback_budget",
     "find_table",
     "model_key",

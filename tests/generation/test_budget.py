@@ -23,11 +23,13 @@ from hf_bole.generation.budget import (
     TableKey,
     cache_dir,
     choose_budget,
+    choose_goodput,
     fallback_budget,
     find_table,
     model_key,
     synthetic_draft_tree,
 )
+from hf_bole.generation import DraftTree
 from hf_bole.models import Placement
 from tests.models import tiny
 
@@ -118,6 +120,101 @@ def test_resolver_fixed_and_fallback(dense):
     assert [fallback(a, 10) for a in (1, 2, 4, 8)] == [32, 64, 128, 128]  # 32 per request, at most 128
     assert fallback.max_budget == 128 == fallback_budget(8)
     assert fallback_budget(1) == BudgetResolver.fallback(batch_size=1).max_budget == 32
+
+
+GAIN = [0.9, 0.7] + [0.5] * 14 + [0.1] * 16 + [0.01] * 32  # best first: 16 nodes add 8.6 tokens, 32 add 10.2
+
+
+@pytest.mark.parametrize(
+    "t_ver, fixed, rows, max_budget, expected",
+    [
+        # (1 + 8.6) / 3.0 = 3.20 beats (1 + 10.2) / 3.6 = 3.11 and (1 + 10.52) / 5.0
+        pytest.param([2.0, 2.0, 2.0, 2.6, 4.0], 1.0, 1, 64, 16, id="yield-against-time"),
+        # a dearer rest of the round makes verify time relatively cheaper: 32 nodes pay off
+        pytest.param([2.0, 2.0, 2.0, 2.6, 4.0], 8.0, 1, 64, 32, id="dear-rest-verifies-more"),
+        # many rows: each round's bonus tokens dominate and the cheapest forward wins
+        pytest.param([2.0, 2.0, 3.0, 4.0, 6.0], 0.0, 64, 64, 8, id="bonus-tokens-dominate"),
+        pytest.param([2.0, 2.0, 2.0, 2.0, 2.0], 1.0, 1, 64, 64, id="free-nodes-all-taken"),
+        pytest.param([2.0, 2.0, 2.0, 2.0, 2.0], 1.0, 1, 20, 16, id="capped-by-max-budget"),
+        # equal rates: the smallest
+        pytest.param([1.0, 1.0, 1.0, 1.0, 1.0], 0.0, 1, 64, 64, id="larger-gain-same-time"),
+    ],
+)
+def test_choose_goodput(t_ver, fixed, rows, max_budget, expected):
+    nodes = [0, 8, 16, 32, 64]  # N = 0 (roots only) is never chosen: the floor verifies a node per row anyway
+    assert choose_goodput(nodes, t_ver, GAIN, fixed, rows, max_budget) == expected
+
+
+def test_choose_goodput_edges():
+    # the smallest of equal rates: no gain past 8 nodes, no extra time
+    assert choose_goodput([8, 16, 32], [2.0] * 3, [0.5] * 8, 0.0, 1, 64) == 8
+    # nodes past the gain's end add nothing; no size in [1, max_budget]: 0
+    assert choose_goodput([8, 16], [2.0, 2.0], [], 1.0, 1, 64) == 8
+    assert choose_goodput([0, 16], [2.0, 2.0], GAIN, 1.0, 1, 8) == 0
+    with pytest.raises(ValueError, match="2 node counts but 1 timings"):
+        choose_goodput([8, 16], [2.0], GAIN, 1.0, 1, 64)
+    with pytest.raises(ValueError, match="fixed must be >= 0 and rows >= 1"):
+        choose_goodput([8, 16], [2.0, 2.0], GAIN, -1.0, 1, 64)
+
+
+def _tree(rho_per_level: list[float], batch_size: int = 1) -> DraftTree:
+    """A chain per row whose i-th node has cumulative draft probability `rho_per_level[i]`."""
+    n = len(rho_per_level)
+    cumulative = torch.tensor(rho_per_level).log()
+    logprobs = torch.cat([cumulative[:1], cumulative[1:] - cumulative[:-1]]).expand(batch_size, n)
+    parents = (torch.arange(n) - 1).expand(batch_size, n)
+    return DraftTree(tokens=torch.arange(n).expand(batch_size, n), parents=parents, draft_logprobs=logprobs.clone())
+
+
+def test_goodput_rule_learns_gain_and_rest_of_round(monkeypatch):
+    """First round: epsilon's budget. Then the budget of most tokens per ms, from the trees observed and the host's
+    round times, both as running averages."""
+    table = _table()  # batch 1, KV 512: nodes 0, 16, 32, 64 at 2.0, 2.04, 2.1, 2.6 ms; epsilon 0.1 chooses 32
+    clock = iter([0.0, 0.010, 0.020, 0.030])  # rounds of 10 ms on the host
+    monkeypatch.setattr(budget_module.time, "perf_counter", lambda: next(clock))
+    resolver = BudgetResolver.goodput(table, epsilon=0.1)
+    assert resolver.max_budget == 64 and resolver.source.startswith("goodput over table")
+    assert resolver(1, 512) == 32  # nothing observed yet
+    rule = resolver._rule
+    resolver.observe(_tree([0.9] * 16 + [0.001] * 48))  # 16 confident nodes, then nothing
+    # 10 ms a round, 2.1 of them the forward of 32 nodes: the rest is 7.9 ms; 16 nodes give (1 + 14.4) / 9.94
+    assert resolver(1, 512) == 16
+    assert rule.fixed == pytest.approx(10.0 - 2.1)
+    assert rule.gain[:3].tolist() == pytest.approx([0.9] * 3) and rule.gain.shape == (64,)
+    resolver.observe(_tree([0.9] * 64))  # now every node is likely: the average moves towards them
+    assert resolver(1, 512) == 64
+    assert rule.gain[20].item() == pytest.approx(0.7 * 0.001 + 0.3 * 0.9)
+    assert rule.fixed == pytest.approx(0.7 * 7.9 + 0.3 * (10.0 - 2.04))
+    # finished rows (draft log-probabilities at -inf) and NaN add nothing
+    tree = _tree([0.5] * 4, batch_size=2)
+    tree.draft_logprobs[1] = float("-inf")
+    tree.draft_logprobs[0, 3] = float("nan")
+    resolver.observe(tree)
+    sorted_rho, _ = rule._pending
+    assert sorted_rho[:4].tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0]) and not sorted_rho[4:].any()
+
+
+def test_generate_goodput_matches_plain(dense, monkeypatch, caplog):
+    """bole_budget="goodput" with a table (the goodput rule on a table for this CPU) decodes exactly as plain greedy
+    and looks at every round's trees; without one (here: off CUDA) it names the fallback."""
+    ref = _generate(dense, PROMPTS)
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        out = _generate(dense, PROMPTS, custom_generate="hf_bole", bole_drafter="ngram", bole_budget="goodput")
+    assert torch.equal(out, ref)
+    assert "budget='goodput' uses the fallback" in caplog.records[-1].getMessage()
+
+    observed = []
+    table = _table()
+    resolver = BudgetResolver.goodput(table, epsilon=0.1)
+    observe = resolver._rule.observe
+    monkeypatch.setattr(resolver._rule, "observe", lambda tree: (observed.append(tree.tokens.shape), observe(tree)))
+    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(lambda cls, *a: resolver))
+    rounds = _record_rounds(monkeypatch)
+    out = _generate(dense, PROMPTS, custom_generate="hf_bole", bole_drafter="ngram", bole_cuda_graphs=False)
+    assert torch.equal(out, ref)
+    assert len(observed) == len(rounds) > 1
+    assert rounds[0][0] == 32  # epsilon 0.1 at the batch-1, KV-512 bucket (2 rows, KV 10: the buckets below)
+    assert all(budget in (16, 32, 64) for budget, _ in rounds)
 
 
 def test_table_round_trip(budget_cache):
