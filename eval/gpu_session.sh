@@ -269,7 +269,7 @@ from hf_bole.generation.budget import BudgetTable
 table = BudgetTable.load("results/kernels_h200_eleventh/bench11/budget_9b.json")
 print("installed", table.save(table.default_path()))
 PY
-    harness sweep_9b 560 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
+    harness sweep_9b 570 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
         --max-new-tokens 96 --budget 16 32 64 128 auto goodput --profile
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s
