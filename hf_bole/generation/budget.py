@@ -476,7 +476,8 @@ class GoodputRule:
 
     def observe(self, tree: DraftTree) -> None:
         """Enqueues the sort of `tree`'s nodes by cumulative draft probability and its copy to the host."""
-        rho = torch.nan_to_num(tree.cumulative_logprobs().exp().flatten(), nan=0.0)  # [B * N]; padding, finished rows: 0
+        # [B * N]; padding and finished rows: 0
+        rho = torch.nan_to_num(tree.cumulative_logprobs().exp().flatten(), nan=0.0)
         k = min(self.max_budget, rho.numel())
         best = torch.nn.functional.pad(rho.topk(k).values.float(), (0, self.max_budget - k))  # [max_budget], descending
         if not best.is_cuda:
