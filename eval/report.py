@@ -211,8 +211,8 @@ def _save(fig, path: Path) -> Path:
 
 def budget_sweep(rows: list[dict]) -> list[str]:
     """Markdown lines comparing budgets (issue 5): per (dataset, mode, depth, batch size) with at least two fixed
-    budgets, the best fixed one against each `auto` and `goodput` row; then each fixed budget's largest shortfall from the best
-    over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
+    budgets, the best fixed one against each `auto` and `goodput` row; then each fixed budget's largest shortfall from
+    the best over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
     cells: dict[tuple, dict] = {}  # (dataset, mode, depth, batch) -> {budget label: tokens/s}
     for r in rows:
         mode = r["mode"].split()[0]

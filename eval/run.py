@@ -76,7 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "table under the goodput rule); several: a sweep",
     )
     ap.add_argument(
-        "--epsilon", type=float, nargs="+", default=[defaults.epsilon], help="the slack of --budget auto (goodput's first round); several: a sweep"
+        "--epsilon",
+        type=float,
+        nargs="+",
+        default=[defaults.epsilon],
+        help="the slack of --budget auto (and of goodput's first round); several: a sweep",
     )
     ap.add_argument("--drafter", choices=["mtp", "ngram", "oracle"], help="default: mtp (--model), oracle (--shape)")
     ap.add_argument(

@@ -57,8 +57,8 @@ import torch
 from hf_bole.config import (
     AUTO_BUDGET,
     FALLBACK_BUDGET_MAX,
-    GOODPUT_BUDGET,
     FALLBACK_BUDGET_PER_REQUEST,
+    GOODPUT_BUDGET,
     BoleConfig,
 )
 from hf_bole.generation.graphs import VerifyGraphs, captures, trimmed

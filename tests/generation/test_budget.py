@@ -171,7 +171,8 @@ def test_goodput_rule_learns_gain_and_rest_of_round(monkeypatch):
     round times, both as running averages."""
     table = _table()  # batch 1, KV 512: nodes 0, 16, 32, 64 at 2.0, 2.04, 2.1, 2.6 ms; epsilon 0.1 chooses 32
     clock = iter([0.0, 0.010, 0.020, 0.030])  # rounds of 10 ms on the host
-    monkeypatch.setattr(budget_module.time, "perf_counter", lambda: next(clock))
+    # the budget module's clock only (not the process-wide time.perf_counter)
+    monkeypatch.setattr(budget_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     resolver = BudgetResolver.goodput(table, epsilon=0.1)
     assert resolver.max_budget == 64 and resolver.source.startswith("goodput over table")
     assert resolver(1, 512) == 32  # nothing observed yet
