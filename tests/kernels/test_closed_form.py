@@ -83,6 +83,18 @@ def test_every_launch_config(which, index, monkeypatch):
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
 
 
+def test_full_tile_prune_narrows_only_the_full_tile():
+    """At BT = 128 the autotuners choose among the configs the H200's sweeps found best there; at smaller tiles among
+    all; a lone config (a test or the tuning script pinning one) is kept whatever it is."""
+    prune = kernels.full_tile_prune(lambda c: c.kwargs["BK"] == 32 and c.num_warps == 4)
+    configs = kernels.APPLY_CONFIGS
+    kept = prune(configs, {}, BT=128)
+    assert kept and all(c.kwargs["BK"] == 32 and c.num_warps == 4 for c in kept)
+    assert {c.kwargs["BV"] for c in kept} == {32, 64}  # the batch decides between them
+    assert prune(configs, {}, BT=64) == configs
+    assert prune(configs[-1:], {}, BT=128) == configs[-1:]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind,B,T,HK,H,K,V", [CASES[1], CASES[4]])
 def test_closed_form_bf16(backend, kind, B, T, HK, H, K, V):
