@@ -48,6 +48,8 @@
 #   pdl        the kernel tests; the benchmark with the apply kernel launched during the solve kernel (programmatic
 #              dependent launch) beside it launched after; Nsight Compute over both kernels at issue 2's two shapes
 #   sweep11    issue 5 on the 9B shape: the table bench11 measured installed, budgets 16-128, auto and goodput
+#   house12    issue 5 on the house model: its table (graph replays), then GSM8K at batch 16/8/4/1 over budgets 16-256,
+#              auto and goodput (goodput reading the draft probabilities selection ranked)
 #   bench11    the benchmark at 16 shapes (kernels without elementwise norms); the 9B shape's budget table; the kernel
 #              tests on CUDA
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
@@ -55,7 +57,7 @@
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11|house12}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -271,6 +273,12 @@ print("installed", table.save(table.default_path()))
 PY
     harness sweep_9b 570 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
         --max-new-tokens 96 --budget 16 32 64 128 auto goodput --profile
+    ;;
+house12)  # twelfth session: 150 + 420 s
+    step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \
+        --batch-sizes 1 4 8 16 --kv-lengths 1024 --out "$OUT/budget_house.json" --plot "$OUT/budget_house.png"
+    harness sweep_house 420 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
+        --max-new-tokens 96 --budget 16 32 64 128 256 auto goodput --profile
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16 --providers serial fla \

@@ -63,7 +63,7 @@ from hf_bole.config import (
 )
 from hf_bole.generation.graphs import VerifyGraphs, captures, trimmed
 from hf_bole.generation.select import select_nodes
-from hf_bole.generation.tree import DraftTree
+from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.models.placement import placement
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
@@ -333,10 +333,11 @@ class BudgetResolver:
         `kv_length` tokens (left padding included)."""
         return self._rule(active_rows, kv_length)
 
-    def observe(self, tree: DraftTree) -> None:
-        """This round's draft trees (`[B, N]`, finished rows' draft log-probabilities at -inf)."""
+    def observe(self, verify: VerifyTree) -> None:
+        """This round's selection (`select_nodes`' output: its `draft_log_rho` ranks every draft node, finished rows'
+        at -inf)."""
         if isinstance(self._rule, GoodputRule):
-            self._rule.observe(tree)
+            self._rule.observe(verify)
 
     def __repr__(self) -> str:
         return f"BudgetResolver({self.source}, max_budget={self.max_budget})"
@@ -474,10 +475,10 @@ class GoodputRule:
         self._last = (now, entry.t_ver[i])
         return budget
 
-    def observe(self, tree: DraftTree) -> None:
-        """Enqueues the sort of `tree`'s nodes by cumulative draft probability and its copy to the host."""
-        # [B * N]; padding and finished rows: 0
-        rho = torch.nan_to_num(tree.cumulative_logprobs().exp().flatten(), nan=0.0)
+    def observe(self, verify: VerifyTree) -> None:
+        """Enqueues the sort of the draft nodes by cumulative draft probability (`verify.draft_log_rho`, which
+        selection formed) and its copy to the host."""
+        rho = verify.draft_log_rho.exp().flatten()  # [B * N]; padding, finished rows and NaN: 0 (log rho -inf)
         k = min(self.max_budget, rho.numel())
         best = torch.nn.functional.pad(rho.topk(k).values.float(), (0, self.max_budget - k))  # [max_budget], descending
         if not best.is_cuda:

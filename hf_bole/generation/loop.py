@@ -429,7 +429,7 @@ def _decode(
         # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
         kv_length = P - 1 + max(n for n, a in zip(state.n_gen, active) if a)
         verify = select(tree, root, budget_for(sum(active), kv_length), per_row)
-        budget_for.observe(tree)  # the goodput rule's draft probabilities, read next round
+        budget_for.observe(verify)  # the goodput rule's draft probabilities (selection ranked them), read next round
         if not (graphed and sum(active) == 1):
             # Cut the forward to the widest row kept: a host read, which waits for drafting and selection. A single
             # row replayed from graphs keeps the width of its budget (what the budget deems nearly free), so that

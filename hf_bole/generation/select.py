@@ -108,6 +108,7 @@ def select_nodes(
         draft_index=draft_index,
         node_mask=node_mask,
         num_nodes=node_mask.sum(-1),
+        draft_log_rho=key,
     )
 
 

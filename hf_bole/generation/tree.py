@@ -174,6 +174,9 @@ class VerifyTree:
             the root and padding.
         node_mask (`torch.BoolTensor` of shape `(batch_size, T)`): True for the root and the selected nodes.
         num_nodes (`torch.LongTensor` of shape `(batch_size,)`): real nodes per row, the root included.
+        draft_log_rho (`torch.FloatTensor` of shape `(batch_size, N)`, *optional*): `log rho` of every node of the
+            `DraftTree` these were selected from, as `select_nodes` ranked them (`-inf` on padding): what the goodput
+            budget reads, without building the draft's ancestor mask a second time.
     """
 
     input_ids: torch.LongTensor
@@ -182,6 +185,7 @@ class VerifyTree:
     draft_index: torch.LongTensor
     node_mask: torch.BoolTensor
     num_nodes: torch.LongTensor
+    draft_log_rho: torch.FloatTensor | None = None
 
     def ancestor_mask(self) -> torch.BoolTensor:
         """`[B, T, T]`: `mask[b, i, j]` is True when node j is node i or one of its ancestors; the tree-attention
@@ -192,7 +196,7 @@ class VerifyTree:
         """The same trees in the first `width` columns, which must hold every row's real nodes
         (`width >= num_nodes.max()`): real nodes come first, so only padding is dropped."""
         return VerifyTree(*(x[:, :width] for x in (self.input_ids, self.parents, self.depths, self.draft_index,
-                                                    self.node_mask)), num_nodes=self.num_nodes)
+                                                    self.node_mask)), self.num_nodes, self.draft_log_rho)
 
     def position_ids(self, past_lengths: torch.LongTensor) -> torch.LongTensor:
         """`[B, T]` position ids of the nodes, given `past_lengths [B]`, the number of committed tokens before the

@@ -29,7 +29,7 @@ from hf_bole.generation.budget import (
     model_key,
     synthetic_draft_tree,
 )
-from hf_bole.generation import DraftTree
+from hf_bole.generation import DraftTree, VerifyTree, select_nodes
 from hf_bole.models import Placement
 from tests.models import tiny
 
@@ -166,6 +166,11 @@ def _tree(rho_per_level: list[float], batch_size: int = 1) -> DraftTree:
     return DraftTree(tokens=torch.arange(n).expand(batch_size, n), parents=parents, draft_logprobs=logprobs.clone())
 
 
+def _selected(tree: DraftTree) -> VerifyTree:
+    """What the decoding loop hands the goodput rule: the round's selection, with every draft node's log rho."""
+    return select_nodes(tree, torch.zeros(tree.tokens.shape[0], dtype=torch.long), 8, 127)
+
+
 def test_goodput_rule_learns_gain_and_rest_of_round(monkeypatch):
     """First round: epsilon's budget. Then the budget of most tokens per ms, from the trees observed and the host's
     round times, both as running averages."""
@@ -177,12 +182,12 @@ def test_goodput_rule_learns_gain_and_rest_of_round(monkeypatch):
     assert resolver.max_budget == 64 and resolver.source.startswith("goodput over table")
     assert resolver(1, 512) == 32  # nothing observed yet
     rule = resolver._rule
-    resolver.observe(_tree([0.9] * 16 + [0.001] * 48))  # 16 confident nodes, then nothing
+    resolver.observe(_selected(_tree([0.9] * 16 + [0.001] * 48)))  # 16 confident nodes, then nothing
     # 10 ms a round, 2.1 of them the forward of 32 nodes: the rest is 7.9 ms; 16 nodes give (1 + 14.4) / 9.94
     assert resolver(1, 512) == 16
     assert rule.fixed == pytest.approx(10.0 - 2.1)
     assert rule.gain[:3].tolist() == pytest.approx([0.9] * 3) and rule.gain.shape == (64,)
-    resolver.observe(_tree([0.9] * 64))  # now every node is likely: the average moves towards them
+    resolver.observe(_selected(_tree([0.9] * 64)))  # now every node is likely: the average moves towards them
     assert resolver(1, 512) == 64
     assert rule.gain[20].item() == pytest.approx(0.7 * 0.001 + 0.3 * 0.9)
     assert rule.fixed == pytest.approx(0.7 * 7.9 + 0.3 * (10.0 - 2.04))
@@ -190,7 +195,7 @@ def test_goodput_rule_learns_gain_and_rest_of_round(monkeypatch):
     tree = _tree([0.5] * 4, batch_size=2)
     tree.draft_logprobs[1] = float("-inf")
     tree.draft_logprobs[0, 3] = float("nan")
-    resolver.observe(tree)
+    resolver.observe(_selected(tree))
     sorted_rho, _ = rule._pending
     assert sorted_rho[:4].tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0]) and not sorted_rho[4:].any()
 
@@ -208,7 +213,7 @@ def test_generate_goodput_matches_plain(dense, monkeypatch, caplog):
     table = _table()
     resolver = BudgetResolver.goodput(table, epsilon=0.1)
     observe = resolver._rule.observe
-    monkeypatch.setattr(resolver._rule, "observe", lambda tree: (observed.append(tree.tokens.shape), observe(tree)))
+    monkeypatch.setattr(resolver._rule, "observe", lambda vt: (observed.append(vt.draft_log_rho.shape), observe(vt)))
     monkeypatch.setattr(BudgetResolver, "for_model", classmethod(lambda cls, *a: resolver))
     rounds = _record_rounds(monkeypatch)
     out = _generate(dense, PROMPTS, custom_generate="hf_bole", bole_drafter="ngram", bole_cuda_graphs=False)
