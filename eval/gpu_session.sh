@@ -50,6 +50,8 @@
 #   sweep11    issue 5 on the 9B shape: the table bench11 measured installed, budgets 16-128, auto and goodput
 #   house12    issue 5 on the house model: its table (graph replays), then GSM8K at batch 16/8/4/1 over budgets 16-256,
 #              auto and goodput (goodput reading the draft probabilities selection ranked)
+#   house12b   house12's sweep again on its table (installed from results), 7 timed passes per batch: house12's 3
+#              passes differed by up to 49%
 #   bench11    the benchmark at 16 shapes (kernels without elementwise norms); the 9B shape's budget table; the kernel
 #              tests on CUDA
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
@@ -57,7 +59,7 @@
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11|house12}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11|house12|house12b}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -279,6 +281,15 @@ house12)  # twelfth session: 150 + 420 s
         --batch-sizes 1 4 8 16 --kv-lengths 1024 --out "$OUT/budget_house.json" --plot "$OUT/budget_house.png"
     harness sweep_house 420 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
         --max-new-tokens 96 --budget 16 32 64 128 256 auto goodput --profile
+    ;;
+house12b)  # twelfth session, second call: house12's table installed (not measured again)
+    python3 - <<'PY'
+from hf_bole.generation.budget import BudgetTable
+table = BudgetTable.load("results/budget_h200_house/twelfth/budget_house.json")
+print("installed", table.save(table.default_path()))
+PY
+    harness sweep_house_r7 500 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
+        --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 7 --profile
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16 --providers serial fla \
