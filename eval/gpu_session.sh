@@ -52,6 +52,9 @@
 #              auto and goodput (goodput reading the draft probabilities selection ranked)
 #   house12b   house12's sweep again on its table (installed from results), 7 timed passes per batch: house12's 3
 #              passes differed by up to 49%
+#   turns      issue 5's house sweep with the timed passes in turns (--interleave), on its twelfth-session table
+#              (house12b's sweep differed by 11% between identical trees timed minutes apart)
+#   turns9b    the same on the 9B shape, on bench11's table
 #   bench11    the benchmark at 16 shapes (kernels without elementwise norms); the 9B shape's budget table; the kernel
 #              tests on CUDA
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
@@ -59,7 +62,7 @@
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11|house12|house12b}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11|house12|house12b|turns|turns9b}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -290,6 +293,23 @@ print("installed", table.save(table.default_path()))
 PY
     harness sweep_house_r7 500 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
         --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 7 --profile
+    ;;
+turns|turns9b)  # the table installed as measured; house12b took 453 s with 7 timed passes, sweep11 538 s with 3
+    python3 - "$PART" <<'PY'
+import sys
+from hf_bole.generation.budget import BudgetTable
+path = {"turns": "results/budget_h200_house/twelfth/budget_house.json",
+        "turns9b": "results/kernels_h200_eleventh/bench11/budget_9b.json"}[sys.argv[1]]
+table = BudgetTable.load(path)
+print("installed", table.save(table.default_path()))
+PY
+    if [ "$PART" = turns ]; then
+        harness turns_house 540 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
+            --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 5 --interleave --profile
+    else
+        harness turns_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 8 \
+            --max-new-tokens 96 --budget 16 32 64 128 auto goodput --repeats 3 --interleave --profile
+    fi
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16 --providers serial fla \

@@ -82,7 +82,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"{_compiled(s.get('compile'))}. "
         f"Tokens/s per process: generated tokens up to and including "
         f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "
-        f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept."
+        f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept"
+        + (", the modes' passes taken in turns (--interleave)." if s.get("interleave") else ".")
         + (f" Prompts/s: all {s.get('num_processes')} processes together, over the busiest one's generate time." * parallel)
         + f" Command: `{s['command']}`",
         "",

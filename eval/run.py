@@ -95,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: 3 on CUDA, 1 on CPU)",
     )  # fmt: skip
     ap.add_argument(
+        "--interleave", action="store_true", help="time the modes' passes in turns (every mode's first pass over all "
+        "batches, then every mode's second, each turn starting one mode later) instead of each mode's passes back to "
+        "back: a drift of the machine over the run then falls on every mode alike; ar's outputs come from an untimed "
+        "pass first",
+    )  # fmt: skip
+    ap.add_argument(
         "--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="hf_bole modes launch every kernel from "
         "Python (bole_cuda_graphs=False; by default they replay verify forwards and MTP drafting from CUDA graphs)",
     )  # fmt: skip
@@ -188,19 +194,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
 
+    rows = []
+
+    def finish(dataset, prompts, batch_size: int, mode, records: list[dict], error: str | None, reference_only: bool):
+        """A mode's row from every process's records, written at once: a run cut short (a time limit) still leaves
+        every finished mode's row behind."""
+        # which process timed each batch: processes run side by side, so their times do not add up
+        gathered = gather_object([{**r, "process": accelerator.process_index} for r in records])
+        errors = [e for e in gather_object([error]) if e is not None]  # from every process
+        if accelerator.is_main_process and not reference_only:
+            row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
+            rows.append({**row, "error": errors[0] if errors else None})
+            report.write_jsonl(rows, header, out / "results.partial.jsonl")
+
     # ar runs whenever another mode needs its greedy outputs: the oracle drafts from them.
     drafting = any(m not in ("ar", "ar-static") for m in args.modes)
     run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle" and drafting) + args.modes
     warmed: set[tuple[str, int]] = set()  # (mode label, batch size)
     compiled: set[tuple[str, int, bool]] = set()  # (verify mode, rows, compile) through hf_bole.warmup
-    rows = []
     for dataset, prompts in prompt_sets.items():
         for batch_size in args.batch_sizes:
             with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
                 batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
             reference: list[dict] = []
-            for mode in (m for name in run_modes for m in make_modes(name, batch_size, args)):
-                reference_only = mode.name == "ar" and "ar" not in args.modes  # the oracle's continuations
+            modes = [m for name in run_modes for m in make_modes(name, batch_size, args)]
+            outcomes: list[tuple[list[dict], str | None]] = []  # (records, error) of every mode
+            for mode in modes:
+                reference_only = is_reference_only(mode, args)
                 label = f"{dataset} {mode.label} batch {batch_size}"
                 records, error = [], None
                 if not reference_only:
@@ -211,30 +231,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 # Every process times its batches while the others time theirs, not beside another's warm-up
                 # (compilation and graph capture load the host that the timed passes also need).
                 accelerator.wait_for_everyone()
-                if error is None and reference_only:  # one untimed pass, no figures
-                    records, error = attempt(
+                if error is None and (reference_only or (args.interleave and mode.name == "ar")):
+                    # one untimed pass: the oracle's continuations, and the outputs the other modes are checked against
+                    passes, error = attempt(
                         lambda: [run_batch(model, tokenizer, prompts, b, mode, args, generation, []) for b in batches],
                         label=label,
                     )
-                elif error is None:
+                    reference = passes
+                elif error is None and not args.interleave:
                     records, error = attempt(
                         timed_runs, model, tokenizer, prompts, batches, mode, args, generation, reference, label,
                         accelerator.is_main_process, label=label,
                     )  # fmt: skip
-                if error is not None:  # freed here: inside the except block its traceback still holds the tensors
-                    hf_bole.release(model)
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                if mode.name == "ar":
-                    reference = records
-                # which process timed each batch: processes run side by side, so their times do not add up
-                gathered = gather_object([{**r, "process": accelerator.process_index} for r in records])
-                errors = [e for e in gather_object([error]) if e is not None]  # from every process
-                if accelerator.is_main_process and not reference_only:
-                    row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
-                    rows.append({**row, "error": errors[0] if errors else None})
-                    # A run cut short (a time limit) still leaves every finished mode's row behind.
-                    report.write_jsonl(rows, header, out / "results.partial.jsonl")
+                    if mode.name == "ar":
+                        reference = records
+                if error is not None:
+                    free(model)
+                outcomes.append((records, error))
+                if not args.interleave:
+                    finish(dataset, prompts, batch_size, mode, records, error, reference_only)
+            if args.interleave:
+                accelerator.wait_for_everyone()
+                timed = [i for i, m in enumerate(modes) if outcomes[i][1] is None and not is_reference_only(m, args)]
+                for i, result in interleaved_runs(
+                    model, tokenizer, prompts, batches, [modes[i] for i in timed], args, generation, reference,
+                    f"{dataset} batch {batch_size}", accelerator.is_main_process,
+                ).items():  # fmt: skip
+                    outcomes[timed[i]] = result
+                for mode, (records, error) in zip(modes, outcomes):
+                    finish(dataset, prompts, batch_size, mode, records, error, is_reference_only(mode, args))
 
     if accelerator.is_main_process:
         report.add_speedups(rows)
@@ -250,6 +275,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return rows
+
+
+def is_reference_only(mode, args) -> bool:
+    """ar run only for the oracle's continuations (ar not asked for): untimed, no row."""
+    return mode.name == "ar" and "ar" not in args.modes
+
+
+def free(model) -> None:
+    """After a mode failed: what it held goes (freed here, not inside the except block, whose traceback still holds
+    the tensors)."""
+    hf_bole.release(model)
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def attempt(fn, *args, label: str) -> tuple[list[dict] | None, str | None]:
@@ -381,11 +419,50 @@ def generation_kwargs(args, model, tokenizer) -> dict:
 
 def median_run(model, tokenizer, prompts, batch: list[int], mode: Mode, args, generation: dict, reference: list[dict]):
     """`run_batch` `args.repeats` times; the record of median wall time, with every pass's time in `seconds_all`."""
-    runs = sorted(
-        (run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference) for _ in range(args.repeats)),
-        key=lambda r: r["seconds"],
+    return median_record(
+        [run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference) for _ in range(args.repeats)]
     )
+
+
+def median_record(runs: list[dict]) -> dict:
+    """The record of median wall time among one batch's passes, with every pass's time in `seconds_all`."""
+    runs = sorted(runs, key=lambda r: r["seconds"])
     return {**runs[(len(runs) - 1) // 2], "seconds_all": [r["seconds"] for r in runs]}
+
+
+def one_pass(model, tokenizer, prompts, batches, mode, args, generation, reference, into: list[list[dict]]) -> None:
+    """One timed pass of `mode` over all batches, batch k's record appended to `into[k]`."""
+    for k, batch in enumerate(batches):
+        into[k].append(run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1]))
+
+
+def interleaved_runs(
+    model, tokenizer, prompts, batches, modes: list[Mode], args, generation, reference, label: str, show_progress: bool
+) -> dict[int, tuple[list[dict], str | None]]:
+    """`--interleave`: `{index in modes: (records, error)}` for modes warmed already, their `args.repeats` timed
+    passes taken in turns. Turn r runs every mode's pass over all batches, starting with mode r (mod the number of
+    modes), so no mode always runs first or right after a given other. A mode that fails leaves the later turns."""
+    from tqdm.auto import tqdm
+
+    passes = {i: [[] for _ in batches] for i in range(len(modes))}  # mode -> batch -> records
+    errors: dict[int, str] = {}
+    bar = tqdm(total=args.repeats * len(modes), desc=f"{label}, passes in turns", disable=not show_progress)
+    for turn in range(args.repeats):
+        for i in [(turn + j) % len(modes) for j in range(len(modes))]:
+            if i in errors:
+                continue
+            mode = modes[i]
+            checked_against = [] if mode.name == "ar" else reference  # ar is the reference, as without turns
+            _, error = attempt(
+                one_pass, model, tokenizer, prompts, batches, mode, args, generation, checked_against, passes[i],
+                label=f"{label} {mode.label}",
+            )  # fmt: skip
+            if error is not None:
+                errors[i] = error
+                free(model)
+            bar.update()
+    bar.close()
+    return {i: ([], errors[i]) if i in errors else ([median_record(p) for p in passes[i]], None) for i in passes}
 
 
 def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, generation: dict, reference: list[dict]):

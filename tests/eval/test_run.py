@@ -186,6 +186,62 @@ def test_run_shape_oracle(checkpoint, tmp_path):
     assert "drafter `oracle`" in (tmp_path / "results.md").read_text()
 
 
+def test_interleaved_passes_take_turns(checkpoint, tmp_path, monkeypatch):
+    """--interleave: ar's outputs from an untimed pass, the warm-ups, then the modes' timed passes in turns, each turn
+    starting one mode later; the rows are those of the same run without turns (outputs, exactness, the median)."""
+    calls = []
+    run_batch = run.run_batch
+
+    def recording(model, tokenizer, prompts, batch, mode, args, generation, reference):
+        calls.append((mode.label, tuple(batch), bool(reference)))
+        return run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference)
+
+    monkeypatch.setattr(run, "run_batch", recording)
+    argv = [
+        "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "6",
+        "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "chain", "bole", "--depth", "2", "--topk", "2",
+        "--repeats", "2", "--device", "cpu",
+    ]  # fmt: skip
+    rows = run.main([*argv, "--interleave", "--output-dir", str(tmp_path / "turns")])
+    timed = calls[-12:]  # 2 turns x 3 modes x 2 batches
+    assert [label for label, _, _ in timed[::2]] == ["ar", "chain", "bole", "chain", "bole", "ar"]
+    assert [batch for _, batch, _ in timed[:2]] == [(0,), (1,)]
+    assert all(checked == (label != "ar") for label, _, checked in timed)  # ar is the reference, as without turns
+    assert calls[0] == ("ar", (0,), False) and calls[1:3] == [("ar", (0,), False), ("ar", (1,), False)]  # warm, ref.
+    plain = run.main([*argv, "--output-dir", str(tmp_path / "plain")])
+    for turns, back_to_back in zip(rows, plain):
+        assert turns["mode"] == back_to_back["mode"] and turns["outputs_sha256"] == back_to_back["outputs_sha256"]
+        assert turns["exact_share"] == back_to_back["exact_share"] and turns["error"] is None
+        assert turns["pass_spread"] >= 0  # two timed passes per batch
+    assert all(r["exact_share"] == 1.0 for r in rows if r["mode"] != "ar")
+    assert "the modes' passes taken in turns" in (tmp_path / "turns" / "results.md").read_text()
+
+
+def test_mode_failing_in_turns_is_a_row(checkpoint, tmp_path, monkeypatch):
+    """A mode that fails in its timed passes under --interleave gets a row naming the error and leaves the later
+    turns; the other modes finish theirs."""
+    chain_calls = []
+    run_batch = run.run_batch
+
+    def failing_after_warm_up(model, tokenizer, prompts, batch, mode, *args):
+        if mode.name == "chain":
+            chain_calls.append(batch)
+            if len(chain_calls) > 1:  # the first call is its warm-up
+                raise RuntimeError("out of luck")
+        return run_batch(model, tokenizer, prompts, batch, mode, *args)
+
+    monkeypatch.setattr(run, "run_batch", failing_after_warm_up)
+    rows = run.main([
+        "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "4",
+        "--max-prompt-tokens", "160", "--shots", "1", "--modes", "ar", "chain", "bole", "--depth", "2", "--topk", "2",
+        "--repeats", "2", "--interleave", "--output-dir", str(tmp_path), "--device", "cpu",
+    ])  # fmt: skip
+    ar, chain, bole = rows
+    assert chain["error"] == "failed: RuntimeError" and chain["output_tokens_per_s"] is None
+    assert len(chain_calls) == 2  # not tried again in the second turn
+    assert ar["error"] is None and bole["error"] is None and bole["exact_share"] == 1.0
+
+
 def test_run_sweeps_tree_settings(checkpoint, tmp_path):
     """Several depths and budgets: one bole row per combination, labelled by what was swept."""
     rows = run.main([
