@@ -49,9 +49,10 @@ WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
 def full_tile_prune(keep):
     """An autotuner's `early_config_prune`: at BT = 128 only the configs `keep` accepts, all of them at smaller
-    tiles. Where the H200's sweeps (kernels_h200_eleventh/ab) found one config best at both target shapes the tuner
-    need not choose: timed alone, the apply kernel ran BK = 64 fastest at B = 1, but 5% slower beside the solve kernel
-    it overlaps (programmatic dependent launch) than BK = 32 (32.7 against 31.1 us)."""
+    tiles. At BT = 128 the H200's sweep (results/kernels_h200_eleventh/ab) found the same BK and warps best at both
+    target shapes, so the tuner is left to choose BV only (64 at B = 16, 32 at B = 1). Timed alone, the apply kernel
+    ran BK = 64 fastest at B = 1, but beside the solve kernel it overlaps (programmatic dependent launch) that was 5%
+    slower than BK = 32 (32.7 against 31.1 us)."""
 
     def prune(configs, named_args, **kwargs):
         if kwargs["BT"] < 128:
