@@ -102,6 +102,10 @@ ncu_step() {  # ncu_step NAME SECONDS ARGS...: eval/ncu_kernels.py ARGS under Ns
     step "$name" "$limit" "$ncu" --clock-control none -k regex:tree_gdn_verify --section LaunchStats \
         --section Occupancy --section SpeedOfLight --section WarpStateStats python3 eval/ncu_kernels.py "$@"
 }
+install_table() {  # install_table PATH: a committed budget table where generate's "auto" looks (not measured again)
+    python3 -c "from hf_bole.generation.budget import BudgetTable; t = BudgetTable.load('$1'); \
+print('installed', t.save(t.default_path()))"
+}
 # Issue 2's two target shapes first, then the tree sizes a model verifies
 SHAPES16="32,16,128 48,1,128 32,1,128 48,8,128 48,16,128 64,16,128 32,1,16 32,1,32 48,1,32 32,1,64 32,8,16 32,8,32
     32,8,64 32,16,16 32,16,64 64,16,64"
@@ -173,11 +177,7 @@ budget9b)
     ;;
 sweep9b)  # budget9b's sweep on the table the fifth session measured (results/budget_h200_9b), not measured again:
     # 128 new tokens (with 64, prefill was a quarter of a batch-1 call), the default epsilon (0.25)
-    python3 - <<'PY'
-from hf_bole.generation.budget import BudgetTable
-table = BudgetTable.load("results/budget_h200_9b/budget_9b.json")
-print("installed", table.save(table.default_path()))
-PY
+    install_table results/budget_h200_9b/budget_9b.json
     harness sweep_9b 560 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
         --max-new-tokens 128 --budget 16 32 64 128 auto --profile
     ;;
@@ -271,11 +271,7 @@ kernels10)  # tenth session: 100 + 150 + 270 s
     tail -21 "$OUT/bench.log"
     ;;
 sweep11)  # eleventh session, second call: bench11's 9B table installed (not measured again), 96 new tokens
-    python3 - <<'PY'
-from hf_bole.generation.budget import BudgetTable
-table = BudgetTable.load("results/kernels_h200_eleventh/bench11/budget_9b.json")
-print("installed", table.save(table.default_path()))
-PY
+    install_table results/kernels_h200_eleventh/bench11/budget_9b.json
     harness sweep_9b 570 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
         --max-new-tokens 96 --budget 16 32 64 128 auto goodput --profile
     ;;
@@ -286,30 +282,19 @@ house12)  # twelfth session: 150 + 420 s
         --max-new-tokens 96 --budget 16 32 64 128 256 auto goodput --profile
     ;;
 house12b)  # twelfth session, second call: house12's table installed (not measured again)
-    python3 - <<'PY'
-from hf_bole.generation.budget import BudgetTable
-table = BudgetTable.load("results/budget_h200_house/twelfth/budget_house.json")
-print("installed", table.save(table.default_path()))
-PY
+    install_table results/budget_h200_house/twelfth/budget_house.json
     harness sweep_house_r7 500 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
         --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 7 --profile
     ;;
-turns|turns9b)  # the table installed as measured; house12b took 453 s with 7 timed passes, sweep11 538 s with 3
-    python3 - "$PART" <<'PY'
-import sys
-from hf_bole.generation.budget import BudgetTable
-path = {"turns": "results/budget_h200_house/twelfth/budget_house.json",
-        "turns9b": "results/kernels_h200_eleventh/bench11/budget_9b.json"}[sys.argv[1]]
-table = BudgetTable.load(path)
-print("installed", table.save(table.default_path()))
-PY
-    if [ "$PART" = turns ]; then
-        harness turns_house 540 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
-            --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 5 --interleave --profile
-    else
-        harness turns_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 8 \
-            --max-new-tokens 96 --budget 16 32 64 128 auto goodput --repeats 3 --interleave --profile
-    fi
+turns)  # house12b took 453 s with 7 timed passes
+    install_table results/budget_h200_house/twelfth/budget_house.json
+    harness turns_house 540 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
+        --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 5 --interleave --profile
+    ;;
+turns9b)  # sweep11 took 538 s with 16 prompts and 3 timed passes
+    install_table results/kernels_h200_eleventh/bench11/budget_9b.json
+    harness turns_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 8 \
+        --max-new-tokens 96 --budget 16 32 64 128 auto goodput --repeats 3 --interleave --profile
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16 --providers serial fla \
