@@ -86,7 +86,7 @@ def test_every_launch_config(which, index, monkeypatch):
 def test_full_tile_prune_narrows_only_the_full_tile():
     """At BT = 128 the autotuners choose among the configs the H200's sweeps found best there; at smaller tiles among
     all; a lone config (a test or the tuning script pinning one) is kept whatever it is."""
-    prune = kernels.full_tile_prune(lambda c: c.kwargs["BK"] == 32 and c.num_warps == 4)
+    prune = kernels.tree_gdn_verify_apply_kernel.fn.early_config_prune  # the apply kernel's own
     configs = kernels.APPLY_CONFIGS
     kept = prune(configs, {}, BT=128)
     assert kept and all(c.kwargs["BK"] == 32 and c.num_warps == 4 for c in kept)

@@ -47,17 +47,18 @@ APPLY_CONFIGS = [
 WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
 
-def full_tile_prune(keep):
-    """An autotuner's `early_config_prune`: at BT = 128 only the configs `keep` accepts, all of them at smaller
-    tiles. At BT = 128 the H200's sweep (results/kernels_h200_eleventh/ab) found the same BK and warps best at both
-    target shapes, so the tuner is left to choose BV only (64 at B = 16, 32 at B = 1). Timed alone, the apply kernel
-    ran BK = 64 fastest at B = 1, but beside the solve kernel it overlaps (programmatic dependent launch) that was 5%
-    slower than BK = 32 (32.7 against 31.1 us)."""
+def full_tile_prune(BK: int, num_warps: int):
+    """An autotuner's `early_config_prune`: at BT = 128 only the configs of this `BK` and `num_warps`, all of them at
+    smaller tiles. At BT = 128 the H200's sweep (results/kernels_h200_eleventh/ab) found the same BK and warps best
+    at both target shapes, so the tuner is left to choose BV only (64 at B = 16, 32 at B = 1). Timed alone, the apply
+    kernel ran BK = 64 fastest at B = 1, but beside the solve kernel it overlaps (programmatic dependent launch) that
+    was 5% slower than BK = 32 (32.7 against 31.1 us)."""
 
     def prune(configs, named_args, **kwargs):
         if kwargs["BT"] < 128:
             return configs
-        return [c for c in configs if keep(c)] or configs  # a test pins one config of any kind: keep it
+        kept = [c for c in configs if c.kwargs["BK"] == BK and c.num_warps == num_warps]
+        return kept or configs  # a test pins one config of any kind: keep it
 
     return prune
 
@@ -212,7 +213,7 @@ def _diagonal_block(
 @triton.autotune(
     configs=autotune_configs(SOLVE_CONFIGS),
     key=["B", "BT", "H", "HK", "K", "USE_QK_L2NORM"],
-    prune_configs_by={"early_config_prune": full_tile_prune(lambda c: c.kwargs["BK"] == 128 and c.num_warps == 4)},
+    prune_configs_by={"early_config_prune": full_tile_prune(BK=128, num_warps=4)},
 )
 @triton.jit(do_not_specialize=["T"])
 def tree_gdn_verify_solve_kernel(
@@ -370,7 +371,7 @@ def _state_products(
 @triton.autotune(
     configs=autotune_configs(APPLY_CONFIGS),
     key=["B", "BT", "H", "HK", "K", "V", "USE_QK_L2NORM"],
-    prune_configs_by={"early_config_prune": full_tile_prune(lambda c: c.kwargs["BK"] == 32 and c.num_warps == 4)},
+    prune_configs_by={"early_config_prune": full_tile_prune(BK=32, num_warps=4)},
 )
 @triton.jit(do_not_specialize=["T"])
 def tree_gdn_verify_apply_kernel(
