@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
             reference: list[dict] = []
             modes = [m for name in run_modes for m in make_modes(name, batch_size, args)]
-            outcomes: list[tuple[list[dict], str | None]] = []  # (records, error) of every mode
+            outcomes: list[tuple[list[dict], str | None]] = []  # --interleave: (records, error) of every mode
             for mode in modes:
                 reference_only = is_reference_only(mode, args)
                 label = f"{dataset} {mode.label} batch {batch_size}"
@@ -247,8 +247,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         reference = records
                 if error is not None:
                     free(model)
-                outcomes.append((records, error))
-                if not args.interleave:
+                if args.interleave:  # timed below, in turns; the row once they are done
+                    outcomes.append((records, error))
+                else:
                     finish(dataset, prompts, batch_size, mode, records, error, reference_only)
             if args.interleave:
                 accelerator.wait_for_everyone()
