@@ -55,6 +55,8 @@
 #   turns      issue 5's house sweep with the timed passes in turns (--interleave), on its twelfth-session table
 #              (house12b's sweep differed by 11% between identical trees timed minutes apart)
 #   turns9b    the same on the 9B shape, on bench11's table
+#   select     branch wip-select-kernel: the select kernel's tests on CUDA, then eval/bench_select.py (select_nodes
+#              replayed from a graph against the one-launch Triton kernel); compare before wiring it into the loop
 #   bench11    the benchmark at 16 shapes (kernels without elementwise norms); the 9B shape's budget table; the kernel
 #              tests on CUDA
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
@@ -62,7 +64,7 @@
 #   split      the kernel tests; the closed form's kernels (closed_form_kernels.py) beside the serial walk and fla's
 #              chain at issue 2's target shapes and the tree sizes a model verifies; the model and graph tests on CUDA
 set -uo pipefail
-PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11|house12|house12b|turns|turns9b}
+PART=${1:?usage: bash eval/gpu_session.sh speed7|check7|compile816|compile16|housec|batch16|checks|verify|house|speed9b|batch9b|final|large|compile9b|compile|budget|budget9b|sweep9b|batch9bc|large27|verify6|kernels|profile|profile9b|fla|devmap|dp|dpthreads|split|profile9bc|tune|pdl|kernels10|bench10|bench11|sweep11|house12|house12b|turns|turns9b|select}
 OUT=${OUT:-results/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
@@ -295,6 +297,11 @@ turns9b)  # sweep11 took 538 s with 16 prompts and 3 timed passes
     install_table results/kernels_h200_eleventh/bench11/budget_9b.json
     harness turns_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 8 \
         --max-new-tokens 96 --budget 16 32 64 128 auto goodput --repeats 3 --interleave --profile
+    ;;
+select)  # first compiles: give the tests room
+    step select_tests 240 $PYTEST tests/generation/test_select_kernel.py tests/generation/test_select.py
+    step bench_select 240 python3 eval/bench_select.py --out "$OUT/select.jsonl"
+    tail -22 "$OUT/bench_select.log"
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s
     step bench 300 python3 eval/bench_kernels.py --out "$OUT/kernels.jsonl" --shapes $SHAPES16 --providers serial fla \
