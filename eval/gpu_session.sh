@@ -55,8 +55,8 @@
 #   turns      issue 5's house sweep with the timed passes in turns (--interleave), on its twelfth-session table
 #              (house12b's sweep differed by 11% between identical trees timed minutes apart)
 #   turns9b    the same on the 9B shape, on bench11's table
-#   select     branch wip-select-kernel: the select kernel's tests on CUDA, then eval/bench_select.py (select_nodes
-#              replayed from a graph against the one-launch Triton kernel); compare before wiring it into the loop
+#   select     the select kernel's tests on CUDA, eval/bench_select.py (select_nodes replayed from a graph against the
+#              one-launch Triton kernel), then the compiled 9B verify's kernels one by one (profile_round --kernel-log)
 #   bench11    the benchmark at 16 shapes (kernels without elementwise norms); the 9B shape's budget table; the kernel
 #              tests on CUDA
 #   bench10    the benchmark at 16 shapes with the launch configs kernels10 chose
@@ -299,8 +299,12 @@ turns9b)  # sweep11 took 538 s with 16 prompts and 3 timed passes
         --max-new-tokens 96 --budget 16 32 64 128 auto goodput --repeats 3 --interleave --profile
     ;;
 select)  # first compiles: give the tests room
-    step select_tests 240 $PYTEST tests/generation/test_select_kernel.py tests/generation/test_select.py
-    step bench_select 240 python3 eval/bench_select.py --out "$OUT/select.jsonl"
+    step select_tests 200 $PYTEST tests/generation/test_select_kernel.py tests/generation/test_select.py
+    step bench_select 150 python3 eval/bench_select.py --out "$OUT/select.jsonl"
+    step profile_9b_b1_compiled 220 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \
+        --batch-sizes 1 --num-prompts 1 --max-new-tokens 64 --top 30 --json "$OUT/profile_9b_b1_compiled.json" \
+        --kernel-log "$OUT"
+    tail -8 "$OUT/profile_9b_b1_compiled.log"
     tail -22 "$OUT/bench_select.log"
     ;;
 bench11)  # eleventh session, first call: 300 + 190 + 80 s

@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--trace-dir", help="also write each mode's Chrome trace (gzipped JSON) here")
     ap.add_argument("--json", help="also write the summaries (the table, the top ops) to this file")
     ap.add_argument("--top", type=int, default=15, help="ops listed per table")
+    ap.add_argument(
+        "--kernel-log",
+        help="also write every GPU kernel of each profiled call, in launch order, to this folder "
+        "(kernels_MODE.tsv: start and duration in microseconds, the enclosing bole:: phase, the name)",
+    )
     ours, rest = ap.parse_known_args(argv)
     args = run.parse_args(rest)
     args.profile = True  # hf_bole's phases become profiler ranges (bole::draft, ...): the per-phase table
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if ours.trace_dir:
                 Path(ours.trace_dir).mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(Path(ours.trace_dir) / f"trace_{mode.label.replace(' ', '_')}.json.gz"))
+            if ours.kernel_log:
+                Path(ours.kernel_log).mkdir(parents=True, exist_ok=True)
+                _write_kernel_log(prof, Path(ours.kernel_log) / f"kernels_{mode.label.replace(' ', '_')}.tsv")
 
     print(f"\n{label}, {dataset}, batch {batch_size}, {args.max_new_tokens} new tokens, {dtype}, "
           f"{torch.cuda.get_device_name(device) if cuda else device}")  # fmt: skip
@@ -132,6 +140,29 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
             (e.key, self_device_time(e) / 1e3) for e in sorted(events, key=lambda e: -self_device_time(e))[:top]
         ],
     }
+
+
+def _write_kernel_log(prof, path: Path) -> None:
+    """Every GPU kernel in start order, with the bole:: phase range (on the GPU timeline) it ran in: what one
+    round's phases launch, kernel by kernel, e.g. how many small kernels a layer of the verify forward runs."""
+    on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # The phases' record_function ranges appear on the GPU timeline too, as annotations spanning their kernels.
+    kernels = sorted((e for e in on_gpu if not e.name.startswith("bole::")), key=lambda e: e.time_range.start)
+    phases = sorted(
+        (e.time_range.start, e.time_range.end, e.name.removeprefix("bole::"))
+        for e in on_gpu
+        if e.name.startswith("bole::")
+    )
+    t0 = kernels[0].time_range.start if kernels else 0
+    with path.open("w") as f:
+        f.write("start_us\tdur_us\tphase\tname\n")
+        i = 0
+        for e in kernels:
+            start = e.time_range.start
+            while i < len(phases) and phases[i][1] < start:
+                i += 1
+            phase = phases[i][2] if i < len(phases) and phases[i][0] <= start else "-"
+            f.write(f"{start - t0:.1f}\t{e.time_range.elapsed_us():.1f}\t{phase}\t{e.name[:120]}\n")
 
 
 if __name__ == "__main__":
