@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.cache import BoleCache
-from hf_bole.generation.select import select_nodes
+from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, placement, tree_forward
 
@@ -123,9 +123,10 @@ class VerifyGraphs:
 
 
 class SelectGraphs:
-    """`select_nodes(tree, root_tokens, budget, max_nodes_per_row)` replayed from a CUDA graph per (tree shape,
-    budget, cap): selection is a hundred small ops (ranks by two stable sorts, compaction), launched while the GPU
-    waits for the round's tree. Returns the graph's buffers, valid until the next call."""
+    """`select_round(tree, root_tokens, budget, max_nodes_per_row)` replayed from a CUDA graph per (tree shape,
+    budget, cap): one kernel, or select_nodes' hundred small ops past the kernel's size, and the copies of the
+    round's tree into the graph's inputs, launched while the GPU waits for the round's tree. Returns the graph's
+    buffers, valid until the next call."""
 
     def __init__(self):
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], VerifyTree]] = {}
@@ -138,7 +139,7 @@ class SelectGraphs:
             static = tuple(x.clone() for x in inputs)
 
             def run() -> VerifyTree:
-                return select_nodes(DraftTree(*static[:3]), static[3], budget, max_nodes_per_row)
+                return select_round(DraftTree(*static[:3]), static[3], budget, max_nodes_per_row)
 
             graph, out = capture(run, root_tokens.device, self._pool)
             self._pool = graph.pool()

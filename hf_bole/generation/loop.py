@@ -45,7 +45,7 @@ from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
 from hf_bole.generation.graphs import captures, drop_graphs, graphed_cache, graphed_select, trimmed
 from hf_bole.generation.phases import PhaseTimer
-from hf_bole.generation.select import select_nodes
+from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 from hf_bole.models import (
@@ -373,7 +373,7 @@ def _decode(
     else:
         cache = BoleCache.for_model(model, B, max_cache_len=capacity)
         verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify, compile=bole.compile)
-        select = select_nodes
+        select = select_round
     decoder = model.get_decoder()
     prefill = decoder(
         input_ids=input_ids.to(in_device),

@@ -1,9 +1,8 @@
 """`select_nodes` as one Triton launch: the whole batch in one program (DESIGN.md §3 step 2).
 
 `select_nodes` (select.py, the reference and the specification) runs about 80 small kernels per decoding round on a
-GPU, replayed from a CUDA graph by `SelectGraphs`; this kernel is meant to replace them. It is tested against
-`select_nodes` under the Triton interpreter only: it has not been run or timed on a GPU, and it is not wired into
-the decoding loop.
+GPU; this kernel does the same in one launch, and the decoding loop selects with it (`select_round`) wherever the
+batch's draft nodes fit one program.
 
 One program holds all `B * N` draft nodes, one per lane of a block of `BLOCK = next_power_of_2(B * N)` lanes:
 
@@ -26,10 +25,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from transformers.utils import logging
 
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.kernels.utils import check_dtype, check_same_device, on_device, use_triton
+
+logger = logging.get_logger(__name__)
 
 # One program holds every node in registers and sorts them there: 8192 int64 keys is the most we allow (register
 # pressure at 16 warps; the sort's bit fields also need B * N <= 2**13, see the key layouts in the kernel).
@@ -236,7 +238,7 @@ def select_nodes_triton(
     r"""
     `select_nodes` in one Triton launch (one program for the whole batch): the same rules, arguments and
     `VerifyTree`, with no host synchronisation and shapes fixed by the arguments, so it can be captured in a CUDA
-    graph. Not yet run or timed on a GPU. On CPU tensors without `TRITON_INTERPRET=1` it calls `select_nodes`.
+    graph. On CPU tensors without `TRITON_INTERPRET=1` it calls `select_nodes`.
 
     `log rho` is summed in float64 and rounded once, where `select_nodes` sums in the log-probabilities' dtype: the
     two agree exactly where those sums are exact, otherwise to rounding (see the module docstring).
@@ -278,3 +280,17 @@ def select_nodes_triton(
     if not use_triton(tree.tokens) or B == 0:
         return select_nodes(tree, root_tokens, budget, max_nodes_per_row)
     return _select_nodes_fwd(tree, root_tokens, budget, max_nodes_per_row, M)
+
+
+def select_round(tree: DraftTree, root_tokens: torch.LongTensor, budget: int, max_nodes_per_row: int) -> VerifyTree:
+    """The decoding loop's selection: `select_nodes_triton` where the batch's `B * N` draft nodes fit its one program
+    (`MAX_NODES`), else `select_nodes` (about 80 small kernels), said once in a warning."""
+    if tree.tokens.numel() <= MAX_NODES:
+        return select_nodes_triton(tree, root_tokens, budget, max_nodes_per_row)
+    logger.warning_once(
+        f"hf_bole: this batch drafts {tree.tokens.shape[0]} x {tree.tokens.shape[1]} nodes, more than the "
+        f"{MAX_NODES} the one-launch selection kernel holds; node selection runs as select_nodes' small kernels "
+        f"instead (slower by a fraction of a millisecond a round). Fewer rows per call or a smaller draft tree "
+        f"(bole_topk, bole_depth) keep it in one launch"
+    )
+    return select_nodes(tree, root_tokens, budget, max_nodes_per_row)

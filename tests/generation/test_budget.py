@@ -344,12 +344,12 @@ def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
     calls no Python)."""
     rounds = []
 
-    def select_nodes(tree, root_tokens, budget, max_nodes_per_row):
+    def select_round(tree, root_tokens, budget, max_nodes_per_row):
         vt = budget_module.select_nodes(tree, root_tokens, budget, max_nodes_per_row)
         rounds.append((budget, int(vt.num_nodes.sum()) - len(root_tokens)))
         return vt
 
-    monkeypatch.setattr(loop, "select_nodes", select_nodes)
+    monkeypatch.setattr(loop, "select_round", select_round)
     return rounds
 
 

@@ -113,6 +113,24 @@ def test_greedy_matches_plain_oracle(request, kind, rows):
     assert out.round_time_ms is None  # not profiled
 
 
+@pytest.mark.interpreter
+def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
+    """Every round selects with select_nodes_triton's kernel (here under the Triton interpreter, as the GDN kernels)."""
+    from hf_bole.generation import select_kernel
+
+    launches = []
+    kernel = select_kernel._select_nodes_fwd
+    monkeypatch.setattr(select_kernel, "_select_nodes_fwd", lambda *a: launches.append(1) or kernel(*a))
+    prompts = [PROMPTS[r] for r in (0, 1, 3)]
+    ref = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    out = bole(
+        dense, prompts, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, prompts),
+        bole_budget=7, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert len(launches) == out.accept_lengths.shape[1] > 1  # one launch a round
+
+
 def test_profile_times_every_phase(dense):
     """CUDA events or the host clock per phase, and a profiler range per phase (what eval/profile_round.py reads)."""
     drafter = oracle_for(dense, PROMPTS)

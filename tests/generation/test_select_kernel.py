@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_bole.generation import DraftTree, select_nodes
-from hf_bole.generation.select_kernel import MAX_NODES, select_nodes_triton
+from hf_bole.generation.select_kernel import MAX_NODES, select_nodes_triton, select_round
 from tests.generation.test_select import _random_tree, _tree
 
 pytestmark = pytest.mark.interpreter
@@ -142,3 +142,20 @@ def test_select_kernel_checks_sizes():
         select_nodes_triton(small, torch.zeros(2, dtype=torch.long), budget=-1, max_nodes_per_row=2)
     with pytest.raises(ValueError, match="root_tokens"):
         select_nodes_triton(small, torch.zeros(3, dtype=torch.long), budget=1, max_nodes_per_row=2)
+
+
+def test_select_round_past_the_kernel_says_so_and_selects_as_select_nodes(caplog, monkeypatch):
+    # B * N past the kernel's limit (lowered here, so select_nodes stays quick): select_nodes' small kernels, with a
+    # warning that names the limit and the way back
+    from hf_bole.generation import select_kernel
+
+    monkeypatch.setattr(select_kernel, "MAX_NODES", 64)
+    monkeypatch.setattr(select_kernel, "_select_nodes_fwd", None)  # never reached
+    tree = _random_tree(3, 22)
+    roots = torch.arange(3)
+    with caplog.at_level("WARNING"):
+        out = select_round(tree, roots, budget=30, max_nodes_per_row=20)
+    assert "more than the 64" in caplog.text and "bole_topk" in caplog.text
+    ref = select_nodes(tree, roots, budget=30, max_nodes_per_row=20)
+    for name in FIELDS:
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
