@@ -96,7 +96,10 @@ class _GroupRound:
     """A device group's scratch of one tree round, on its device."""
 
     slots: torch.Tensor  # [B, N] KV slot of every node: lengths[b] + i
-    conv_inputs: torch.Tensor  # [NG, B, N, D] pre-conv inputs of every node
+    # [NG, B, W + N, D] every GDN layer's conv input, token-major: the committed window (a copy), then the pre-conv
+    # input of every node (what `commit` reads). The layer gets it as transformers' [B, D, W + N], and the tree conv
+    # reads the window and the nodes in place.
+    conv_io: torch.Tensor
     keys: torch.Tensor | None  # [NG, B, N, Hk, K] (closed form)
     u: torch.Tensor | None  # [NG, B, N, H, V] float32 (closed form)
     log_decay: torch.Tensor | None  # [NG, B, N, H] float32 (closed form)
@@ -381,7 +384,7 @@ class BoleCache(Cache):
         for g in r.groups:
             out["factors"] += _nbytes(g.keys) + _nbytes(g.u) + _nbytes(g.log_decay)
             out["snapshots"] += sum(_nbytes(s) for s in g.snapshots)
-            out["conv_inputs"] += _nbytes(g.conv_inputs)
+            out["conv_inputs"] += _nbytes(g.conv_io)
         NA, B, Hkv, Dh = self._kv_shape
         out["tree_kv"] = 2 * NA * B * Hkv * r.parents.shape[1] * Dh * self.dtype.itemsize
         return out
@@ -479,10 +482,12 @@ class BoleCache(Cache):
         conv = self._groups[group].conv
         self._check_input(conv_states, "conv_states", layer_idx, group)
         r = self._round
-        if r is not None and r.active:
-            r.groups[group].conv_inputs[g].copy_(conv_states.transpose(1, 2))
-            return torch.cat([conv[g], conv_states.to(conv.dtype)], dim=-1)
         width = conv.shape[-1]
+        if r is not None and r.active:
+            io = r.groups[group].conv_io[g]  # [B, W + N, D]
+            io[:, :width].copy_(conv[g].transpose(1, 2))
+            io[:, width:].copy_(conv_states.transpose(1, 2))
+            return io.transpose(1, 2)  # [B, D, W + N]: the window, then the inputs, as upstream's cat
         if not self._gdn_started[layer_idx]:  # first forward: a shorter input leaves zeros in front, as upstream pads
             self._gdn_started[layer_idx] = True
             tail = conv_states[..., -width:]
@@ -682,7 +687,7 @@ class BoleCache(Cache):
         if NG > 0:
             conv = group.conv.view(NG * B, D, W)
             tree_conv_state_commit(
-                conv, rg.conv_inputs.view(NG * B, N, D), path.repeat(NG, 1), out=conv, check_values=check_values
+                conv, rg.conv_io.view(NG * B, W + N, D)[:, W:], path.repeat(NG, 1), out=conv, check_values=check_values
             )
 
     def current_round(self) -> _TreeRound | None:
@@ -705,12 +710,13 @@ class BoleCache(Cache):
             closed = verify == "closed_form"
             groups = []
             for group in self._groups:
-                NG, d = group.conv.shape[0], group.device
+                NG, _, D, W = group.conv.shape
+                d = group.device
                 f32 = dict(dtype=torch.float32, device=d)
                 groups.append(
                     _GroupRound(
                         slots=slots,
-                        conv_inputs=torch.empty(NG, B, N, self._conv_dim, dtype=self.dtype, device=d),
+                        conv_io=torch.empty(NG, B, W + N, D, dtype=self.dtype, device=d),
                         keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=d) if closed else None,
                         u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
                         log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,

@@ -62,6 +62,12 @@ def _launches_dependents(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself where its last dim is contiguous (kernels that take every other stride read it in place), else a
+    contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def token_major(x: torch.Tensor) -> torch.Tensor:
     """A `[B, T, heads, dim]` tensor whose (heads, dim) block is contiguous, as the q/k/v views that split one
     projection are, is read in place by the kernels through its (batch, token) strides; anything else is copied."""

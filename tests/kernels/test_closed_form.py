@@ -133,6 +133,32 @@ def test_closed_form_precomputed_ancestors(backend):
         tree_gdn_verify(q, k, v, g, beta, parents, h0, ancestors=tree_ancestor_mask(parents).int())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closed_form_reads_strided_key_heads_in_place(backend, monkeypatch):
+    # transformers 5.17 repeats q and k to the value heads; the layer keeps every group-th head, a view whose heads
+    # are 2 K apart: the kernels read it through its strides (nothing copied) and give what contiguous inputs give
+    device = backend_device(backend)
+    q, k, v, g, beta, h0 = gdn_inputs(2, 37, 2, 4, 16, 16, device=device, seed=9)
+    parents = make_parents("mixed", 37, 2, seed=9).to(device)
+    q_rep, k_rep = (x.repeat_interleave(2, dim=2) for x in (q, k))  # [B, T, 4, K]
+    q_view, k_view = q_rep[:, :, ::2], k_rep[:, :, ::2]
+    assert q_view.stride(2) == 2 * q.shape[-1] and torch.equal(q_view, q)
+    copies, contiguous = [], torch.Tensor.contiguous
+
+    def counted(x, *args, **kwargs):
+        copies.append(tuple(x.shape))
+        return contiguous(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counted)
+    out = tree_gdn_verify(q_view, k_view, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    if backend == "triton":
+        assert tuple(q.shape) not in copies, "q or k was copied"
+    monkeypatch.undo()
+    ref = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    for x, y in zip(out, ref):
+        assert rel_err(x, y) <= 1e-6
+
+
 def random_topological_order(parents: list[int], gen: torch.Generator) -> list[int]:
     """A uniformly shuffled order in which every node still comes after its parent."""
     children = {i: [] for i in range(-1, len(parents))}

@@ -48,6 +48,22 @@ def test_tree_causal_conv1d_chain_equals_transformers_conv(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_causal_conv1d_reads_one_token_major_buffer(backend):
+    """BoleCache hands the conv [B, D, S + T] views of one token-major buffer (the window, then the nodes): the
+    window and the nodes are read through their strides and give what contiguous copies give."""
+    device = backend_device(backend)
+    B, T, D, W = 2, 13, 48, 4
+    io = torch.randn(B, W + T, D, device=device)  # [B, S + T, D]
+    window, x = io.transpose(1, 2)[..., :W], io[:, W:]  # [B, D, S] strided, [B, T, D]
+    assert not window.is_contiguous()
+    weight, parents = torch.randn(D, W, device=device), make_parents("bushy", T, B, seed=4).to(device)
+    out = tree_causal_conv1d(x, weight, None, parents, window)
+    assert torch.equal(out, tree_causal_conv1d(x.contiguous(), weight, None, parents, window.contiguous()))
+    ref = naive_tree_causal_conv1d(x.double(), weight.double(), None, parents.cpu(), window.double(), "silu")
+    assert rel_err(out, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("S", [4, 3])
 def test_tree_conv_state_commit(backend, S):
     device = backend_device(backend)

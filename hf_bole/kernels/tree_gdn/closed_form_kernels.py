@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import autotune_configs, is_interpreter, on_device, token_major, use_pdl
+from hf_bole.kernels.utils import autotune_configs, dim_contiguous, is_interpreter, on_device, token_major, use_pdl
 
 # Launch configs, from `eval/tune_kernels.py` on an H200 (results/kernels_h200_tenth, kernels_h200_eleventh). At
 # T = 128 both kernels hold [64, 64] float32 tiles, two programs of 4 warps per SM, and 8 warps took 1.6-2x as long;
@@ -227,6 +227,7 @@ def tree_gdn_verify_solve_kernel(
     rnorm,
     stride_qb,
     stride_qt,
+    stride_qh,
     B,
     T,
     H,
@@ -257,8 +258,8 @@ def tree_gdn_verify_solve_kernel(
     o_t = tl.arange(0, BT)
     p_anc = anc + i_b * T * T
     p_beta = beta + i_b * T * H + i_h
-    p_q = q + i_b * stride_qb + i_hk * K
-    p_k = k + i_b * stride_qb + i_hk * K
+    p_q = q + i_b * stride_qb + i_hk * stride_qh
+    p_k = k + i_b * stride_qb + i_hk * stride_qh
     p_ws = ws + i_bh * 6 * BH * BH
     p_rn = rnorm + (i_b * T * HK + i_hk) * 2
     b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=o_t < T, other=0).to(tl.float32)  # [BT]
@@ -388,6 +389,7 @@ def tree_gdn_verify_apply_kernel(
     scale,
     stride_qb,
     stride_qt,
+    stride_qh,
     stride_vb,
     stride_vt,
     B,
@@ -425,8 +427,8 @@ def tree_gdn_verify_apply_kernel(
     p_beta = beta + i_b * T * H + i_h
     p_lp = log_decay + i_b * T * H + i_h
     p_rn = rnorm + (i_b * T * HK + i_hk) * 2
-    p_q = q + i_b * stride_qb + i_hk * K
-    p_k = k + i_b * stride_qb + i_hk * K
+    p_q = q + i_b * stride_qb + i_hk * stride_qh
+    p_k = k + i_b * stride_qb + i_hk * stride_qh
     p_v = v + i_b * stride_vb + i_h * V
     p_u = u + (i_b * T * H + i_h) * V
     p_o = o + (i_b * T * H + i_h) * V
@@ -481,7 +483,9 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
     GPU has it, `use_pdl`) the apply kernel launches while the solve kernel runs and forms its state products
     meanwhile, which matters when a small batch leaves most of the GPU idle during the solve."""
     pdl = use_pdl(v) if pdl is None else pdl
-    q, k, v = token_major(q), token_major(k), token_major(v)
+    # q and k are read through all their strides but the last: the key heads transformers 5.17 repeats to the value
+    # heads (every group-th head kept, `_tree_gated_delta_rule`) are read in place, not copied.
+    q, k, v = dim_contiguous(q), dim_contiguous(k), token_major(v)
     if q.stride() != k.stride():
         q, k = q.contiguous(), k.contiguous()
     beta = beta.contiguous()
@@ -497,7 +501,7 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
     with on_device(v):
         tree_gdn_verify_apply_kernel[grid](
             q, k, v, beta, initial_state, ws, log_decay, rnorm, o, u, scale,
-            q.stride(0), q.stride(1), v.stride(0), v.stride(1), B, T, H, HK,
+            q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), B, T, H, HK,
             K=K, V=V, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
             DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl,
             **({"launch_pdl": True} if pdl else {}),  # a launch option only NVIDIA's Triton backend knows
@@ -517,7 +521,8 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
     anc = ancestors.contiguous().view(torch.uint8)
     with on_device(k):
         tree_gdn_verify_solve_kernel[(3, B * H)](
-            q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, rnorm, q.stride(0), q.stride(1), B, T, H, HK,
+            q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, rnorm, q.stride(0), q.stride(1), q.stride(2),
+            B, T, H, HK,
             K=K, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
             USE_PDL=pdl,
         )  # fmt: skip

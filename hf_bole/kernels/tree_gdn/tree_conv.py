@@ -34,6 +34,9 @@ def tree_causal_conv1d_fwd_kernel(
     out,
     stride_xb,
     stride_xt,
+    stride_sb,
+    stride_sd,
+    stride_ss,
     T,
     D,
     S,
@@ -49,7 +52,7 @@ def tree_causal_conv1d_fwd_kernel(
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     p_x = x + i_b * stride_xb + o_d[None, :]
-    p_s = conv_state + (i_b * D + o_d[None, :]) * S
+    p_s = conv_state + i_b * stride_sb + o_d[None, :] * stride_sd
 
     b_cur = tl.where(m_t, o_t, -1)  # the r-th predecessor of each node, while it is a tree node
     b_above = tl.zeros([BT], dtype=tl.int64)  # how many steps above the root, once past it
@@ -62,7 +65,8 @@ def tree_causal_conv1d_fwd_kernel(
         m_node = b_cur >= 0
         m_win = ~m_node & m_t & (b_above <= S)
         b_in = tl.load(p_x + b_cur[:, None] * stride_xt, mask=m_node[:, None] & m_d[None, :], other=0).to(tl.float32)
-        b_in += tl.load(p_s + (S - b_above)[:, None], mask=m_win[:, None] & m_d[None, :], other=0).to(tl.float32)
+        m_s = m_win[:, None] & m_d[None, :]
+        b_in += tl.load(p_s + (S - b_above)[:, None] * stride_ss, mask=m_s, other=0).to(tl.float32)
         b_w = tl.load(weight + o_d * W + (W - 1 - r), mask=m_d, other=0).to(tl.float32)
         b_acc += b_in * b_w[None, :]
     if HAS_BIAS:
@@ -173,7 +177,7 @@ def tree_causal_conv1d(
         weight: `[D, W]` depthwise taps (a Conv1d weight `[D, 1, W]` squeezed).
         bias: `[D]` or None.
         parents: `[B, T]` int64, `-1 <= parents[b, i] < i`.
-        conv_state: `[B, D, S]`, S >= W - 1: the committed window in transformers' layout. Not modified.
+        conv_state: `[B, D, S]`, S >= W - 1: the committed window in transformers' layout (any strides). Not modified.
         activation: "silu" or None.
 
     Returns:
@@ -199,15 +203,18 @@ def tree_causal_conv1d(
     if not use_triton(x):
         return torch_tree_causal_conv1d(x, weight, bias, parents, conv_state, activation == "silu")
 
+    # x and conv_state are read through their strides: the decoding loop passes views of one token-major buffer
+    # (BoleCache's conv_io: the window, then the nodes), which nothing needs to copy.
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weight, parents, conv_state = weight.contiguous(), parents.contiguous(), conv_state.contiguous()
+    weight, parents = weight.contiguous(), parents.contiguous()
+    S = conv_state.shape[-1]
     out = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     BT, BD = min(16, max(triton.next_power_of_2(T), 2)), 128
     grid = (triton.cdiv(D, BD), triton.cdiv(T, BT), B)
     with on_device(x):
         tree_causal_conv1d_fwd_kernel[grid](
-            x, weight, bias, parents, conv_state, out, x.stride(0), x.stride(1), T, D, conv_state.shape[-1],
+            x, weight, bias, parents, conv_state, out, x.stride(0), x.stride(1), *conv_state.stride(), T, D, S,
             W=W, BT=BT, BD=BD, USE_SILU=activation == "silu", num_warps=4,
         )  # fmt: skip
     return out
