@@ -125,10 +125,10 @@ def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
     ref = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
     out = bole(
         dense, prompts, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, prompts),
-        bole_budget=7, return_dict_in_generate=True,
+        bole_budget=7, bole_cuda_graphs=False, return_dict_in_generate=True,
     )  # fmt: skip
     assert torch.equal(out.sequences, ref)
-    assert len(launches) == out.accept_lengths.shape[1] > 1  # one launch a round
+    assert len(launches) == out.accept_lengths.shape[1] > 1  # one launch a round (no graph replays it)
 
 
 def test_profile_times_every_phase(dense):

@@ -17,6 +17,15 @@ pytestmark = pytest.mark.interpreter
 FIELDS = ("input_ids", "parents", "depths", "draft_index", "node_mask", "num_nodes", "draft_log_rho")
 
 
+@pytest.fixture(autouse=True)
+def _trees_on_the_cpu():
+    """Trees are built on the CPU, where select_nodes (the reference) runs, also where the tests' default device is
+    a GPU (HF_BOLE_TEST_DEVICE=cuda): the same trees everywhere. Random trees built on a GPU differ, and their float
+    path sums can round apart in the last bit between torch's order and the kernel's (the module's docstring)."""
+    with torch.device("cpu"):
+        yield
+
+
 def _on(tree: DraftTree, device) -> DraftTree:
     return DraftTree(*(x.to(device) for x in (tree.tokens, tree.parents, tree.draft_logprobs)))
 
