@@ -285,8 +285,11 @@ def test_layer_devices_errors():
     config = text_config()
     with pytest.raises(ValueError, match="a device per decoder layer: 4 of them, got 3"):
         BoleCache(config, batch_size=1, layer_devices=["cpu"] * 3)
-    # a cache made for another placement: named at the first layer whose input is not where its state is
-    model = build_model()  # lin lin lin full, all on the CPU
-    elsewhere = BoleCache(model.config, batch_size=len(PROMPTS), layer_devices=["cpu", "cpu", "meta", "meta"])
-    with pytest.raises(ValueError, match=r"layer 2 runs on cpu, but this BoleCache keeps its state on meta; .*for_model"):
-        prefill(model, elsewhere, PROMPTS)
+    # a cache made for another placement: named at the first layer whose input is not where its state is (all on
+    # the CPU, also where the tests' default device is a GPU)
+    with torch.device("cpu"):
+        model = build_model()  # lin lin lin full
+        elsewhere = BoleCache(model.config, batch_size=len(PROMPTS), layer_devices=["cpu", "cpu", "meta", "meta"])
+        expected = r"layer 2 runs on cpu, but this BoleCache keeps its state on meta; .*for_model"
+        with pytest.raises(ValueError, match=expected):
+            prefill(model, elsewhere, PROMPTS)
