@@ -52,13 +52,8 @@ def select_nodes(
     (tensor([[9, 5, 6]]), tensor([[-1,  0,  1]]))
     ```
     """
-    if budget < 0:
-        raise ValueError(f"`budget` must be >= 0, got {budget}")
-    if max_nodes_per_row < 1:
-        raise ValueError(f"`max_nodes_per_row` must be >= 1, got {max_nodes_per_row}")
+    check_selection(tree, root_tokens, budget, max_nodes_per_row)
     B, N = tree.tokens.shape
-    if root_tokens.shape != (B,):
-        raise ValueError(f"`root_tokens` must have shape [batch_size={B}], got {list(root_tokens.shape)}")
     M = min(max_nodes_per_row, max(budget, 1), N)
     device = tree.tokens.device
     if N == 0:  # reductions below need a node: one padding node selects nothing, as an empty tree should
@@ -110,6 +105,17 @@ def select_nodes(
         num_nodes=node_mask.sum(-1),
         draft_log_rho=key,
     )
+
+
+def check_selection(tree: DraftTree, root_tokens: torch.Tensor, budget: int, max_nodes_per_row: int) -> None:
+    """The arguments every selection takes (`select_nodes`, `select_nodes_triton`), checked with a clear error."""
+    if budget < 0:
+        raise ValueError(f"`budget` must be >= 0, got {budget}")
+    if max_nodes_per_row < 1:
+        raise ValueError(f"`max_nodes_per_row` must be >= 1, got {max_nodes_per_row}")
+    B = tree.tokens.shape[0]
+    if root_tokens.shape != (B,):
+        raise ValueError(f"`root_tokens` must have shape [batch_size={B}], got {list(root_tokens.shape)}")
 
 
 def _rank(key: torch.Tensor, depth: torch.Tensor) -> torch.LongTensor:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from transformers.utils import logging
 
-from hf_bole.generation.select import select_nodes
+from hf_bole.generation.select import check_selection, select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.kernels.utils import check_dtype, check_same_device, on_device, use_triton
 
@@ -253,13 +253,8 @@ def select_nodes_triton(
     Returns:
         `VerifyTree` of width `T = 1 + M`, `M = min(max_nodes_per_row, max(budget, 1), N)`, as `select_nodes`.
     """
-    if budget < 0:
-        raise ValueError(f"`budget` must be >= 0, got {budget}")
-    if max_nodes_per_row < 1:
-        raise ValueError(f"`max_nodes_per_row` must be >= 1, got {max_nodes_per_row}")
+    check_selection(tree, root_tokens, budget, max_nodes_per_row)
     B, N = tree.tokens.shape
-    if root_tokens.shape != (B,):
-        raise ValueError(f"`root_tokens` must have shape [batch_size={B}], got {list(root_tokens.shape)}")
     if tree.parents.shape != (B, N) or tree.draft_logprobs.shape != (B, N):
         raise ValueError(
             f"DraftTree fields must share one shape [B, N] = {[B, N]}, got parents {list(tree.parents.shape)} "

@@ -10,7 +10,7 @@ import torch
 
 from hf_bole.generation import DraftTree, select_nodes
 from hf_bole.generation.select_kernel import MAX_NODES, select_nodes_triton, select_round
-from tests.generation.test_select import _random_tree, _tree
+from tests.generation.test_select import RANDOM_CASES, _random_tree, _tree
 
 pytestmark = pytest.mark.interpreter
 
@@ -71,11 +71,7 @@ def test_select_kernel_hand_written_trees(name, device):
 @pytest.mark.parametrize(
     "B, N, budget, cap",
     [
-        pytest.param(1, 7, 5, 127, id="B1-N7"),
-        pytest.param(3, 13, 11, 4, id="B3-N13-cap4"),
-        pytest.param(5, 40, 63, 127, id="B5-N40"),
-        pytest.param(4, 63, 3, 127, id="B4-N63-under-floor"),
-        pytest.param(6, 30, 500, 9, id="B6-N30-all"),
+        *RANDOM_CASES,
         pytest.param(1, 1, 0, 1, id="B1-N1-budget0"),
         pytest.param(16, 8, 20, 1, id="B16-N8-cap1"),
         pytest.param(7, 9, 0, 3, id="B7-N9-budget0"),
