@@ -375,8 +375,9 @@ class BoleCache(Cache):
     @property
     def transient_bytes(self) -> dict[str, int]:
         """Bytes of per-round tree state of the last `tree_forward`: GDN factors (k, u, log-decay; closed form),
-        per-node state snapshots (serial), pre-conv inputs, and the tree's KV (written in place into the free
-        slots of the KV storage, so not a separate allocation)."""
+        per-node state snapshots (serial), pre-conv inputs (`conv_inputs`: with a copy of each layer's committed
+        window, the conv's whole input), and the tree's KV (written in place into the free slots of the KV storage,
+        so not a separate allocation)."""
         out = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}
         r = self._round
         if r is None:
