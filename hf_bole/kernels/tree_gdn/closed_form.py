@@ -69,8 +69,9 @@ def tree_gdn_verify(
     (u, log_decay) returned here let `tree_gdn_commit` build the state after any accepted path.
 
     Args:
-        q, k: `[B, T, Hk, K]` queries and keys. Views whose (head, dim) block is contiguous, like the
-            splits of one projection, are read in place; others are copied.
+        q, k: `[B, T, Hk, K]` queries and keys. Views whose last dim is contiguous, like the splits of one
+            projection or every group-th of repeated heads, are read in place through their other strides (q and k
+            sharing them); others are copied.
         v: `[B, T, H, V]` values; H is a multiple of Hk (each q/k head serves H // Hk consecutive value heads).
         g: `[B, T, H]` log-decay, <= 0.
         beta: `[B, T, H]` write strength.
