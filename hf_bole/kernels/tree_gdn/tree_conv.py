@@ -18,6 +18,7 @@ from hf_bole.kernels.utils import (
     check_path,
     check_same_device,
     check_shape,
+    dim_contiguous,
     on_device,
     use_triton,
 )
@@ -205,8 +206,7 @@ def tree_causal_conv1d(
 
     # x and conv_state are read through their strides: the decoding loop passes views of one token-major buffer
     # (BoleCache's conv_io: the window, then the nodes), which nothing needs to copy.
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = dim_contiguous(x)
     weight, parents = weight.contiguous(), parents.contiguous()
     S = conv_state.shape[-1]
     out = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
@@ -256,8 +256,7 @@ def tree_conv_state_commit(
         return torch_tree_conv_state_commit(conv_state, x, path, out)
     if not (out.is_contiguous() and conv_state.is_contiguous()):
         raise ValueError("conv_state and out must be contiguous [B, D, S]")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = dim_contiguous(x)
     L = path.shape[1]
     BD = 128
     with on_device(x):
