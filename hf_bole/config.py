@@ -85,6 +85,16 @@ class BoleConfig:
             at near-ties (the two best logits within a bf16 step) the output can differ from eager greedy, as
             transformers' own compiled decoding does (house model: 5 of 8 prompts equal, every divergence a
             near-tie; the eager path: 8 of 8).
+        pipeline (`bool`, *optional*, defaults to `True`):
+            Queue each round on the device before the host reads the previous round's tokens, so that the host's
+            per-round work (stopping rules, streaming, the next round's launches) overlaps the GPU's instead of
+            leaving it idle. It applies to calls of one request, with a drafter that declares `max_depth` (the MTP
+            drafter does; see `hf_bole.Drafter`), logits processors that read no earlier tokens, and no stopping
+            criteria beyond EOS, length and stop strings; other calls run rounds one after the other as with
+            `False`. The output is the same either way. The price: a round launched after the last one was needed
+            is computed and thrown away, the cache holds one more round of slots, and without `cuda_graphs` the
+            verify forward runs at the width of the round's budget instead of being cut to the nodes selected (a
+            host read).
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.
@@ -109,6 +119,7 @@ class BoleConfig:
     ngram_min_size: int = 1
     cuda_graphs: bool = True
     compile: bool = False
+    pipeline: bool = True
     profile: bool = False
 
     def __post_init__(self):
@@ -122,7 +133,7 @@ class BoleConfig:
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
-        for name in ("cuda_graphs", "compile", "profile"):
+        for name in ("cuda_graphs", "compile", "pipeline", "profile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BoleConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.verify not in VERIFY_MODES:

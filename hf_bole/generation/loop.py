@@ -353,11 +353,26 @@ def _decode(
     per_row = max(1, min(row_cap, budget_for.max_budget))
     drafter = _make_drafter(model, bole)
     builtin_drafter = isinstance(bole.drafter, str)  # a user's drafter gets its trees checked every round
+    max_depth = _max_depth(drafter)
     vocab_size = model.get_output_embeddings().weight.shape[0]
-
-    # Committed slots never exceed prompt + max_new + one round's overshoot; the tree needs per_row + 1 more.
-    capacity = P + max_new + 2 * (per_row + 1)
     graphed = captures(model, bole.cuda_graphs)
+    # Pipelined rounds (`BoleConfig.pipeline`): round r + 1 is queued before the host reads round r's tokens. Every
+    # launch of a round must then need nothing from the host that round r decides: a drafter that reads no host-side
+    # sequences, a forward whose width is not trimmed (one row), no processor or criterion reading ids.
+    pipelined = (
+        bole.pipeline
+        and B == 1
+        and max_depth is not None
+        and is_context_free(logits_processor)
+        and not stopping.others
+    )
+    # The most tokens one round commits per row (its accepted path), and how many rounds the host may lag behind.
+    step = max_depth + 1 if max_depth is not None else per_row + 1
+    lag = 1 if pipelined else 0
+
+    # Committed slots never exceed prompt + max_new + one round's overshoot per round in flight; the tree needs
+    # per_row + 1 more.
+    capacity = P + max_new + (1 + lag) * step + per_row + 1
     if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
         logger.warning_once(
             f"hf_bole: CUDA graphs cannot capture the model's mixture-of-experts layers "
@@ -389,11 +404,12 @@ def _decode(
 
     # seq: every row as plain decoding's `input_ids` holds it (left padding, generated tokens); a spare column at
     # the end takes the writes of padding entries.
-    seq = torch.full((B, P + max_new + per_row + 3), pad_token, dtype=torch.long, device=device)
+    seq = torch.full((B, P + max_new + lag * step + per_row + 3), pad_token, dtype=torch.long, device=device)
     seq[:, :P] = input_ids
     left_pad = (P - mask.sum(-1)).tolist()
+    prompt_lengths = mask.sum(-1)  # [B] on the device
     state = _Rows(B, P, max_new, stopping, seq, pad_token)
-    state.emit(first[:, None], torch.ones(B, dtype=torch.long, device=device))
+    state.read(state.write(first[:, None], torch.ones(B, dtype=torch.long, device=device)))
     streamed = _Streamer(streamer, state)
     streamed.flush()
 
@@ -402,38 +418,54 @@ def _decode(
     new_tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
     new_mask, new_positions = mask, text_positions
     root = first
-    rounds: list[torch.Tensor] = []
+    rounds: list[list[int]] = []  # per round, the tokens each row accepted (0: it sat the round out)
     peak_transient = cache.transient_bytes  # all zero before the first round
     timer = PhaseTimer(device, enabled=bole.profile)
+    queued: list[_Queued] = []  # rounds on the GPU whose tokens the host has not read, oldest first
     while True:
         active = state.active()
         if not any(active):
-            break
+            if not queued:
+                break
+            # Rows finished in a round read after the last launch: what is still queued was not needed.
+            for q in queued:
+                _finish(state, q, drafter, max_depth, vocab_size)
+            queued.clear()
+            continue
         timer.round_start()
         active_t = torch.tensor(active, device=device)
+        # Upper bounds from the host's counts, which lag the device by the rounds still queued.
+        longest = max(n for n, a in zip(state.n_gen, active) if a) + step * len(queued)
         ctx = DraftContext(
-            sequences=[seq[b, left_pad[b] : P + state.n_gen[b]] for b in range(B)],
+            sequences=None if pipelined else [seq[b, left_pad[b] : P + state.n_gen[b]] for b in range(B)],
             max_nodes=per_row,
             hidden_states=new_hidden,
             next_tokens=new_tokens,
             new_mask=new_mask,
             positions=new_positions,
+            lengths=prompt_lengths + state.generated,
+            max_length=P + longest + step,
         )
         tree = drafter.propose(ctx)
         timer.mark("draft")
+        tree_copy = None
         if not builtin_drafter:
-            _check_custom_tree(tree, B, vocab_size, drafter)
+            if pipelined:  # checked a round late on a host copy; verified now in a form no kernel can trip over
+                _check_custom_tree(tree, B, vocab_size, drafter, max_depth, values=False)
+                tree_copy = DraftTree(*(x.to("cpu", non_blocking=True) for x in (tree.tokens, tree.parents, tree.draft_logprobs)))
+                tree = tree.made_safe(vocab_size, max_depth)
+            else:
+                _check_custom_tree(tree, B, vocab_size, drafter, max_depth)
         # Rows that are done verify their root only (their draft gets no budget) and commit nothing.
         logprobs = torch.where(active_t[:, None], tree.draft_logprobs.to(device), float("-inf"))
         tree = DraftTree(tokens=tree.tokens.to(device), parents=tree.parents.to(device), draft_logprobs=logprobs)
         # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
-        kv_length = P - 1 + max(n for n, a in zip(state.n_gen, active) if a)
-        verify = select(tree, root, budget_for(sum(active), kv_length), per_row)
+        verify = select(tree, root, budget_for(sum(active), P - 1 + longest), per_row)
         budget_for.observe(verify)  # the goodput rule's draft probabilities (selection ranked them), read next round
-        if not (graphed and sum(active) == 1):
+        if not (pipelined or (graphed and sum(active) == 1)):
             # Cut the forward to the widest row kept: a host read, which waits for drafting and selection. A single
-            # row replayed from graphs keeps the width of its budget (what the budget deems nearly free), so that
-            # the forward is enqueued behind them without that wait.
+            # row pipelined or replayed from graphs keeps the width of its budget (what the budget deems nearly
+            # free), so that the forward is enqueued behind them without that wait.
             verify = trimmed(verify, graphed)
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents.to(cache.device))
@@ -444,25 +476,28 @@ def _decode(
             contexts = [seq[b, : P + state.n_gen[b]] for b in range(B)]
         scores = process_logits(logits_processor, out.logits, verify, contexts)
         accepted = accept_sampling(verify, scores) if do_sample else accept_greedy(verify, scores)
-        path = torch.where(active_t[:, None], accepted.path, -1)
+        # [B, <= step]: accepted paths are at most `step` long; they come padded to the tree's width.
+        path = torch.where(active_t[:, None], accepted.path[:, :step], -1)
         timer.mark("accept")
         positions = cache.positions.to(device, copy=True)
         cache.commit(path.to(cache.device), check_values=False)  # paths of the acceptance walk: no host read of them
         timer.mark("commit")
 
-        lengths = torch.where(active_t, accepted.accept_lengths, 0)
-        # What the drafter has not seen: the accepted paths, [B, L] up to the longest (paths are padded to the
-        # tree's width; the host has just read the lengths for the stopping rules).
-        L = state.emit(accepted.tokens, lengths)
-        rounds.append(lengths)
-        streamed.flush()
-
-        path = path[:, :L]
+        queued.append(_Queued(state.write(accepted.tokens, torch.where(active_t, accepted.accept_lengths, 0)), tree_copy))
+        # What the drafter has not seen: the accepted paths, right-padded (path < 0); to `step` columns for a drafter
+        # with `max_depth`, whose inputs then keep one shape from round to round (one CUDA graph).
+        width = step if max_depth is not None else path.shape[1]
+        path = torch.nn.functional.pad(path, (0, width - path.shape[1]), value=-1)  # [B, width]
         new_hidden = out.hidden_states.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, out.hidden_states.shape[-1]))
-        new_tokens = accepted.tokens[:, :L].clamp(min=0)
+        new_tokens = accepted.tokens[:, :width].clamp(min=0)
+        new_tokens = torch.nn.functional.pad(new_tokens, (0, width - new_tokens.shape[1]))
         new_mask = path >= 0
-        new_positions = positions[:, None] + torch.arange(L, device=device)
+        new_positions = positions[:, None] + torch.arange(width, device=device)
         root = accepted.bonus
+        # Read what the host may no longer wait for: every round but the last `lag` ones.
+        while len(queued) > lag:
+            rounds.append(_finish(state, queued.pop(0), drafter, max_depth, vocab_size))
+            streamed.flush()
         timer.mark("host")
 
     T_out = state.output_length()
@@ -470,7 +505,7 @@ def _decode(
     sequences = state.sequences(T_out)
     if not generation_config.return_dict_in_generate:
         return sequences
-    accept_lengths = torch.stack(rounds, dim=1) if rounds else torch.zeros(B, 0, dtype=torch.long, device=device)
+    accept_lengths = torch.tensor(rounds, dtype=torch.long, device=device).view(len(rounds), B).T
     played = (accept_lengths > 0).sum()
     mean = float(accept_lengths.sum() / played) if played > 0 else 0.0
     return BoleGenerateOutput(
@@ -503,13 +538,47 @@ def _spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
     return dataclasses.replace(bole, cuda_graphs=False)
 
 
-def _check_custom_tree(tree, batch_size: int, vocab_size: int, drafter) -> None:
+def _max_depth(drafter) -> int | None:
+    """The drafter's `max_depth` (see `Drafter`), or None when it declares none."""
+    depth = getattr(drafter, "max_depth", None)
+    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+        raise ValueError(
+            f"{type(drafter).__name__}.max_depth must be a positive int (the most levels its trees hold below the "
+            f"root) or absent, got {depth!r}"
+        )
+    return depth
+
+
+def _check_custom_tree(tree, batch_size: int, vocab_size: int, drafter, max_depth: int | None, values=True) -> None:
+    """Raises a ValueError naming the drafter when `tree` is not a valid DraftTree; with `values=False` only what
+    needs no read of the tree's values (its type, dtypes, shapes and devices)."""
     if not isinstance(tree, DraftTree):
         raise ValueError(f"{type(drafter).__name__}.propose must return a hf_bole.DraftTree, got {type(tree).__name__}")
     try:
-        tree.validate(batch_size, vocab_size)
+        if values:
+            tree.validate(batch_size, vocab_size, max_depth)
+        else:
+            tree.check_layout(batch_size)
     except ValueError as e:
         raise ValueError(f"{type(drafter).__name__}.propose returned an invalid DraftTree: {e}") from e
+
+
+@dataclass
+class _Queued:
+    """A round queued on the GPU: its tokens on their way to the host (`_Rows.write`), and with a pipelined custom
+    drafter a host copy of the tree it proposed, checked when the round is read."""
+
+    tokens: _Written
+    tree: DraftTree | None
+
+
+def _finish(state: _Rows, queued: _Queued, drafter, max_depth: int | None, vocab_size: int) -> list[int]:
+    """Reads a queued round on the host (waiting for it): checks its tree, then emits its tokens; returns how many
+    tokens each row accepted (0 for a row that sat it out)."""
+    if queued.tree is not None:
+        queued.tokens.ready.synchronize()  # the tree's copy was queued before the round's tokens
+        _check_custom_tree(queued.tree, state.B, vocab_size, drafter, max_depth)
+    return state.read(queued.tokens)
 
 
 class _Rows:
@@ -518,6 +587,9 @@ class _Rows:
     def __init__(self, B: int, P: int, max_new: int, stopping: _Stopping, seq: torch.Tensor, pad: int):
         self.B, self.P, self.max_new, self.stopping, self.seq, self.pad = B, P, max_new, stopping, seq, pad
         self.n_gen = [0] * B
+        # [B] on the device: tokens written per row. It runs ahead of `n_gen` by the rounds the host has not read,
+        # and past it in a row that stopped inside a round's path (the row is done then).
+        self.generated = torch.zeros(B, dtype=torch.long, device=seq.device)
         self.tokens: list[list[int]] = [[] for _ in range(B)]
         self.finished_at: list[int | None] = [None] * B  # generated length when a stopping criterion fired
         self.frozen = [False] * B  # finished and padded from then on, as plain decoding does with an EOS criterion
@@ -533,21 +605,34 @@ class _Rows:
         limit = self.limit()
         return [not self.frozen[b] and self.n_gen[b] < limit for b in range(self.B)]
 
-    def emit(self, tokens: torch.Tensor, lengths: torch.Tensor) -> int:
-        """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row, token by token through
-        the stopping rules; returns the largest of `lengths`."""
+    def write(self, tokens: torch.Tensor, lengths: torch.Tensor) -> _Written:
+        """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row of `seq` on the device
+        and starts copying them, with what the stop strings say of them, to the host; `read` takes them from
+        there. Reads nothing on the host."""
         B, L = tokens.shape
-        start = torch.tensor(self.n_gen, device=tokens.device)
+        start = self.generated
         steps = torch.arange(L, device=tokens.device)
         # Write first: stopping criteria read the row's ids. Entries past a row's length go to the spare last
         # column, never read; entries past a stop are overwritten or padded later.
         col = torch.where(steps[None, :] < lengths[:, None], self.P + start[:, None] + steps, self.seq.shape[1] - 1)
         self.seq.scatter_(1, col, tokens)
         suffix = self.stopping.suffix_stops(self.seq, self.P + start[:, None] + steps + 1)  # [B, L] or None
-        # The one host synchronisation of a round: the stopping rules run on the host.
+        self.generated = start + lengths
         parts = [lengths[:, None], tokens] + ([suffix.long()] if suffix is not None else [])
-        host = torch.cat(parts, dim=1).cpu().tolist()
-        for b in range(B):
+        host = torch.cat(parts, dim=1).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
+        ready = torch.cuda.Event() if tokens.is_cuda else _Done()
+        ready.record()
+        return _Written(host, ready, L, suffix is not None)
+
+    def read(self, written: _Written) -> list[int]:
+        """Emits a round `write` started, token by token through the stopping rules, once its copy has arrived
+        (the loop's one wait for the GPU); returns how many tokens each row accepted (0 for rows already done)."""
+        written.ready.synchronize()
+        host, L = written.host.tolist(), written.width
+        counted = []
+        for b in range(self.B):
+            done = self.frozen[b] or self.n_gen[b] >= self.limit()
+            counted.append(0 if done else host[b][0])
             for j in range(host[b][0]):
                 if self.frozen[b] or self.n_gen[b] >= self.limit():
                     break
@@ -559,11 +644,11 @@ class _Rows:
                     token,
                     length,
                     lambda b=b, length=length: self.seq[b : b + 1, :length],
-                    suffix_stop=suffix is not None and bool(host[b][1 + L + j]),
+                    suffix_stop=written.suffix and bool(host[b][1 + L + j]),
                 ):
                     self.finished_at[b] = self.n_gen[b]
                     self.frozen[b] = self.stopping.pads_finished
-        return max(row[0] for row in host)
+        return counted
 
     def output_length(self) -> int:
         return min(self.limit(), max(self.n_gen))
@@ -575,6 +660,24 @@ class _Rows:
             if self.n_gen[b] < T_out:
                 out[b, self.P + self.n_gen[b] :] = self.pad
         return out
+
+
+@dataclass
+class _Written:
+    host: torch.Tensor  # [B, 1 + L (+ L)] on the host: lengths, tokens (and stop-string hits), arriving
+    ready: object  # an event recorded after the copy
+    width: int  # L
+    suffix: bool  # whether stop-string hits follow the tokens
+
+
+class _Done:
+    """The event of a copy that has completed (off CUDA, copies are synchronous)."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class _Streamer:

@@ -85,7 +85,7 @@ class DraftTree:
         """`[B, N]`: `log rho(v)`, the sum of `draft_logprobs` along the path from the root to v (-inf on padding)."""
         return _path_sum(self.ancestor_mask(), self.draft_logprobs)
 
-    def validate(self, batch_size: int, vocab_size: int | None = None) -> None:
+    def validate(self, batch_size: int, vocab_size: int | None = None, max_depth: int | None = None) -> None:
         """Checks that this is a well-formed batch of `batch_size` draft trees and raises a `ValueError` naming
         the first problem found. It reads tensor values on the host (a device synchronisation), so call it on
         trees from drafters you do not trust, not on the hot path of a captured round.
@@ -93,7 +93,14 @@ class DraftTree:
         Args:
             batch_size (`int`): the number of requests the trees must cover.
             vocab_size (`int`, *optional*): when given, real nodes' tokens must lie in `[0, vocab_size)`.
+            max_depth (`int`, *optional*): when given, no real node may lie more than `max_depth` levels below the
+                root (the root's children are level 1).
         """
+        self.check_layout(batch_size)
+        self._check_values(vocab_size, max_depth)
+
+    def check_layout(self, batch_size: int) -> None:
+        """The part of `validate` that reads no tensor values: types, dtypes, shapes and devices."""
         fields = {"tokens": self.tokens, "parents": self.parents, "draft_logprobs": self.draft_logprobs}
         for name, x in fields.items():
             if not isinstance(x, torch.Tensor):
@@ -115,6 +122,8 @@ class DraftTree:
         if len(devices) > 1:
             raise ValueError(f"DraftTree fields must be on one device, got {sorted(map(str, devices))}")
 
+
+    def _check_values(self, vocab_size: int | None, max_depth: int | None) -> None:
         N = self.num_nodes
         own = torch.arange(N, device=self.parents.device)
         bad = (self.parents < -1) | (self.parents >= own)
@@ -155,6 +164,28 @@ class DraftTree:
                 f"DraftTree node [{b}, {i}] repeats the token {self.tokens[b, i].item()} of an earlier sibling; "
                 f"siblings must carry distinct tokens"
             )
+        if max_depth is not None:
+            deep = real & (self.depths() >= max_depth)
+            if deep.any():
+                b, i = _first(deep)
+                raise ValueError(
+                    f"DraftTree node [{b}, {i}] lies {int(self.depths()[b, i]) + 1} levels below the root, deeper than "
+                    f"the drafter's max_depth = {max_depth}"
+                )
+
+    def made_safe(self, vocab_size: int, max_depth: int) -> DraftTree:
+        """This tree with every value the verifier could trip over replaced, reading nothing on the host: tokens
+        clamped into `[0, vocab_size)`, parents that are not earlier nodes made children of the root, and nodes
+        deeper than `max_depth` levels, or with NaN or positive log-probabilities, turned into padding. The decoding
+        loop verifies this while `validate` checks the original a round later on a host copy."""
+        own = torch.arange(self.num_nodes, device=self.parents.device)
+        parents = torch.where((self.parents >= -1) & (self.parents < own), self.parents, -1)
+        safe = DraftTree(self.tokens.clamp(0, vocab_size - 1), parents, self.draft_logprobs)
+        lp = self.draft_logprobs
+        keep = (safe.depths() < max_depth) & ~lp.isnan() & (lp <= _LOGPROB_SLACK)
+        # a node under padding is padding too: its path's log-probability sums to -inf either way
+        safe.draft_logprobs = torch.where(keep, lp, float("-inf"))
+        return safe
 
 
 @dataclass

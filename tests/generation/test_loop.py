@@ -30,11 +30,12 @@ class OracleDrafter:
     def __init__(self, prompts, continuations, depth=4, decoys=2, good=True):
         self.prompts, self.continuations = prompts, continuations
         self.depth, self.decoys, self.good = depth, decoys, good
+        self.max_depth = depth  # reads ctx.lengths only: the loop pipelines its rounds at batch size 1
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         rows = []
-        for b, seq in enumerate(ctx.sequences):
-            done = len(seq) - len(self.prompts[b])  # tokens generated so far, the root included
+        for b, length in enumerate(ctx.lengths.tolist()):
+            done = length - len(self.prompts[b])  # tokens generated so far, the root included
             truth = self.continuations[b][done : done + self.depth]
             tokens, parents, logp, parent = [], [], [], -1
             for d, t in enumerate(truth):
@@ -309,6 +310,74 @@ def test_stopping_eos_inside_path_and_streamer(dense, entry):
         assert torch.equal(a.cpu(), b.cpu())
 
 
+@pytest.mark.parametrize("stop", ["max_new_tokens", "eos", "stop_string"])
+def test_pipelined_rounds_match_sequential_ones(dense, stop):
+    """With `bole_pipeline` (the default) a single request's round r + 1 is drafted before the host streams round
+    r's tokens, and one round more than needed is drafted and thrown away; output, streamed steps and rounds are
+    those of rounds run one after the other."""
+    prompts = PROMPTS[:1]
+    greedy = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    P = greedy.shape[1] - NEW
+    tokens = greedy[0, P:].tolist()
+    last = next(t for j, t in enumerate(tokens) if j >= 9 and t not in tokens[:j])  # new in the 2nd or 3rd round
+    kwargs = dict(max_new_tokens=NEW, do_sample=False)
+    if stop == "eos":
+        kwargs["eos_token_id"] = last
+    if stop == "stop_string":
+        kwargs.update(stop_strings=[_char(last)], tokenizer=_tokenizer())
+    drafter = oracle_for(dense, prompts)
+    propose = drafter.propose
+    runs = {}
+    for pipeline in (True, False):
+        events = []
+        drafter.propose = lambda ctx: events.append(("propose", ctx.sequences is None)) or propose(ctx)
+        streamer = Recorder()
+        streamer.put = lambda value: events.append(("put", value.tolist()))  # the prompt, then a step at a time
+        out = bole(dense, prompts, bole_drafter=drafter, bole_budget=64, bole_pipeline=pipeline, streamer=streamer,
+                   return_dict_in_generate=True, **kwargs)  # fmt: skip
+        assert torch.equal(out.sequences, plain(dense, prompts, **kwargs)), pipeline
+        runs[pipeline] = (events, out)
+    (piped, out), (serial, out_serial) = runs[True], runs[False]
+    assert [e for e in piped if e[0] == "put"] == [e for e in serial if e[0] == "put"]
+    assert torch.equal(out.accept_lengths, out_serial.accept_lengths) and (out.accept_lengths > 0).all()
+    rounds = out.accept_lengths.shape[1]
+    for events, pipelined in ((piped, True), (serial, False)):
+        proposes = [i for i, e in enumerate(events) if e[0] == "propose"]
+        puts = [i for i, e in enumerate(events) if e[0] == "put"]  # the prompt, the prefill's token, round 1's, ...
+        assert len(proposes) == rounds + pipelined
+        assert all(events[i][1] == pipelined for i in proposes)  # no sequences on the host when pipelined
+        assert (proposes[1] < puts[2]) == pipelined  # round 2 drafted before round 1 streams
+
+
+def test_pipelined_custom_drafter_errors(dense):
+    """A pipelined drafter's trees are checked a round late, on a host copy, and verified in the meantime in a form
+    no kernel trips over: a bad tree still ends in a ValueError naming it."""
+    prompts = PROMPTS[:1]
+
+    class Drafter:
+        max_depth = 2
+
+        def __init__(self, tokens, parents):
+            self.tokens, self.parents = torch.tensor([tokens]), torch.tensor([parents])
+
+        def propose(self, ctx):
+            return DraftTree(self.tokens, self.parents, torch.full(self.tokens.shape, -1.0))
+
+    out_of_vocab = Drafter([1, tiny.VOCAB + 5], [-1, 0])
+    with pytest.raises(ValueError, match=r"Drafter.propose returned an invalid DraftTree: .*outside the vocabulary"):
+        bole(dense, prompts, max_new_tokens=NEW, bole_drafter=out_of_vocab)
+    too_deep = Drafter([1, 2, 3], [-1, 0, 1])
+    with pytest.raises(ValueError, match=r"node \[0, 2\] lies 3 levels below the root, deeper than .*max_depth = 2"):
+        bole(dense, prompts, max_new_tokens=NEW, bole_drafter=too_deep)
+    assert torch.equal(  # without pipelining the tree is checked before it is verified
+        bole(dense, prompts, max_new_tokens=NEW, bole_drafter=Drafter([1, 2], [-1, 0]), bole_pipeline=False),
+        plain(dense, prompts, max_new_tokens=NEW),
+    )
+    too_deep.max_depth = "2"
+    with pytest.raises(ValueError, match=r"Drafter.max_depth must be a positive int .* got '2'"):
+        bole(dense, prompts, max_new_tokens=NEW, bole_drafter=too_deep)
+
+
 @pytest.mark.parametrize("new", [1, 2, 7])
 def test_stopping_max_new_tokens_and_min_new_tokens(dense, new):
     prompts = PROMPTS[:2]
@@ -406,8 +475,10 @@ class RandomDrafter:
     def __init__(self, vocab):
         self.vocab, self.gen = vocab, torch.Generator(torch.get_default_device()).manual_seed(1)
 
+    max_depth = 3  # reads nothing of the context but its batch size: pipelined at batch size 1
+
     def propose(self, ctx):
-        B = len(ctx.sequences)
+        B = ctx.batch_size
         distinct = lambda n: torch.stack([torch.randperm(self.vocab, generator=self.gen)[:n] for _ in range(B)])  # noqa: E731
         tokens = torch.cat([distinct(3), distinct(2), distinct(1), distinct(2), distinct(1)], dim=1)
         logp = torch.log_softmax(torch.randn(B, 9, generator=self.gen), -1)

@@ -26,11 +26,17 @@ class DraftContext:
     What a drafter sees at the start of a round.
 
     Args:
-        sequences (`list[torch.LongTensor]`):
+        sequences (`list[torch.LongTensor]` or `None`):
             Per row, the committed token ids: the prompt without padding, then everything generated so far, the
-            root (the token the draft tree hangs from) last.
+            root (the token the draft tree hangs from) last. `None` for a drafter with `max_depth` (see `Drafter`)
+            while the loop pipelines rounds: the host does not know them yet.
         max_nodes (`int`):
             The most draft nodes one row's tree may hold (the root not counted).
+        lengths (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Per row, the number of committed tokens, `len(sequences[b])`, on the device; derived from `sequences`
+            when not given.
+        max_length (`int`, *optional*):
+            An upper bound of `lengths` known on the host (for sizing buffers); `max(lengths)` when not given.
         hidden_states (`torch.Tensor` of shape `(batch_size, A, hidden_size)`, *optional*):
             The target's final hidden states at the positions committed since the last call (all prompt positions at
             prefill, the accepted path's positions later), for drafters that read them (MTP).
@@ -42,22 +48,43 @@ class DraftContext:
             The position ids of those entries.
     """
 
-    sequences: list[torch.LongTensor]
+    sequences: list[torch.LongTensor] | None
     max_nodes: int
     hidden_states: torch.Tensor | None = None
     next_tokens: torch.LongTensor | None = None
     new_mask: torch.BoolTensor | None = None
     positions: torch.LongTensor | None = None
+    lengths: torch.LongTensor | None = None
+    max_length: int | None = None
+
+    def __post_init__(self):
+        if self.sequences is None and (self.lengths is None or self.max_length is None):
+            raise ValueError("DraftContext needs `sequences`, or `lengths` and `max_length` in their place")
+        if self.lengths is None:
+            device = self.sequences[0].device if self.sequences else "cpu"
+            self.lengths = torch.tensor([len(seq) for seq in self.sequences], dtype=torch.long, device=device)
+        if self.max_length is None:
+            self.max_length = max((len(seq) for seq in self.sequences), default=0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
 
 
 @runtime_checkable
 class Drafter(Protocol):
     """Anything with `propose(ctx) -> DraftTree` drafts for hf_bole: `generate(..., bole_drafter=obj)`.
 
-    The returned tree must cover `len(ctx.sequences)` rows with at most `ctx.max_nodes` nodes each, keep parents
+    The returned tree must cover `ctx.batch_size` rows with at most `ctx.max_nodes` nodes each, keep parents
     before children, give siblings distinct tokens and pad ragged rows with `draft_logprobs = -inf`
     (`DraftTree.validate` checks all of it). For lossless sampling the tree may depend on anything committed and
     on the drafter's own randomness, never on the target's samples of the round it drafts for.
+
+    A drafter that reads only the device-side fields of the context (`lengths`, `hidden_states`, `next_tokens`,
+    `new_mask`, `positions`; never `sequences`) and never drafts more than a fixed number of levels may say so with
+    an int attribute `max_depth`. The loop then pipelines rounds (`BoleConfig.pipeline`): it queues round r + 1
+    on the GPU before the host reads round r's tokens, `ctx.sequences` is `None`, and a tree that breaks the rules
+    above is made safe to verify and reported by a `ValueError` one round later.
     """
 
     def propose(self, ctx: DraftContext) -> DraftTree: ...

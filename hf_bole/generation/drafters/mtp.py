@@ -159,6 +159,12 @@ class MTPDrafter:
         )
 
     @property
+    def max_depth(self) -> int:
+        """Levels below the root of every tree (`Drafter.max_depth`: reads no host-side sequences, so the loop may
+        pipeline its rounds)."""
+        return self.depth
+
+    @property
     def max_tree_nodes(self) -> int:
         """The number of nodes drafted per row before capping: `topk + (depth - 1) * topk**2`."""
         return self.topk + (self.depth - 1) * self.topk**2
@@ -170,8 +176,8 @@ class MTPDrafter:
 
         Args:
             ctx (`DraftContext`):
-                Reads `sequences` (only their lengths: row b holds `len(sequences[b]) - 1` committed entries after
-                this call), `max_nodes`, `hidden_states [B, A, hidden]`, `next_tokens [B, A]`, `new_mask [B, A]`
+                Reads `lengths` (row b holds `lengths[b] - 1` committed entries after this call), `max_length`,
+                `max_nodes`, `hidden_states [B, A, hidden]`, `next_tokens [B, A]`, `new_mask [B, A]`
                 (`None` = all real) and `positions [B, A]` (`None` = each entry's index in its row). A row whose new
                 entries cover its whole sequence starts afresh; a row with no new entries gets a meaningless tree.
 
@@ -189,9 +195,9 @@ class MTPDrafter:
         new_mask = ctx.new_mask
         if new_mask is None:
             new_mask = torch.ones(batch_size, num_new, dtype=torch.bool, device=device)
-        lengths = [len(seq) - 1 for seq in ctx.sequences]
-        cache = self._reserve(batch_size, max(lengths), device)
-        committed = torch.tensor(lengths, device=device)  # [B] entries after this call
+        longest = ctx.max_length - 1  # on the host: at most this many entries per row after this call
+        cache = self._reserve(batch_size, longest, device)
+        committed = ctx.lengths.to(device) - 1  # [B] entries after this call
         positions = ctx.positions
         if positions is None:  # each entry's index in its row
             positions = committed[:, None] - new_mask.sum(1, keepdim=True) + new_mask.cumsum(1) - 1
@@ -202,7 +208,7 @@ class MTPDrafter:
         with attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
             if is_round and self._replays(device):
                 return self._propose_graphed(cache, inputs, num_nodes)
-            cache.num_keys = cache.offset + max(lengths)  # attend over the slots in use only, not the whole capacity
+            cache.num_keys = cache.offset + longest  # attend over the slots in use only, not the whole capacity
             return DraftTree(*self._drafting(is_round)(cache, inputs, num_nodes))
 
     def _drafting(self, is_round: bool):
