@@ -88,13 +88,14 @@ class BoleConfig:
         pipeline (`bool`, *optional*, defaults to `True`):
             Queue each round on the device before the host reads the previous round's tokens, so that the host's
             per-round work (stopping rules, streaming, the next round's launches) overlaps the GPU's instead of
-            leaving it idle. It applies to calls of one request, with a drafter that declares `max_depth` (the MTP
-            drafter does; see `hf_bole.Drafter`), logits processors that read no earlier tokens, and no stopping
-            criteria beyond EOS, length and stop strings; other calls run rounds one after the other as with
-            `False`. The output is the same either way. The price: a round launched after the last one was needed
-            is computed and thrown away, the cache holds one more round of slots, and without `cuda_graphs` the
-            verify forward runs at the width of the round's budget instead of being cut to the nodes selected (a
-            host read).
+            leaving it idle. It applies with a drafter that declares `max_depth` (the MTP drafter does; see
+            `hf_bole.Drafter`), logits processors that read no earlier tokens, and no stopping criteria beyond EOS,
+            length and stop strings; other calls run rounds one after the other as with `False`. The output is the
+            same either way. The price: a round launched after the last one was needed is computed and thrown away,
+            a row that finished in a round drafts and verifies once more in the next (sharing the batch's budget),
+            the cache holds one more round of slots, and with one request and no `cuda_graphs` the verify forward
+            runs at the width of the round's budget instead of being cut to the nodes selected (a host read). With
+            several rows the forward is still cut, a host read that then also waits for the round before.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
             and return the totals as `round_time_ms` with `return_dict_in_generate=True`.

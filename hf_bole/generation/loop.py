@@ -90,7 +90,8 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
             factors or per-node snapshots, pre-conv inputs, tree KV.
         round_time_ms (`dict[str, float]`, *optional*):
             With `bole_profile=True`: milliseconds spent in each phase of the rounds (draft, select, verify, accept,
-            commit, host), summed over the rounds, and `rounds`; see `hf_bole.generation.phases.PhaseTimer`.
+            commit, host), summed over the rounds, and `rounds` (pipelined, one more than `accept_lengths` holds:
+            the round launched before the last one was read); see `hf_bole.generation.phases.PhaseTimer`.
     """
 
     accept_lengths: torch.LongTensor | None = None
@@ -358,14 +359,9 @@ def _decode(
     graphed = captures(model, bole.cuda_graphs)
     # Pipelined rounds (`BoleConfig.pipeline`): round r + 1 is queued before the host reads round r's tokens. Every
     # launch of a round must then need nothing from the host that round r decides: a drafter that reads no host-side
-    # sequences, a forward whose width is not trimmed (one row), no processor or criterion reading ids.
-    pipelined = (
-        bole.pipeline
-        and B == 1
-        and max_depth is not None
-        and is_context_free(logits_processor)
-        and not stopping.others
-    )
+    # sequences, no processor or criterion reading ids. Rows that finished in round r draft and verify once more in
+    # round r + 1 (the host does not know yet); what they commit is never read.
+    pipelined = bole.pipeline and max_depth is not None and is_context_free(logits_processor) and not stopping.others
     # The most tokens one round commits per row (its accepted path), and how many rounds the host may lag behind.
     step = max_depth + 1 if max_depth is not None else per_row + 1
     lag = 1 if pipelined else 0
@@ -462,10 +458,11 @@ def _decode(
         # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
         verify = select(tree, root, budget_for(sum(active), P - 1 + longest), per_row)
         budget_for.observe(verify)  # the goodput rule's draft probabilities (selection ranked them), read next round
-        if not (pipelined or (graphed and sum(active) == 1)):
-            # Cut the forward to the widest row kept: a host read, which waits for drafting and selection. A single
-            # row pipelined or replayed from graphs keeps the width of its budget (what the budget deems nearly
-            # free), so that the forward is enqueued behind them without that wait.
+        if sum(active) > 1 or not (pipelined or graphed):
+            # Cut the forward to the widest row kept: a host read, which waits for drafting and selection (pipelined,
+            # for the previous round too: the host reads its tokens while this forward runs). A single row pipelined
+            # or replayed from graphs keeps the width of its budget (what the budget deems nearly free), so that the
+            # forward is enqueued behind them without that wait.
             verify = trimmed(verify, graphed)
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents.to(cache.device))
