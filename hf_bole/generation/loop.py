@@ -418,6 +418,7 @@ def _decode(
     peak_transient = cache.transient_bytes  # all zero before the first round
     timer = PhaseTimer(device, enabled=bole.profile)
     queued: list[_Queued] = []  # rounds on the GPU whose tokens the host has not read, oldest first
+    uploaded = None  # the `active` list `active_t` [B] holds on the device
     while True:
         active = state.active()
         if not any(active):
@@ -429,7 +430,8 @@ def _decode(
             queued.clear()
             continue
         timer.round_start()
-        active_t = torch.tensor(active, device=device)
+        if active != uploaded:  # a copy from pageable memory waits for the GPU: made again only when a row finishes
+            uploaded, active_t = active, torch.tensor(active, device=device)
         # Upper bounds from the host's counts, which lag the device by the rounds still queued.
         longest = max(n for n, a in zip(state.n_gen, active) if a) + step * len(queued)
         ctx = DraftContext(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import hf_bole
 from hf_bole.config import BoleConfig
 from hf_bole.generation import DraftContext, DraftTree
+from hf_bole.generation import graphs, loop
 from hf_bole.generation.loop import _spread_settings
 from hf_bole.models import Placement
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
@@ -349,6 +351,44 @@ def test_pipelined_rounds_match_sequential_ones(dense, stop, rows):
         assert len(proposes) == rounds + pipelined
         assert all(events[i][1] == pipelined for i in proposes)  # no sequences on the host when pipelined
         assert (proposes[1] < puts[2]) == pipelined  # round 2 drafted before round 1 streams
+
+
+def _synchronizing_calls(model, prompts, **kwargs) -> list[str]:
+    """`file:line` of every call that made the host wait for the GPU during `bole(model, prompts, **kwargs)`, as
+    torch's sync debug mode reports them (an event's synchronize, the loop's one wait a round, is not among them)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bole(model, prompts, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2]], ids=["B1", "B3"])
+def test_pipelined_rounds_do_not_wait_for_the_gpu(dense_with_mtp, rows):
+    """A pipelined round launches everything without waiting for the GPU (one row: not at all; several: the cut of
+    the forward to the rows' widest tree, once a round): a longer call adds no synchronising calls (one row) or one
+    a round (several), only the rounds' event waits."""
+    if dense_with_mtp.device.type != "cuda":
+        pytest.skip("CUDA streams only: run with HF_BOLE_TEST_DEVICE=cuda")
+    prompts = [PROMPTS[r] for r in rows]
+    kwargs = dict(do_sample=False, return_dict_in_generate=True)
+    bole(dense_with_mtp, prompts, max_new_tokens=4 * NEW, **kwargs)  # kernels compiled, caches and graphs made
+    short = _synchronizing_calls(dense_with_mtp, prompts, max_new_tokens=NEW, **kwargs)
+    long = _synchronizing_calls(dense_with_mtp, prompts, max_new_tokens=4 * NEW, **kwargs)
+    extra = {c for c in long if long.count(c) > short.count(c)}
+    # Several rows: the cut to the widest tree, and the active rows' upload each time a row finishes.
+    allowed = set() if len(rows) == 1 else {_line_of(graphs, "int(verify.num_nodes.max())"), _line_of(loop, "active_t = ")}
+    assert extra <= allowed, f"calls that wait for the GPU every round: {sorted(extra - allowed)}"
+
+
+def _line_of(module, text: str) -> str:
+    """`file:line` of the line of `module`'s source that holds `text`."""
+    lines = Path(module.__file__).read_text().splitlines()
+    (number,) = [i + 1 for i, line in enumerate(lines) if text in line]
+    return f"{Path(module.__file__).name}:{number}"
 
 
 def test_pipelined_custom_drafter_errors(dense):

@@ -37,8 +37,14 @@ call1)
     step ab_9b_b1 170 $AB $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 7
     ;;
 call2)
-    step ab_9b_b1_compiled 420 $AB $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 5 --compile on
+    step tests 120 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 8 \
+        tests/generation/test_loop.py -k "pipelined or wait_for_the_gpu or oracle or stopping"
+    step ab_9b_b1 150 $AB $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 7
     step ab_9b_b8 140 $AB $SHAPE9B --batch-sizes 8 --num-prompts 8 --repeats 5
+    step ab_house_b1 150 $AB --datasets gsm8k --max-new-tokens 128 --batch-sizes 1 --num-prompts 4 --repeats 5
+    ;;
+call3)
+    step ab_9b_b1_compiled 540 $AB $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 5 --compile on
     ;;
 esac
 grep -h -A3 "new tokens" "$OUT"/ab_*.log
