@@ -122,7 +122,6 @@ class DraftTree:
         if len(devices) > 1:
             raise ValueError(f"DraftTree fields must be on one device, got {sorted(map(str, devices))}")
 
-
     def _check_values(self, vocab_size: int | None, max_depth: int | None) -> None:
         N = self.num_nodes
         own = torch.arange(N, device=self.parents.device)

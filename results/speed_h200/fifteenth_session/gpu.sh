@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fifteenth session's GPU calls (README.md beside this file): the pipelined rounds of b6db1d6 (batch 1) and of this
-# session (any batch size) on CUDA: tests, then ../fourteenth_session/ab_pipeline.py (pipelined rounds against rounds
-# one after the other, swapped inside one process, passes in turns) on the house model and the 9B shape.
+# Fifteenth session's GPU calls (README.md beside this file): pipelined rounds on CUDA, tests, then ab_pipeline.py
+# beside this file (pipelined rounds against rounds one after the other, swapped inside one process, passes in turns)
+# on the house model and the 9B shape. call1 ran at 6dc795c, call2-call4 at a2711c4, call5 at the tests' last form.
 # Usage, from the repository root, with fla-core's wheel in .whl/: OUT=... bash results/speed_h200/fifteenth_session/gpu.sh PART
 set -uo pipefail
 PART=$1
@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...
     echo "exit $?, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
     grep -E "passed|failed|FAILED|Error" "$OUT/$name.log" | tail -6
 }
-AB="python3 results/speed_h200/fourteenth_session/ab_pipeline.py --output-dir $OUT"
+AB="python3 results/speed_h200/fifteenth_session/ab_pipeline.py --output-dir $OUT"
 SHAPE9B="--shape 9B --depth 6 --max-new-tokens 256"
 case $PART in
 call1)
@@ -45,6 +45,15 @@ call2)
     ;;
 call3)
     step ab_9b_b1_compiled 540 $AB $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 5 --compile on
+    ;;
+call4)
+    step tests 240 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
+        tests/generation/test_loop.py -k "pipelined or wait_for_the_gpu or greedy_matches_plain_oracle"
+    step ab_9b_b8_compiled 250 $AB $SHAPE9B --batch-sizes 8 --num-prompts 8 --repeats 3 --compile on
+    ;;
+call5)
+    step tests 150 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 2 \
+        tests/generation/test_loop.py -k "wait_for_the_gpu"
     ;;
 esac
 grep -h -A3 "new tokens" "$OUT"/ab_*.log

@@ -6,7 +6,7 @@ this script runs both variants inside one process on the same graphs and cache; 
 eval/run.py's arguments (the first batch size and dataset); per variant it prints the median tokens/s of `--repeats`
 passes and the phases per round.
 
-    python results/speed_h200/fourteenth_session/ab_pipeline.py --shape 9B --depth 6 --max-new-tokens 128 \
+    python results/speed_h200/fifteenth_session/ab_pipeline.py --shape 9B --depth 6 --max-new-tokens 128 \
         --batch-sizes 1 --num-prompts 2 --repeats 7
 """
 
