@@ -2,7 +2,8 @@
 # Fifteenth session's GPU calls (README.md beside this file): pipelined rounds on CUDA, tests, then ab_pipeline.py
 # beside this file (pipelined rounds against rounds one after the other, swapped inside one process, passes in turns)
 # on the house model and the 9B shape. call1 ran at 6dc795c, call2-call4 at a2711c4, call5 at the tests' last form.
-# Usage, from the repository root, with fla-core's wheel in .whl/: OUT=... bash results/speed_h200/fifteenth_session/gpu.sh PART
+# Usage, from the repository root, with fla-core's wheel in .whl/:
+#   OUT=... bash results/speed_h200/fifteenth_session/gpu.sh PART
 set -uo pipefail
 PART=$1
 OUT=${OUT:-/tmp/ab}
