@@ -217,6 +217,31 @@ def test_interleaved_passes_take_turns(checkpoint, tmp_path, monkeypatch):
     assert "the modes' passes taken in turns" in (tmp_path / "turns" / "results.md").read_text()
 
 
+def test_ab_turns_swaps_variants_in_one_process(checkpoint, tmp_path):
+    """eval/ab_turns.py: each variant is put in force before each of its passes (one untimed, then one a turn), its
+    generate kwargs reach generate, and a row per variant is printed and written."""
+    from eval import ab_turns
+
+    calls = []
+
+    def variant(name, pipeline):
+        return lambda model: calls.append((name, model.config.model_type)) or {"bole_pipeline": pipeline}
+
+    argv = [
+        "--model", str(checkpoint), "--datasets", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "6",
+        "--max-prompt-tokens", "160", "--shots", "1", "--depth", "2", "--topk", "2", "--repeats", "2",
+        "--output-dir", str(tmp_path),
+    ]  # fmt: skip
+    rows = ab_turns.main("pipeline", {"on": variant("on", True), "off": variant("off", False)}, argv)
+    assert [name for name, _ in calls] == ["on", "off", "on", "off", "off", "on"]  # warm-ups, then turns
+    assert [r["variant"] for r in rows] == ["on", "off"]
+    assert all(r["exact"] and len(r["passes"]) == 2 and r["phase_ms"]["verify"] > 0 for r in rows)
+    written = [json.loads(line) for line in (tmp_path / "ab_pipeline_gsm8k_b1.jsonl").read_text().splitlines()]
+    assert written == rows
+    with pytest.raises(ValueError, match="BoleConfig.pipeline must be True or False"):  # the kwargs reach generate
+        ab_turns.main("bad", {"bad": lambda model: {"bole_pipeline": "yes"}}, argv)
+
+
 def test_mode_failing_in_turns_is_a_row(checkpoint, tmp_path, monkeypatch):
     """A mode that fails in its timed passes under --interleave gets a row naming the error and leaves the later
     turns; the other modes finish theirs."""
