@@ -85,6 +85,11 @@ class BoleConfig:
             at near-ties (the two best logits within a bf16 step) the output can differ from eager greedy, as
             transformers' own compiled decoding does (house model: 5 of 8 prompts equal, every divergence a
             near-tie; the eager path: 8 of 8).
+        fuse_projections (`bool`, *optional*, defaults to `True`):
+            Run the projections of a layer that read one input (a GDN layer's four input projections, attention's
+            q, k and v, the MLP's gate and up) as one GEMM in the verify forward (`hf_bole/models/fused.py`). The
+            first call makes their weights views of one buffer per layer: the model takes no more memory, its plain
+            forward computes exactly as before, and `save_pretrained` still writes the weights one by one.
         pipeline (`bool`, *optional*, defaults to `True`):
             Queue each round on the device before the host reads the previous round's tokens, so that the host's
             per-round work (stopping rules, streaming, the next round's launches) overlaps the GPU's instead of
@@ -120,6 +125,7 @@ class BoleConfig:
     ngram_min_size: int = 1
     cuda_graphs: bool = True
     compile: bool = False
+    fuse_projections: bool = True
     pipeline: bool = True
     profile: bool = False
 
@@ -134,7 +140,7 @@ class BoleConfig:
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
-        for name in ("cuda_graphs", "compile", "pipeline", "profile"):
+        for name in ("cuda_graphs", "compile", "fuse_projections", "pipeline", "profile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BoleConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.verify not in VERIFY_MODES:

@@ -379,11 +379,13 @@ def _decode(
             f"warning"
         )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
-        cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile)
+        cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile, bole.fuse_projections)
         select = graphed_select(model)
     else:
         cache = BoleCache.for_model(model, B, max_cache_len=capacity)
-        verify_forward = functools.partial(tree_forward, model, cache, verify=bole.verify, compile=bole.compile)
+        verify_forward = functools.partial(
+            tree_forward, model, cache, verify=bole.verify, compile=bole.compile, fuse_projections=bole.fuse_projections
+        )
         select = select_round
     decoder = model.get_decoder()
     prefill = decoder(

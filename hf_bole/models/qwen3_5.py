@@ -21,6 +21,7 @@ position ids, and `BoleCache.update` writes the tree's KV and returns the storag
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -38,6 +39,7 @@ from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
 from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
 from hf_bole.kernels import tree_ancestor_mask
+from hf_bole.models.fused import projections_fused
 
 logger = logging.get_logger(__name__)
 
@@ -185,6 +187,7 @@ def tree_forward(
     parents: torch.LongTensor,
     verify: str = "closed_form",
     compile: bool = False,
+    fuse_projections: bool = True,
 ) -> TreeForwardOutput:
     """Runs the model over a draft tree per row in one forward, from the committed state of `cache`.
 
@@ -203,6 +206,9 @@ def tree_forward(
             state snapshot per node: the SGLang-Tree baseline).
         compile: run the decoder through `torch.compile` (compiled once per decoder, into one graph: hf_bole's
             tree kernels are opaque ops in it, the norms, gates and projections around them are fused).
+        fuse_projections: run the projections of a layer that read one input as one GEMM (`models/fused.py`):
+            its first call makes their weights views of one buffer per layer, which the plain forward computes
+            with exactly as before.
 
     Returns:
         `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`, both on the LM head's
@@ -240,7 +246,8 @@ def tree_forward(
         input_ids, parents = input_ids.contiguous(), parents.contiguous()
     ancestors = tree_ancestor_mask(parents)  # one tree for every layer: the mask, positions and GDN kernels share it
     forward = _compiled(decoder) if compile else decoder
-    with cache.tree_mode(parents, verify, ancestors=ancestors) as (mask, position_ids):
+    fused = projections_fused(decoder) if fuse_projections else contextlib.nullcontext()
+    with fused, cache.tree_mode(parents, verify, ancestors=ancestors) as (mask, position_ids):
         if config._attn_implementation == "eager":
             dtype = decoder.get_input_embeddings().weight.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)

@@ -1,0 +1,173 @@
+"""The projections of a layer that read one input, run as one GEMM in the verify forward.
+
+A verify forward multiplies a few dozen tree nodes by every weight of the model, so each GEMM is bound by reading
+its weight, and a small one by its launch and split-K reduction besides. Qwen3.5's layers run several projections
+of one input one after the other: a GDN layer four (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), an attention
+layer three (q, k, v), an MLP two (gate, up). On the 9B shape on an H200 (32 nodes, the thirteenth session's kernel
+log) a GDN layer's four input projections took 46 µs for their 101 MB of weights, 12 µs of it in_proj_b and
+in_proj_a with 32 outputs each, where the MLP's gate projection, 100 MB in one GEMM, took 28 µs.
+
+`fuse_projections(decoder)` copies each such group's weights into one buffer `[sum of out_features, in_features]`
+and makes the Linears' weights views of it, once per model. The plain forward then computes exactly what it did
+(each Linear still runs its own GEMM on the same weights), the model takes no more memory, and `save_pretrained`
+still writes the weights one by one (it clones weights that share a buffer without overlapping). Inside
+`projections_fused(decoder)`, which `tree_forward` enters, each group's Linears are swapped for parts of one GEMM:
+the first part called multiplies its input by the whole buffer, and every part returns its columns of the product.
+A group stays as it is, and a log line says which and why, when its Linears are not plain bias-free `nn.Linear`s on
+one device in one dtype (quantized, offloaded by accelerate, hooked one by one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# Attribute names of the Linears that one module calls on one input, in no particular order: Qwen3.5's GDN
+# layer, its attention layer, its MLP (dense, and the MoE's shared expert).
+GROUPS = (
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
+
+
+@dataclass(eq=False)
+class _Group:
+    """One module's Linears of one input, their weights views of `weight`."""
+
+    name: str  # the module's qualified name, for messages
+    module: nn.Module
+    names: tuple[str, ...]
+    linears: tuple[nn.Linear, ...]
+    weight: torch.Tensor  # [sum of out_features, in_features]
+    parts: tuple[_Part, ...] = ()
+    # The product of the forward under way: its input and outputs, and how many parts have not taken theirs.
+    input: torch.Tensor | None = field(default=None, repr=False)
+    outputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    pending: int = 0
+
+    def intact(self) -> bool:
+        """Whether the module still holds these Linears with their weights in this buffer (`model.to(...)` or
+        `load_state_dict(..., assign=True)` give them new storage)."""
+        offset = 0
+        for name, linear in zip(self.names, self.linears):
+            weight = linear.weight
+            if self.module._modules.get(name) is not linear or weight.device != self.weight.device:
+                return False
+            if weight.data_ptr() != self.weight[offset].data_ptr() or weight.stride() != self.weight.stride():
+                return False
+            offset += weight.shape[0]
+        return True
+
+    def reset(self) -> None:
+        self.input = self.outputs = None
+        self.pending = 0
+
+
+class _Part(nn.Module):
+    """Stands in for one Linear of a group in tree mode: its columns of the group's one GEMM."""
+
+    def __init__(self, group: _Group, index: int):
+        super().__init__()
+        self.group, self.index = group, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.group
+        if group.outputs is None:
+            sizes = [linear.out_features for linear in group.linears]
+            group.input, group.outputs, group.pending = x, F.linear(x, group.weight).split(sizes, dim=-1), len(sizes)
+        elif x is not group.input:
+            raise RuntimeError(
+                f"hf_bole fused {group.name}'s projections {', '.join(group.names)} as they read one input, but this "
+                f"transformers version calls them on different ones; pass bole_fuse_projections=False "
+                f"(tree_forward(..., fuse_projections=False))"
+            )
+        out = group.outputs[self.index]
+        group.pending -= 1
+        if group.pending == 0:
+            group.reset()
+        return out
+
+
+def _why_not(linears: list[nn.Module]) -> str | None:
+    """Why these Linears cannot share one buffer, or None."""
+    for linear in linears:
+        if type(linear) is not nn.Linear:
+            return f"{type(linear).__name__} is not a plain nn.Linear"
+        if linear.bias is not None:
+            return "a projection has a bias"
+        if hasattr(linear, "_hf_hook"):
+            return "accelerate hooks the projections one by one"
+        if linear.weight.device.type == "meta":
+            return "its weights are offloaded (meta device)"
+    first = linears[0].weight
+    if any(l.weight.dtype != first.dtype or l.weight.device != first.device for l in linears):
+        return "its projections differ in dtype or device"
+    if any(l.in_features != linears[0].in_features for l in linears):
+        return "its projections differ in input size"
+    return None
+
+
+@torch.no_grad()
+def _fuse(name: str, module: nn.Module, names: tuple[str, ...]) -> _Group:
+    linears = tuple(getattr(module, n) for n in names)
+    weight = torch.cat([linear.weight for linear in linears])  # [sum out, in]; the old weights go below
+    offset = 0
+    for linear in linears:
+        rows = linear.out_features
+        linear.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=linear.weight.requires_grad)
+        offset += rows
+    group = _Group(name, module, names, linears, weight)
+    group.parts = tuple(_Part(group, i) for i in range(len(names)))
+    return group
+
+
+# decoder -> its fused groups (the values hold the decoder's modules, never the decoder itself)
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fuse_projections(decoder: nn.Module) -> list[_Group]:
+    """Makes the weights of `decoder`'s projection groups (`GROUPS`) views of one buffer per group, once (again for a
+    group whose weights moved since); returns the groups. Says once, in a log line, which groups stay apart."""
+    held = _FUSED.get(decoder)
+    if held is not None and all(group.intact() for group in held):
+        return held
+    groups, apart = [], []
+    for name, module in decoder.named_modules():
+        for names in GROUPS:
+            if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
+                continue
+            reason = _why_not([getattr(module, n) for n in names])
+            if reason is None:
+                groups.append(_fuse(name, module, names))
+            else:
+                apart.append(f"{name} ({reason})")
+    if apart and held is None:
+        logger.warning(
+            f"hf_bole: {len(apart)} of {len(apart) + len(groups)} projection groups run one GEMM per projection in the "
+            f"verify forward: {', '.join(apart[:3])}{', ...' if len(apart) > 3 else ''}"
+        )
+    _FUSED[decoder] = groups
+    return groups
+
+
+@contextlib.contextmanager
+def projections_fused(decoder: nn.Module):
+    """A context in which `decoder`'s projection groups run as one GEMM each (`fuse_projections` first)."""
+    groups = fuse_projections(decoder)
+    for group in groups:  # `_modules` directly: a few hundred swaps a forward, nn.Module.__setattr__ is slower
+        group.module._modules.update(zip(group.names, group.parts))
+    try:
+        yield
+    finally:
+        for group in groups:
+            group.module._modules.update(zip(group.names, group.linears))
+            group.reset()

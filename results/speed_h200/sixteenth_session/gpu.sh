@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Sixteenth session's GPU calls (README.md beside this file): the fused projections' tests on CUDA, then ab_fuse.py
+# beside this file (one GEMM per projection group against one per projection, swapped inside one process, passes in
+# turns) on the 9B shape and the house model.
+# Usage, from the repository root, with fla-core's wheel in .whl/:
+#   OUT=... bash results/speed_h200/sixteenth_session/gpu.sh PART
+set -uo pipefail
+PART=$1
+OUT=${OUT:-/tmp/ab}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=/tmp/hf_bole_cache
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
+export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit} s)"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "exit $?, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+    grep -E "passed|failed|FAILED|Error" "$OUT/$name.log" | tail -6
+}
+AB="python3 results/speed_h200/sixteenth_session/ab_fuse.py --output-dir $OUT"
+SHAPE9B="--shape 9B --depth 6 --max-new-tokens 256"
+case $PART in
+call1)
+    step tests 120 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
+        tests/models/test_fused.py tests/models/test_qwen3_5.py tests/generation/test_graphs.py -k "not two_gpus"
+    step ab_9b_b1 160 $AB $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 7
+    step ab_9b_b8 160 $AB $SHAPE9B --batch-sizes 8 --num-prompts 8 --repeats 5
+    ;;
+call2)
+    step tests 80 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 2 \
+        tests/models/test_fused.py
+    step ab_9b_b1_compiled 470 $AB $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 5 --compile on
+    ;;
+call3)
+    step ab_house_b1 150 $AB --datasets gsm8k --max-new-tokens 128 --batch-sizes 1 --num-prompts 4 --repeats 5
+    step ab_house_b8 150 $AB --datasets gsm8k --max-new-tokens 128 --batch-sizes 8 --num-prompts 8 --repeats 5
+    ;;
+esac
+grep -h -A3 "new tokens" "$OUT"/ab_*.log
+cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log
