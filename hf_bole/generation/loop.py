@@ -45,6 +45,7 @@ from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
 from hf_bole.generation.graphs import captures, drop_graphs, graphed_cache, graphed_select, trimmed
 from hf_bole.generation.phases import PhaseTimer
+from hf_bole.generation.prefill import chain_prefill, use_chains
 from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
@@ -342,11 +343,12 @@ def _decode(
     if attention_mask is not None:
         attention_mask = attention_mask.to(in_device)
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    counted = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] each token's place among its row's tokens
     position_ids = model_kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    position_ids = position_ids.to(device)
+    position_ids = counted if position_ids is None else position_ids.to(device)
     text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
+    # transformers' generate passes its own position ids, the count; a prefill chain can only count.
+    counted_positions = bool(((position_ids == counted) | ~mask).all())
 
     row_cap = MAX_NODES - 1  # the kernels verify at most MAX_NODES nodes per tree, the root included
     # The budget of each round: fixed, or looked up by active rows and KV length ("auto", generation/budget.py).
@@ -369,6 +371,10 @@ def _decode(
     # Committed slots never exceed prompt + max_new + one round's overshoot per round in flight; the tree needs
     # per_row + 1 more.
     capacity = P + max_new + (1 + lag) * step + per_row + 1
+    chains = use_chains(bole.prefill, graphed, P, not counted_positions, bole.verify)
+    chains = chains and bool(mask.any(-1).all())  # a row of padding alone has no chain
+    if chains:
+        capacity += MAX_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens before it
     if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
         logger.warning_once(
             f"hf_bole: CUDA graphs cannot capture the model's mixture-of-experts layers "
@@ -387,15 +393,18 @@ def _decode(
             tree_forward, model, cache, verify=bole.verify, compile=bole.compile, fuse_projections=bole.fuse_projections
         )
         select = select_round
-    decoder = model.get_decoder()
-    prefill = decoder(
-        input_ids=input_ids.to(in_device),
-        attention_mask=attention_mask,
-        position_ids=position_ids.to(in_device),
-        use_cache=True,
-        **{cache_argument(type(decoder).forward): cache},
-    )
-    hidden = prefill.last_hidden_state.to(device)  # [B, P, hidden]
+    if chains:  # the prompt through the verify forward (generation/prefill.py)
+        hidden = chain_prefill(verify_forward, cache, input_ids, mask, pad_token).to(device)  # [B, P, hidden]
+    else:
+        decoder = model.get_decoder()
+        prefill = decoder(
+            input_ids=input_ids.to(in_device),
+            attention_mask=attention_mask,
+            position_ids=position_ids.to(in_device),
+            use_cache=True,
+            **{cache_argument(type(decoder).forward): cache},
+        )
+        hidden = prefill.last_hidden_state.to(device)  # [B, P, hidden]
     logits = model.get_output_embeddings()(hidden[:, -1]).float()  # [B, V]
     scores = logits_processor(input_ids, logits) if logits_processor else logits
     first = sample_tokens(scores) if do_sample else scores.argmax(-1)  # [B]
@@ -417,7 +426,7 @@ def _decode(
     new_mask, new_positions = mask, text_positions
     root = first
     rounds: list[list[int]] = []  # per round, the tokens each row accepted (0: it sat the round out)
-    peak_transient = cache.transient_bytes  # all zero before the first round
+    peak_transient = dict.fromkeys(cache.transient_bytes, 0)  # the rounds' tree state (prefill chains not counted)
     timer = PhaseTimer(device, enabled=bole.profile)
     queued: list[_Queued] = []  # rounds on the GPU whose tokens the host has not read, oldest first
     uploaded = None  # the `active` list `active_t` [B] holds on the device

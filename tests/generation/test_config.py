@@ -33,6 +33,8 @@ def test_defaults_are_valid():
         pytest.param({"depth": True}, "BoleConfig.depth", id="depth-bool"),
         pytest.param({"budget": 2.0}, "BoleConfig.budget", id="budget-float"),
         pytest.param({"verify": "fast"}, "BoleConfig.verify must be one of", id="verify"),
+        pytest.param({"prefill": "graph"}, "BoleConfig.prefill must be one of", id="prefill"),
+        pytest.param({"fuse_projections": 1}, "BoleConfig.fuse_projections must be True or False", id="fuse-int"),
         pytest.param({"drafter": "eagle"}, "BoleConfig.drafter must be one of", id="drafter-name"),
         pytest.param({"drafter": object()}, "object without one", id="drafter-object"),
         pytest.param({"ngram_min_size": 3, "ngram_max_size": 2}, "ngram_min_size", id="ngram-order"),

@@ -252,6 +252,31 @@ def test_greedy_matches_plain_mtp(dense_with_mtp):
     assert torch.equal(out, ref)  # the default drafter is the checkpoint's MTP head
 
 
+@pytest.mark.parametrize("drafter", ["oracle", "mtp"])
+def test_greedy_matches_plain_with_prefill_chains(dense_with_mtp, drafter, monkeypatch):
+    """Prompts prefilled as chains through the verify forward, ragged over one to three chains of 128: the
+    output of plain greedy, and the MTP drafter drafts from the chains' hidden states."""
+    from tests.generation.test_prefill import long_prompts
+
+    chained = []
+    prefill = loop.chain_prefill
+    monkeypatch.setattr(loop, "chain_prefill", lambda *a, **k: chained.append(1) or prefill(*a, **k))
+    prompts = long_prompts()
+    ref = plain(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False)
+    settings = dict(bole_drafter=oracle_for(dense_with_mtp, prompts)) if drafter == "oracle" else dict(bole_depth=3)
+    out = bole(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False, bole_prefill="chains",
+               return_dict_in_generate=True, **settings)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert chained == [1]
+    assert out.mean_accepted_tokens > (3.0 if drafter == "oracle" else 1.0)
+    # Positions other than the count of each row's tokens: the plain forward prefills.
+    ids, mask = batch(prompts)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) + 3
+    dense_with_mtp.generate(ids, attention_mask=mask, position_ids=positions, pad_token_id=0, max_new_tokens=2,
+                            custom_generate="hf_bole", bole_prefill="chains", **settings)  # fmt: skip
+    assert chained == [1]
+
+
 def test_entry_points(dense):
     prompts = PROMPTS[:2]
     ref = plain(dense, prompts, max_new_tokens=6, do_sample=False)

@@ -1,0 +1,67 @@
+"""The prompt's prefill as chains through the verify forward (`bole_prefill`).
+
+A prompt is a tree too: a chain, each token the child of the one before. Fed through the verify forward in chains of
+at most `MAX_NODES` tokens, each committed whole, it leaves the cache exactly where transformers' own forward over
+the prompt leaves it (the same recurrence, computed in closed form). What differs is what launches it. The eager
+forward launches its kernels one by one from Python; a chain of a bucketed width replays the verify forward's CUDA
+graph. On the 9B shape at batch 1 on an H200 (results/speed_h200/sixteenth_session/) the eager forward took 94 ms
+over a 128-token prompt and 59 ms over 512 tokens, the chains 12 ms and 47 ms, and 96 ms against 60 ms at 1024: each
+chain reads every weight once more, so past a few chains the one eager forward is faster (`CHAIN_PREFILL_MAX`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_bole.generation.graphs import width_bucket
+from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
+
+# The longest prompt "auto" prefills as chains (4 chains of MAX_NODES; measured above).
+CHAIN_PREFILL_MAX = 4 * MAX_NODES
+
+
+def use_chains(mode: str, graphed: bool, prompt_length: int, own_positions: bool, verify: str) -> bool:
+    """Whether `generate` prefills as chains: asked for ("chains"), or "auto" with the verify forward replayed from
+    CUDA graphs and a prompt of at most `CHAIN_PREFILL_MAX` tokens. Never with position ids other than the count of
+    each row's tokens (a chain takes each token's position from the cache: the tokens before it in its row), nor
+    with `verify="serial"`, whose forward would keep a state snapshot per prompt token."""
+    if own_positions or mode == "plain" or verify != "closed_form":
+        return False
+    return mode == "chains" or (graphed and prompt_length <= CHAIN_PREFILL_MAX)
+
+
+@torch.no_grad()
+def chain_prefill(verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int) -> torch.Tensor:
+    """Prefills the empty `cache` with each row's prompt as chains through `verify_forward(ids, parents)` (a
+    `VerifyGraphs` or `tree_forward`), each committed whole.
+
+    Args:
+        input_ids: `[B, P]` int64 prompts, left-padded.
+        mask: `[B, P]` bool, True at the prompt's tokens (every row has one).
+
+    Returns:
+        `[B, P, hidden]` the final-norm hidden states of the prompt's tokens, in `input_ids`' columns (zero at left
+        padding), as the decoder's forward over the prompt gives them.
+    """
+    B, P = input_ids.shape
+    device = input_ids.device
+    lengths = mask.sum(-1)  # [B]
+    left_pad = P - lengths  # [B]
+    longest = int(lengths.max())  # one host read, before the first chain is launched
+    hidden = None
+    for start in range(0, longest, MAX_NODES):
+        width = width_bucket(min(MAX_NODES, longest - start), MAX_NODES)
+        index = start + torch.arange(width, device=device)  # [W] place in each row's prompt
+        real = index[None] < lengths[:, None]  # [B, W]
+        columns = torch.where(real, left_pad[:, None] + index[None], P)  # [B, W]; P: a spare column
+        ids = torch.where(real, input_ids.gather(1, columns.clamp(max=P - 1)), pad_token)
+        # A chain: node i the child of node i - 1; past a row's prompt, nodes of parent -1 that are never committed.
+        parents = torch.where(real, index[None] - start - 1, -1)  # [B, W]; the first node is a child of the cache
+        out = verify_forward(ids, parents.to(cache.device))
+        if hidden is None:
+            hidden = out.hidden_states.new_zeros(B, P + 1, out.hidden_states.shape[-1])
+        # The outputs may be a graph's buffers, which the next chain overwrites: taken out now.
+        hidden.scatter_(1, columns.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]), out.hidden_states)
+        path = torch.where(real, index[None] - start, -1)  # [B, W]: the whole chain, or nothing
+        cache.commit(path.to(cache.device), check_values=False)
+    return hidden[:, :P]

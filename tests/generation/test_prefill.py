@@ -1,0 +1,60 @@
+"""The prompt's prefill as chains through the verify forward: the cache and hidden states of transformers' forward."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hf_bole.cache import BoleCache
+from hf_bole.generation.prefill import CHAIN_PREFILL_MAX, chain_prefill, use_chains
+from hf_bole.models import tree_forward
+from tests.models import tiny
+
+pytestmark = pytest.mark.usefixtures("torch_gdn")
+
+
+def long_prompts() -> list[list[int]]:
+    """Ragged prompts over one, two and three chains of 128, left padding of up to 297 tokens."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(1, tiny.VOCAB, (n,), generator=gen).tolist() for n in (300, 5, 140, 1)]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@torch.no_grad()
+def test_chains_leave_the_cache_the_plain_forward_does(kind):
+    model = tiny.build_model(kind)
+    decoder = model.get_decoder()
+    prompts = long_prompts()
+    ids, mask = (x.to(model.device) for x in tiny.left_pad(prompts))
+    B, P = ids.shape
+    plain = BoleCache(model.config, batch_size=B)
+    hidden = decoder(
+        input_ids=ids, attention_mask=mask, position_ids=tiny.generate_positions(mask), past_key_values=plain
+    ).last_hidden_state
+    chains = BoleCache(model.config, batch_size=B, max_cache_len=P + 130)
+    forward = functools.partial(tree_forward, model, chains)
+    chained = chain_prefill(forward, chains, ids, mask.bool(), pad_token=0)
+    real = mask.bool()
+    torch.testing.assert_close(chained[real], hidden[real], atol=1e-4, rtol=1e-4)
+    assert not chained[~real].any()  # left padding: zero
+    assert chains.lengths.tolist() == [len(p) for p in prompts]  # the tokens, no padding slots
+    for a, b in zip(plain.layers[:3], chains.layers[:3]):  # the GDN layers
+        torch.testing.assert_close(b.recurrent_states[0], a.recurrent_states[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.conv_states[0], a.conv_states[0], atol=1e-5, rtol=1e-5)
+    # The next token from either cache: a one-node tree of the same root gives the same logits.
+    root = torch.randint(1, tiny.VOCAB, (B, 1))
+    parents = torch.full((B, 1), -1)
+    after = [tree_forward(model, cache, root, parents).logits for cache in (plain, chains)]
+    torch.testing.assert_close(after[1], after[0], atol=1e-4, rtol=1e-4)
+
+
+def test_which_prefill():
+    assert use_chains("chains", graphed=False, prompt_length=5000, own_positions=False, verify="closed_form")
+    assert use_chains("auto", graphed=True, prompt_length=CHAIN_PREFILL_MAX, own_positions=False, verify="closed_form")
+    assert not use_chains("auto", True, CHAIN_PREFILL_MAX + 1, False, "closed_form")  # one forward reads weights once
+    assert not use_chains("auto", False, 8, False, "closed_form")  # launched from Python either way
+    assert not use_chains("chains", True, 8, True, "closed_form")  # the caller's positions
+    assert not use_chains("chains", True, 8, False, "serial")  # a snapshot per prompt token
+    assert not use_chains("plain", True, 8, False, "closed_form")
