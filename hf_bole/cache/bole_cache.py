@@ -184,7 +184,7 @@ class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
 
     @property
     def has_previous_state(self) -> dict[int, bool]:
-        return {0: self.cache._gdn_started[self.layer_idx]}
+        return {0: self.cache.has_previous_state(self.layer_idx)}
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
         """Nothing to do: the cache allocates its storage up front."""
@@ -460,10 +460,13 @@ class BoleCache(Cache):
         return None
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether GDN layer `layer_idx` has a state to start from: after its first forward, and in tree mode always
+        (zeros on a fresh cache). transformers 5.17 passes the state to the recurrence only when this says so; a
+        CUDA graph captured on a fresh cache (the first prefill chain) would otherwise start every replay from zeros."""
         if layer_idx is None:
             layer_idx = max(self._gdn_place)
         self._gdn(layer_idx)
-        return self._gdn_started[layer_idx]
+        return self._gdn_started[layer_idx] or self._tree_active()
 
     def is_recording_past(self, layer_idx: int) -> bool:
         # In tree mode the one-token fast path (which updates the conv window in place) must not run, even for

@@ -252,6 +252,7 @@ def test_greedy_matches_plain_mtp(dense_with_mtp):
     assert torch.equal(out, ref)  # the default drafter is the checkpoint's MTP head
 
 
+@pytest.mark.usefixtures("torch_gdn")  # plain greedy's prefill in fp32 (fla-core's, on a GPU, in tf32)
 @pytest.mark.parametrize("drafter", ["oracle", "mtp"])
 def test_greedy_matches_plain_with_prefill_chains(dense_with_mtp, drafter, monkeypatch):
     """Prompts prefilled as chains through the verify forward, ragged over one to three chains of 128: the

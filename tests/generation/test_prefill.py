@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("torch_gdn")
 def long_prompts() -> list[list[int]]:
     """Ragged prompts over one, two and three chains of 128, left padding of up to 297 tokens."""
     gen = torch.Generator().manual_seed(7)
-    return [torch.randint(1, tiny.VOCAB, (n,), generator=gen).tolist() for n in (300, 5, 140, 1)]
+    return [torch.randint(1, tiny.VOCAB, (n,), generator=gen, device="cpu").tolist() for n in (300, 5, 140, 1)]
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

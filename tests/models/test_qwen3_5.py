@@ -195,6 +195,24 @@ def test_compile_serves_every_width_from_its_second_graph(monkeypatch, caplog):
     assert caplog.text.count("the verify forward compiles through torch.compile") == 1  # said once per model
 
 
+@pytest.mark.parametrize("width", [1, 5])
+def test_tree_forward_reads_the_state_storage_on_a_fresh_cache(width, monkeypatch):
+    """A tree on an empty cache (the first prefill chain) starts from the cache's own state storage, zeros, not
+    from no state: a CUDA graph captured there is replayed after commits, when the storage holds the state. (With
+    transformers 5.17 the GDN layers pass a state only where the cache says it has one.)"""
+    from hf_bole import kernels
+
+    seen = []
+    verify = kernels.tree_gdn_verify
+    monkeypatch.setattr(kernels, "tree_gdn_verify", lambda *a, **k: seen.append(a[6]) or verify(*a, **k))
+    model = build_model()
+    cache = BoleCache(model.config, batch_size=1)
+    tokens = torch.randint(1, VOCAB, (1, width))
+    tree_forward(model, cache, tokens, torch.arange(width)[None] - 1)
+    states = [layer.recurrent_states[0] for layer in cache.layers[:3]]  # the GDN layers
+    assert [s.data_ptr() if s is not None else None for s in seen] == [s.data_ptr() for s in states]
+
+
 @torch.no_grad()
 def test_plain_forward_matches_upstream():
     """Prefill and one-token decodes through a BoleCache give upstream's logits (positions as given, or the

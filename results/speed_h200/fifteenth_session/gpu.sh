@@ -6,24 +6,7 @@
 #   OUT=... bash results/speed_h200/fifteenth_session/gpu.sh PART
 set -uo pipefail
 PART=$1
-OUT=${OUT:-/tmp/ab}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=/tmp/hf_bole_cache
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
-export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
-step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name (at most ${limit} s)"
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "exit $?, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
-    grep -E "passed|failed|FAILED|Error" "$OUT/$name.log" | tail -6
-}
+. eval/gpu_preamble.sh
 AB="python3 results/speed_h200/fifteenth_session/ab_pipeline.py --output-dir $OUT"
 SHAPE9B="--shape 9B --depth 6 --max-new-tokens 256"
 case $PART in

@@ -1,0 +1,23 @@
+# Sourced by the session scripts under results/ (one device command each part): makes $OUT, installs fla-core from
+# .whl/ and this checkout, prints the GPU and versions, and defines `step NAME SECONDS COMMAND...`, which runs
+# COMMAND with a time limit, logs it to $OUT/NAME.log and shows the log's lines matching $STEP_SHOWS (its last
+# $STEP_TAIL). Run from the repository root.
+OUT=${OUT:-/tmp/ab}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=/tmp/hf_bole_cache
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
+export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+STEP_SHOWS=${STEP_SHOWS:-"passed|failed|FAILED|Error"}
+STEP_TAIL=${STEP_TAIL:-6}
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit} s)"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "exit $?, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+    grep -E "$STEP_SHOWS" "$OUT/$name.log" | tail -"$STEP_TAIL"
+}
