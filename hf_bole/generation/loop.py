@@ -347,8 +347,6 @@ def _decode(
     position_ids = model_kwargs.get("position_ids")
     position_ids = counted if position_ids is None else position_ids.to(device)
     text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
-    # transformers' generate passes its own position ids, the count; a prefill chain can only count.
-    counted_positions = bool(((position_ids == counted) | ~mask).all())
 
     row_cap = MAX_NODES - 1  # the kernels verify at most MAX_NODES nodes per tree, the root included
     # The budget of each round: fixed, or looked up by active rows and KV length ("auto", generation/budget.py).
@@ -371,8 +369,10 @@ def _decode(
     # Committed slots never exceed prompt + max_new + one round's overshoot per round in flight; the tree needs
     # per_row + 1 more.
     capacity = P + max_new + (1 + lag) * step + per_row + 1
-    chains = use_chains(bole.prefill, graphed, P, not counted_positions, bole.verify)
-    chains = chains and bool(mask.any(-1).all())  # a row of padding alone has no chain
+    chains = use_chains(bole.prefill, graphed, P, bole.verify)
+    if chains:  # one host read: a chain numbers each row's tokens from 0 (as generate's own position ids do), and a
+        # row of padding alone has none
+        chains = bool((((position_ids == counted) | ~mask).all() & mask.any(-1).all()))
     if chains:
         capacity += MAX_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens before it
     if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts

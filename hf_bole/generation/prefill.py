@@ -20,12 +20,12 @@ from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 CHAIN_PREFILL_MAX = 4 * MAX_NODES
 
 
-def use_chains(mode: str, graphed: bool, prompt_length: int, own_positions: bool, verify: str) -> bool:
-    """Whether `generate` prefills as chains: asked for ("chains"), or "auto" with the verify forward replayed from
-    CUDA graphs and a prompt of at most `CHAIN_PREFILL_MAX` tokens. Never with position ids other than the count of
-    each row's tokens (a chain takes each token's position from the cache: the tokens before it in its row), nor
-    with `verify="serial"`, whose forward would keep a state snapshot per prompt token."""
-    if own_positions or mode == "plain" or verify != "closed_form":
+def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str) -> bool:
+    """Whether `generate` may prefill as chains: asked for ("chains"), or "auto" with the verify forward replayed
+    from CUDA graphs and a prompt of at most `CHAIN_PREFILL_MAX` tokens; never with `verify="serial"`, whose forward
+    would keep a state snapshot per prompt token. (The loop also needs position ids that count each row's tokens:
+    a chain takes each token's position from the cache, the tokens before it in its row.)"""
+    if mode == "plain" or verify != "closed_form":
         return False
     return mode == "chains" or (graphed and prompt_length <= CHAIN_PREFILL_MAX)
 

@@ -51,10 +51,9 @@ def test_chains_leave_the_cache_the_plain_forward_does(kind):
 
 
 def test_which_prefill():
-    assert use_chains("chains", graphed=False, prompt_length=5000, own_positions=False, verify="closed_form")
-    assert use_chains("auto", graphed=True, prompt_length=CHAIN_PREFILL_MAX, own_positions=False, verify="closed_form")
-    assert not use_chains("auto", True, CHAIN_PREFILL_MAX + 1, False, "closed_form")  # one forward reads weights once
-    assert not use_chains("auto", False, 8, False, "closed_form")  # launched from Python either way
-    assert not use_chains("chains", True, 8, True, "closed_form")  # the caller's positions
-    assert not use_chains("chains", True, 8, False, "serial")  # a snapshot per prompt token
-    assert not use_chains("plain", True, 8, False, "closed_form")
+    assert use_chains("chains", graphed=False, prompt_length=5000, verify="closed_form")
+    assert use_chains("auto", graphed=True, prompt_length=CHAIN_PREFILL_MAX, verify="closed_form")
+    assert not use_chains("auto", True, CHAIN_PREFILL_MAX + 1, "closed_form")  # one forward reads the weights once
+    assert not use_chains("auto", False, 8, "closed_form")  # launched from Python either way
+    assert not use_chains("chains", True, 8, "serial")  # a snapshot per prompt token
+    assert not use_chains("plain", True, 8, "closed_form")

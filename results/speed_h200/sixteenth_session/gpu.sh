@@ -34,6 +34,13 @@ call4)
     step ab_prefill_9b_b1_compiled 250 $AB_PREFILL $SHAPE9B --batch-sizes 1 --num-prompts 2 --repeats 7 --compile on
     step ab_prefill_9b_b8 150 $AB_PREFILL $SHAPE9B --batch-sizes 8 --num-prompts 8 --repeats 5
     ;;
+next)  # for the next session: this session's last fix on CUDA (no device time was left), then issue 8's table row
+    step tests 300 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
+        tests/generation/test_prefill.py tests/models/test_fused.py tests/models/test_qwen3_5.py \
+        tests/generation/test_loop.py -k "prefill or fresh_cache or fused or pipelined or plain_oracle or gemm"
+    step speed9b_b1_compiled 280 python3 eval/run.py --shape 9B --depth 6 --max-new-tokens 256 --modes ar-static bole \
+        --batch-sizes 1 --num-prompts 2 --compile on --output-dir "$OUT"
+    ;;
 esac
 grep -h -A3 "new tokens" "$OUT"/ab_*.log
 cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log
