@@ -8,7 +8,8 @@ One round (DESIGN.md §3) for the whole batch: the drafter proposes a tree per r
 the best nodes by cumulative draft probability; one target forward verifies root + kept nodes of every row from
 the committed state; greedy or lossless sampling acceptance walks each tree; the cache commits each row's
 accepted path. Rows advance independently; output, stopping, padding and streaming follow plain `generate`
-step for step.
+step for step. Before the first round the prompt enters the cache: through the verify forward as chains
+(`generation/prefill.py`) or through transformers' forward over it.
 """
 
 from __future__ import annotations

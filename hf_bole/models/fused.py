@@ -48,6 +48,7 @@ class _Group:
     names: tuple[str, ...]
     linears: tuple[nn.Linear, ...]
     weight: torch.Tensor  # [sum of out_features, in_features]
+    pointers: tuple[int, ...] = ()  # where each Linear's weight starts in `weight`
     parts: tuple[_Part, ...] = ()
     # The product of the forward under way: its input and outputs, and how many parts have not taken theirs.
     input: torch.Tensor | None = field(default=None, repr=False)
@@ -56,16 +57,12 @@ class _Group:
 
     def intact(self) -> bool:
         """Whether the module still holds these Linears with their weights in this buffer (`model.to(...)` or
-        `load_state_dict(..., assign=True)` give them new storage)."""
-        offset = 0
-        for name, linear in zip(self.names, self.linears):
-            weight = linear.weight
-            if self.module._modules.get(name) is not linear or weight.device != self.weight.device:
-                return False
-            if weight.data_ptr() != self.weight[offset].data_ptr() or weight.stride() != self.weight.stride():
-                return False
-            offset += weight.shape[0]
-        return True
+        `load_state_dict(..., assign=True)` give them new storage). Runs every eager tree forward: pointers only."""
+        modules = self.module._modules
+        return all(
+            modules.get(name) is linear and linear.weight.data_ptr() == ptr
+            for name, linear, ptr in zip(self.names, self.linears, self.pointers)
+        )
 
     def reset(self) -> None:
         self.input = self.outputs = None
@@ -125,7 +122,7 @@ def _fuse(name: str, module: nn.Module, names: tuple[str, ...]) -> _Group:
         rows = linear.out_features
         linear.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=linear.weight.requires_grad)
         offset += rows
-    group = _Group(name, module, names, linears, weight)
+    group = _Group(name, module, names, linears, weight, tuple(linear.weight.data_ptr() for linear in linears))
     group.parts = tuple(_Part(group, i) for i in range(len(names)))
     return group
 
