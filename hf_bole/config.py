@@ -99,7 +99,8 @@ class BoleConfig:
             (9B shape, batch 1, H200: 12 against 94 ms at 128 tokens, 47 against 59 at 512, 96 against 60 at 1024).
             Plain whenever the call passes position ids other than `generate`'s own (each row's tokens counted from
             0), or with `verify="serial"`. Both compute the same recurrence; their kernels round differently, like
-            the verify forward's against plain decoding's.
+            the verify forward's against plain decoding's. A chain's forward computes logits at every node, kept in
+            its graph's memory: `[B, 128, vocab]`, 1 GiB at batch 16 with Qwen3.5's 248k-token vocabulary in bf16.
         pipeline (`bool`, *optional*, defaults to `True`):
             Queue each round on the device before the host reads the previous round's tokens, so that the host's
             per-round work (stopping rules, streaming, the next round's launches) overlaps the GPU's instead of
