@@ -96,9 +96,7 @@ class _GroupRound:
     """A device group's scratch of one tree round, on its device."""
 
     slots: torch.Tensor  # [B, N] KV slot of every node: lengths[b] + i
-    # [NG, B, W + N, D] every GDN layer's conv input, token-major: the committed window (a copy), then the pre-conv
-    # input of every node (what `commit` reads). The layer gets it as transformers' [B, D, W + N], and the tree conv
-    # reads the window and the nodes in place.
+    # [NG, B, N, D] every GDN layer's pre-conv input of every node, token-major (what `commit` reads)
     conv_io: torch.Tensor
     keys: torch.Tensor | None  # [NG, B, N, Hk, K] (closed form)
     u: torch.Tensor | None  # [NG, B, N, H, V] float32 (closed form)
@@ -156,6 +154,27 @@ class BoleAttentionLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.cache.get_max_length()
+
+
+def _write_tree_kv_eager(
+    keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+) -> None:
+    """Writes node i of row b (`key_states`, `value_states` `[B, Hkv, N, Dh]`) to slot `slots[b, i]` of one layer's
+    `keys` and `values` `[B, Hkv, C, Dh]`, in place."""
+    B, H, N, D = key_states.shape
+    index = slots[:, None, :, None].expand(B, H, N, D)
+    keys.scatter_(2, index, key_states)
+    values.scatter_(2, index, value_states)
+
+
+# The same write as one op that mutates its arguments, for a compiled verify forward. Traced as `scatter_` into a view
+# of the stacked storage that attention then reads, the write became an out-of-place scatter (a copy of the layer's
+# whole storage) and a copy of the stack back at the end of the graph (inductor's code for a tiny model; copies of
+# 7-21 us a round on the 9B shape on an H200, results/speed_h200/seventeenth_session). Inductor calls a mutating
+# custom op in place.
+_write_tree_kv = torch.library.custom_op("hf_bole::write_tree_kv", mutates_args=("keys", "values"))(
+    _write_tree_kv_eager
+)
 
 
 class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
@@ -375,9 +394,8 @@ class BoleCache(Cache):
     @property
     def transient_bytes(self) -> dict[str, int]:
         """Bytes of per-round tree state of the last `tree_forward`: GDN factors (k, u, log-decay; closed form),
-        per-node state snapshots (serial), pre-conv inputs (`conv_inputs`: with a copy of each layer's committed
-        window, the conv's whole input), and the tree's KV (written in place into the free slots of the KV storage,
-        so not a separate allocation)."""
+        per-node state snapshots (serial), every node's pre-conv input (`conv_inputs`), and the tree's KV (written
+        in place into the free slots of the KV storage, so not a separate allocation)."""
         out = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}
         r = self._round
         if r is None:
@@ -407,10 +425,8 @@ class BoleCache(Cache):
             )
         r = self._round
         if r is not None and r.active:
-            B, H, N, D = key_states.shape
-            index = r.groups[group].slots[:, None, :, None].expand(B, H, N, D)
-            keys[a].scatter_(2, index, key_states)
-            values[a].scatter_(2, index, value_states)
+            write = _write_tree_kv if torch.compiler.is_compiling() else _write_tree_kv_eager
+            write(keys[a], values[a], r.groups[group].slots, key_states, value_states)
             return keys[a], values[a]
 
         start, q = self._plain_length(), key_states.shape[2]
@@ -488,10 +504,11 @@ class BoleCache(Cache):
         r = self._round
         width = conv.shape[-1]
         if r is not None and r.active:
-            io = r.groups[group].conv_io[g]  # [B, W + N, D]
-            io[:, :width].copy_(conv[g].transpose(1, 2))
-            io[:, width:].copy_(conv_states.transpose(1, 2))
-            return io.transpose(1, 2)  # [B, D, W + N]: the window, then the inputs, as upstream's cat
+            r.groups[group].conv_io[g].copy_(conv_states.transpose(1, 2))  # [B, N, D], for `commit`
+            # The conv's input as upstream's cat makes it, not a view of conv_io: under torch.compile a custom op
+            # reading a view of one layer of a stacked buffer that later layers write made inductor copy the
+            # whole buffer around each conv (two copies of 9 us a GDN layer on the 9B shape on an H200).
+            return torch.cat([conv[g], conv_states.to(conv.dtype)], dim=-1)  # [B, D, W + N]
         if not self._gdn_started[layer_idx]:  # first forward: a shorter input leaves zeros in front, as upstream pads
             self._gdn_started[layer_idx] = True
             tail = conv_states[..., -width:]
@@ -691,7 +708,7 @@ class BoleCache(Cache):
         if NG > 0:
             conv = group.conv.view(NG * B, D, W)
             tree_conv_state_commit(
-                conv, rg.conv_io.view(NG * B, W + N, D)[:, W:], path.repeat(NG, 1), out=conv, check_values=check_values
+                conv, rg.conv_io.view(NG * B, N, D), path.repeat(NG, 1), out=conv, check_values=check_values
             )
 
     def current_round(self) -> _TreeRound | None:
@@ -714,13 +731,13 @@ class BoleCache(Cache):
             closed = verify == "closed_form"
             groups = []
             for group in self._groups:
-                NG, _, D, W = group.conv.shape
+                NG, _, D, _ = group.conv.shape
                 d = group.device
                 f32 = dict(dtype=torch.float32, device=d)
                 groups.append(
                     _GroupRound(
                         slots=slots,
-                        conv_io=torch.empty(NG, B, W + N, D, dtype=self.dtype, device=d),
+                        conv_io=torch.empty(NG, B, N, D, dtype=self.dtype, device=d),
                         keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=d) if closed else None,
                         u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
                         log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,

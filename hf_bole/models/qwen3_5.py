@@ -321,7 +321,7 @@ def _tree_causal_conv1d_fn(original):
         hidden_states, weight, bias = named["hidden_states"], named["weight"], named.get("bias")
         activation = named.get("activation")
         bole_tree = bole_tree.on(hidden_states.device)
-        # The cache returned [committed window, node inputs] from `update_conv_state`: [B, D, W + N].
+        # The cache returned [committed window, node inputs] from `update_conv_state`: [B, D, W + N], as upstream's cat.
         num_nodes = bole_tree.parents.shape[1]
         window, x = hidden_states[..., :-num_nodes], hidden_states[..., -num_nodes:]
         out = _kernels().tree_causal_conv1d(x.transpose(1, 2), weight, bias, bole_tree.parents, window, activation)

@@ -172,12 +172,12 @@ def test_transient_bytes():
         tokens[:, 0] = prefill(model, cache, PROMPTS)
         tree_forward(model, cache, tokens, parents, verify=verify)
         sizes[verify] = cache.transient_bytes
-    NG, Hk, K, H, V, D, W = 3, 2, 16, 4, 16, 2 * 2 * 16 + 4 * 16, model.config.linear_conv_kernel_dim
+    NG, Hk, K, H, V, D = 3, 2, 16, 4, 16, 2 * 2 * 16 + 4 * 16
     assert sizes["closed_form"]["factors"] == 4 * NG * B * N * (Hk * K + H * V + H)
     assert sizes["serial"]["snapshots"] == 4 * NG * B * N * H * K * V
     for s in sizes.values():
-        # the conv's input of every layer: the committed window (W), then the nodes
-        assert s["conv_inputs"] == 4 * NG * B * (W + N) * D and s["tree_kv"] == 4 * 2 * B * N * 16
+        # every node's pre-conv input in every layer (the committed window is not copied)
+        assert s["conv_inputs"] == 4 * NG * B * N * D and s["tree_kv"] == 4 * 2 * B * N * 16
 
 
 def test_reset():

@@ -204,8 +204,8 @@ def tree_causal_conv1d(
     if not use_triton(x):
         return torch_tree_causal_conv1d(x, weight, bias, parents, conv_state, activation == "silu")
 
-    # x and conv_state are read through their strides: the decoding loop passes views of one token-major buffer
-    # (BoleCache's conv_io: the window, then the nodes), which nothing needs to copy.
+    # x and conv_state are read through their strides: the GDN seam passes views of the conv input
+    # ([B, D, W + N]: the window, then the nodes), which nothing needs to copy.
     x = dim_contiguous(x)
     weight, parents = weight.contiguous(), parents.contiguous()
     S = conv_state.shape[-1]
