@@ -659,10 +659,11 @@ class BoleCache(Cache):
         accepted = path >= 0  # [B, L]
         steps = torch.arange(L, device=self.device)
         dst = self.lengths[:, None] + steps  # [B, L]
-        src = self.lengths[:, None] + path.clamp(min=0)
+        # Padding entries move their own slot onto itself, so every row's scatter has distinct targets.
+        src = self.lengths[:, None] + torch.where(accepted, path, steps)
         for group, rg in zip(self._groups, r.groups):
             # One copy of the path and slots per device group (none on the cache's own device).
-            self._commit_group(group, rg, r, *(x.to(group.device) for x in (path, accepted, dst, src)), check_values)
+            self._commit_group(group, rg, r, *(x.to(group.device) for x in (path, dst, src)), check_values)
 
         num_accepted = accepted.sum(1)
         self.lengths.add_(num_accepted)
@@ -678,21 +679,18 @@ class BoleCache(Cache):
         rg: _GroupRound,
         r: _TreeRound,
         path: torch.Tensor,
-        accepted: torch.Tensor,
         dst: torch.Tensor,
         src: torch.Tensor,
         check_values: bool,
     ) -> None:
-        """`commit` for the layers of one device group: `path`, `accepted = path >= 0` and the KV slots `dst`, `src`
-        each `[B, L]`, on its device."""
+        """`commit` for the layers of one device group: `path` and the KV slots `dst` (written) and `src` (read), each
+        `[B, L]`, on its device."""
         B, L = path.shape
         N = r.parents.shape[1]
         for buf in (group.keys, group.values):
             NA, _, H, _, D = buf.shape
             dst_i, src_i = (x[None, :, None, :, None].expand(NA, B, H, L, D) for x in (dst, src))
-            # Padding entries write their own slot back, so every row's scatter has distinct targets.
-            moved = torch.where(accepted[None, :, None, :, None], buf.gather(3, src_i), buf.gather(3, dst_i))
-            buf.scatter_(3, dst_i, moved)
+            buf.scatter_(3, dst_i, buf.gather(3, src_i))
 
         if r.verify == "serial":
             for g, snapshots in enumerate(rg.snapshots):

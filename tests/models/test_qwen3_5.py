@@ -195,6 +195,46 @@ def test_compile_serves_every_width_from_its_second_graph(monkeypatch, caplog):
     assert caplog.text.count("the verify forward compiles through torch.compile") == 1  # said once per model
 
 
+def test_compiled_tree_forward_hands_its_kernels_no_views_of_storage_later_layers_write(monkeypatch):
+    """What made inductor copy whole stacked buffers (seventeenth session, results/speed_h200): the traced graph
+    writes the tree's KV through the mutating op `hf_bole::write_tree_kv`, which inductor calls in place, never by
+    `scatter_` into a view that attention then reads; and the tree conv reads its input from a tensor of its own,
+    not from a view of the conv inputs every GDN layer writes into one buffer."""
+    import hf_bole.models.qwen3_5 as adapter
+
+    graphs = []
+
+    def traced(decoder):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        return torch.compile(decoder.forward, backend=backend, fullgraph=True)
+
+    monkeypatch.setattr(adapter, "_compiled", traced)
+    conv_inputs = []
+    update_conv_state = BoleCache.update_conv_state
+    monkeypatch.setattr(
+        BoleCache, "update_conv_state", lambda self, *a, **k: conv_inputs.append(update_conv_state(self, *a, **k))
+        or conv_inputs[-1],
+    )
+    model = build_model(num_hidden_layers=8)  # two attention layers share one KV stack
+    parents = batch_trees(make_trees("ragged", torch.Generator(torch.get_default_device()).manual_seed(6)))
+    tokens = torch.randint(1, VOCAB, parents.shape)
+    caches = [BoleCache(model.config, batch_size=3) for _ in range(2)]
+    for cache in caches:
+        tokens[:, 0] = prefill(model, cache, PROMPTS)
+    conv_inputs.clear()
+    eager = tree_forward(model, caches[0], tokens, parents)
+    stack = caches[0].current_round().groups[0].conv_io.untyped_storage().data_ptr()
+    assert len(conv_inputs) == 6 and all(x.untyped_storage().data_ptr() != stack for x in conv_inputs)
+    compiled = tree_forward(model, caches[1], tokens, parents, compile=True)
+    (graph,) = graphs
+    calls = [n.target for n in graph.graph.nodes if n.op in ("call_function", "call_method")]
+    assert calls.count(torch.ops.hf_bole.write_tree_kv.default) == 2 and "scatter_" not in calls
+    torch.testing.assert_close(compiled.logits, eager.logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("width", [1, 5])
 def test_tree_forward_reads_the_state_storage_on_a_fresh_cache(width, monkeypatch):
     """A tree on an empty cache (the first prefill chain) starts from the cache's own state storage, zeros, not

@@ -29,5 +29,16 @@ call3)  # this session's changes: their CUDA tests, then issue 8's 9B row, compi
     STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b1_compiled 330 python3 eval/run.py --shape 9B --depth 6 \
         --max-new-tokens 256 --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on --profile --interleave --output-dir "$OUT"
     ;;
+next1)  # for the next session: the compiled round's kernels again (are the stacked-buffer copies gone on the GPU?)
+    step profile_9b_b1_compiled 300 python3 eval/profile_round.py --shape 9B --modes bole --compile on --depth 6 \
+        --batch-sizes 1 --num-prompts 1 --max-new-tokens 64 --top 30 --json "$OUT/profile_9b_b1_compiled.json" \
+        --kernel-log "$OUT"
+    gzip "$OUT"/kernels_*.tsv
+    ;;
+next2)  # then issue 8's row against ar-static, with room for both compiles (call3's 330 s were not enough)
+    STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b1_compiled 560 python3 eval/run.py --shape 9B --depth 6 \
+        --max-new-tokens 256 --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on --profile --interleave \
+        --output-dir "$OUT"
+    ;;
 esac
 cd "$OUT" && tar czf logs.tgz *.log && rm -f *.log
