@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.generation.acceptance import Acceptance, _acceptance, _walk
+from hf_bole.generation.acceptance import Acceptance, accept_argmax
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, on_device, use_triton
 
@@ -166,13 +166,6 @@ def _accept_greedy_fwd(tree: VerifyTree, target: torch.Tensor) -> Acceptance:
     return Acceptance(path=path, accept_lengths=accept_lengths, tokens=tokens, bonus=bonus, leaf=leaf)
 
 
-def _accept_greedy_torch(tree: VerifyTree, target: torch.Tensor) -> Acceptance:
-    """`accept_greedy` from the argmax tokens: its own walk, in torch."""
-    chosen = tree.input_ids == target.gather(1, tree.parents.clamp(min=0))
-    leaf, path = _walk(tree, chosen)
-    return _acceptance(tree, path, leaf, target.gather(1, leaf[:, None]).squeeze(1))
-
-
 def accept_greedy_kernel(tree: VerifyTree, target: torch.LongTensor) -> Acceptance:
     r"""
     `accept_greedy` in one Triton launch: the same walk and the same `Acceptance` (dtypes, shapes, device, values),
@@ -214,5 +207,5 @@ def accept_greedy_kernel(tree: VerifyTree, target: torch.LongTensor) -> Acceptan
             f"{MAX_WIDTH}; use accept_greedy"
         )
     if not use_triton(target) or B == 0:
-        return _accept_greedy_torch(tree, target)
+        return accept_argmax(tree, target)
     return _accept_greedy_fwd(tree, target)

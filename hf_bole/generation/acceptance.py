@@ -73,7 +73,12 @@ def accept_greedy(tree: VerifyTree, scores: torch.Tensor) -> Acceptance:
     tensor([[ 1,  3, -1]])
     ```
     """
-    target = scores.argmax(-1)  # [B, T]
+    return accept_argmax(tree, scores.argmax(-1))
+
+
+def accept_argmax(tree: VerifyTree, target: torch.LongTensor) -> Acceptance:
+    """`accept_greedy` from the target's argmax token at every node (`target [B, T]`), in torch: the walk that
+    `hf_bole.generation.accept_kernel` does in one launch."""
     chosen = tree.input_ids == target.gather(1, tree.parents.clamp(min=0))
     leaf, path = _walk(tree, chosen)
     return _acceptance(tree, path, leaf, target.gather(1, leaf[:, None]).squeeze(1))
