@@ -31,6 +31,7 @@ class Mode:
     budget: int | str | None = None
     epsilon: float | None = None
     verify: str | None = None
+    attention: str | None = None  # how full-attention layers attend in the verify forward (bole_attention)
     compile: bool = False  # the verify forward and the MTP drafter's rounds through torch.compile (bole_compile)
     label: str = ""  # the name plus the swept settings; the name alone when nothing is swept
 
@@ -57,6 +58,7 @@ class Mode:
             "budget": self.budget,
             "epsilon": self.epsilon,
             "verify": self.verify,
+            "attention": self.attention,
         }
 
 
@@ -65,11 +67,13 @@ def make_modes(name: str, batch_size: int, args) -> list[Mode]:
     settings (`args.depth`, `.budget`, `.epsilon` and `.compile` are lists; `.topk` one value)."""
     if name in ("ar", "ar-static"):
         return [Mode(name)]
+    attention = getattr(args, "attention", None)  # None: hf_bole's default
     if name == "chain":
         # SGLang/vLLM verify every request's 3 drafted tokens: the budget is the whole batch's chains.
         return [
             Mode(name, depth=CHAIN_DEPTH, topk=1, budget=CHAIN_DEPTH * batch_size, verify="closed_form",
-                 compile=compiled, label=name + " compiled" * (compiled and len(args.compile) > 1))
+                 attention=attention, compile=compiled,
+                 label=name + " compiled" * (compiled and len(args.compile) > 1))
             for compiled in args.compile
         ]  # fmt: skip
     if name not in MODES:
@@ -87,5 +91,5 @@ def make_modes(name: str, batch_size: int, args) -> list[Mode]:
             tags.pop()  # no epsilon in a fixed budget's label
         tags += ["compiled"] * (compiled and len(args.compile) > 1)
         label = " ".join([name, *tags])
-        modes.append(Mode(name, depth, args.topk, budget, epsilon, verify, compiled, label))
+        modes.append(Mode(name, depth, args.topk, budget, epsilon, verify, attention, compiled, label))
     return modes

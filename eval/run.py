@@ -109,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "through torch.compile (bole_compile); bare: on; `off on`: a sweep, each hf_bole mode both ways",
     )  # fmt: skip
     ap.add_argument(
+        "--attention", choices=["model", "triton"], help="how hf_bole modes' full-attention layers attend in the "
+        "verify forward (bole_attention; default: hf_bole's, the model's own attention with the tree mask)",
+    )  # fmt: skip
+    ap.add_argument(
         "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
     )
     ap.add_argument("--output-dir", default="results/eval")
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     drafting = any(m not in ("ar", "ar-static") for m in args.modes)
     run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle" and drafting) + args.modes
     warmed: set[tuple[str, int]] = set()  # (mode label, batch size)
-    compiled: set[tuple[str, int, bool]] = set()  # (verify mode, rows, compile) through hf_bole.warmup
+    compiled: set[tuple[str, int, bool, str]] = set()  # (verify, rows, compile, attention) through hf_bole.warmup
     for dataset, prompts in prompt_sets.items():
         for batch_size in args.batch_sizes:
             with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
@@ -316,9 +320,9 @@ def warm_up(
     # growth, and each budget meets tree widths (graphs) of its own; every tree width a later round may reach
     # gets its kernels compiled here too (hf_bole.warmup).
     for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
-        key = (mode.verify or "closed_form", n_rows, mode.compile)
+        key = (mode.verify or "closed_form", n_rows, mode.compile, mode.attention or "model")
         if key not in compiled:
-            hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile)
+            hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile, attention=key[3])
             compiled.add(key)
     # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
     graphed = mode.drafts and args.cuda_graphs and device.type == "cuda" and not args.device_map

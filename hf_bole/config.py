@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 VERIFY_MODES = ("closed_form", "serial")
+ATTENTION_MODES = ("model", "triton")
 PREFILL_MODES = ("auto", "chains", "plain")
 BUILTIN_DRAFTERS = ("mtp", "ngram")
 KWARG_PREFIX = "bole_"
@@ -56,6 +57,12 @@ class BoleConfig:
         verify (`str`, *optional*, defaults to `"closed_form"`):
             How GDN layers verify the tree: `"closed_form"` (one solve over all nodes, state factors) or
             `"serial"` (node by node with a state snapshot per node, the SGLang-Tree baseline).
+        attention (`str`, *optional*, defaults to `"model"`):
+            How full-attention layers attend in the verify forward: `"model"` (the model's own attention, SDPA or
+            eager, with the tree's ancestor mask as a 4D mask) or `"triton"` (`hf_bole.kernels.tree_attention`: the
+            mask computed in the kernel from the cache's lengths and the tree, the grouped query heads read each
+            key once, the committed keys split over programs and only the slots in use read; its torch reference
+            off CUDA). Not yet timed against `"model"` on a GPU.
         drafter (`str` or object, *optional*, defaults to `"mtp"`):
             `"mtp"` (the checkpoint's multi-token-prediction head), `"ngram"` (prompt lookup, no weights), or any
             object with a `propose(ctx) -> DraftTree` method.
@@ -131,6 +138,7 @@ class BoleConfig:
     budget: int | str = AUTO_BUDGET
     epsilon: float = 0.25
     verify: str = "closed_form"
+    attention: str = "model"
     drafter: Any = "mtp"
     ngram_max_size: int = 3
     ngram_min_size: int = 1
@@ -159,6 +167,8 @@ class BoleConfig:
             raise ValueError(f"BoleConfig.prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"BoleConfig.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"BoleConfig.attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
         if isinstance(self.drafter, str):
             if self.drafter not in BUILTIN_DRAFTERS:
                 raise ValueError(

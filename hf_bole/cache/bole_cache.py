@@ -35,12 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from hf_bole.kernels import (
-    tree_ancestor_mask,
-    tree_conv_state_commit,
-    tree_gdn_commit,
-    tree_gdn_commit_serial,
-)
+from hf_bole.kernels import tree_conv_state_commit, tree_gdn_commit, tree_gdn_commit_serial, tree_masks
 from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 
 VERIFY_MODES = ("closed_form", "serial")
@@ -382,6 +377,12 @@ class BoleCache(Cache):
         return self._valid.shape[1]
 
     @property
+    def valid(self) -> torch.Tensor:
+        """`[B, capacity]` bool: False at the slots of left padding (and of padding tokens a plain forward
+        appended), which no query attends to."""
+        return self._valid
+
+    @property
     def is_compileable(self) -> bool:
         # `generate` would auto-compile its decode step around this cache, whose length bookkeeping is on the
         # host; the decoding loop captures its own CUDA graphs instead.
@@ -572,8 +573,8 @@ class BoleCache(Cache):
 
     @contextlib.contextmanager
     def tree_mode(
-        self, parents: torch.Tensor, verify: str = "closed_form", ancestors: torch.Tensor | None = None
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self, parents: torch.Tensor, verify: str = "closed_form"
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Routes this cache into tree mode for one verification forward.
 
         Args:
@@ -581,13 +582,13 @@ class BoleCache(Cache):
                 Parent of every node, `-1 <= parents[b, i] < i`; node 0 is the row's root (parent -1), padding
                 nodes of a ragged batch also have parent -1.
             verify (`str`): "closed_form" keeps GDN factors, "serial" keeps per-node state snapshots.
-            ancestors (`torch.BoolTensor` of shape `(batch_size, N, N)`, *optional*): `tree_ancestor_mask(parents)`
-                when the caller has it already.
 
-        Yields:
+        Yields (made by `tree_masks`, one Triton launch on CUDA):
             attention_mask (`torch.BoolTensor` of shape `(batch_size, 1, N, capacity)`): node i of row b sees the
                 row's committed, non-padding slots, its tree ancestors and itself.
             position_ids (`torch.LongTensor` of shape `(batch_size, N)`): `positions[b] + depth(i)`.
+            ancestors (`torch.BoolTensor` of shape `(batch_size, N, N)`): `tree_ancestor_mask(parents)`, for the
+                layers' tree kernels.
         """
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -601,17 +602,11 @@ class BoleCache(Cache):
         self._reserve_tree(N)
 
         r = self._prepare_round(parents, verify)
-        anc = tree_ancestor_mask(parents) if ancestors is None else ancestors  # [B, N, N]
-        position_ids = self.positions[:, None] + anc.sum(-1) - 1
-        rel = torch.arange(self.capacity, device=self.device)[None, :] - self.lengths[:, None]  # [B, C]
-        in_tree = (rel >= 0) & (rel < N)
-        tree_part = anc.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(B, N, -1)) & in_tree[:, None, :]
-        committed = (rel < 0) & self._valid  # [B, C]
-        attention_mask = (committed[:, None, :] | tree_part)[:, None]  # [B, 1, N, C]
+        ancestors, position_ids, attention_mask = tree_masks(parents, self.lengths, self.positions, self._valid)
 
         r.active, r.ready = True, False
         try:
-            yield attention_mask, position_ids
+            yield attention_mask, position_ids, ancestors
         finally:
             r.active = False
         r.ready = True

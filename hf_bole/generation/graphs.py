@@ -78,8 +78,8 @@ class _Graph:
 
 
 class VerifyGraphs:
-    """`tree_forward(model, cache, input_ids, parents, verify, compile, fuse_projections)` replayed from a CUDA graph
-    per tree width.
+    """`tree_forward(model, cache, input_ids, parents, verify, compile, fuse_projections, attention)` replayed from a
+    CUDA graph per tree width.
 
     Args:
         model: a Qwen3.5 model hf_bole supports, on a CUDA device.
@@ -87,13 +87,22 @@ class VerifyGraphs:
         verify (`str`): "closed_form" or "serial".
         compile (`bool`): capture the `torch.compile`d forward (`tree_forward`'s `compile`).
         fuse_projections (`bool`): `tree_forward`'s `fuse_projections`.
+        attention (`str`): `tree_forward`'s `attention`.
     """
 
-    def __init__(self, model, cache: BoleCache, verify: str, compile: bool = False, fuse_projections: bool = True):
+    def __init__(
+        self,
+        model,
+        cache: BoleCache,
+        verify: str,
+        compile: bool = False,
+        fuse_projections: bool = True,
+        attention: str = "model",
+    ):
         if cache.max_cache_len is None:
             raise ValueError("CUDA graphs keep the cache's addresses: create the BoleCache with a fixed max_cache_len")
         self.model, self.cache, self.verify, self.compile = model, cache, verify, compile
-        self.fuse_projections = fuse_projections
+        self.fuse_projections, self.attention = fuse_projections, attention
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
 
@@ -117,8 +126,9 @@ class VerifyGraphs:
         # Tree mode leaves the committed state alone, so the forward may run any number of times.
         graph, out = capture(
             lambda: tree_forward(
-                self.model, self.cache, input_ids, parents, self.verify, self.compile, self.fuse_projections
-            ),
+                self.model, self.cache, input_ids, parents, self.verify, self.compile, self.fuse_projections,
+                self.attention,
+            ),  # fmt: skip
             input_ids.device,
             self._pool,
         )
@@ -156,25 +166,32 @@ class SelectGraphs:
         return out
 
 
-# model -> {(batch size, verify, compile, fuse_projections): (cache, graphs)}: one cache per batch size and settings,
+# model -> {(batch size, verify, compile, fuse_projections, attention): (cache, graphs)}: one cache per batch size and
+# settings,
 # reused (reset) by later calls that fit in it, replaced by a larger one when they do not.
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def graphed_cache(
-    model, batch_size: int, capacity: int, verify: str, compile: bool = False, fuse_projections: bool = True
+    model,
+    batch_size: int,
+    capacity: int,
+    verify: str,
+    compile: bool = False,
+    fuse_projections: bool = True,
+    attention: str = "model",
 ) -> tuple[BoleCache, VerifyGraphs]:
     """An empty `BoleCache` of at least `capacity` slots per row for `model` on its CUDA device, and the verify
-    graphs that go with it; both are kept for the next call of the same batch size, verify mode, `compile` and
-    `fuse_projections`."""
+    graphs that go with it; both are kept for the next call of the same batch size, verify mode, `compile`,
+    `fuse_projections` and `attention`."""
     per_model = _STORE.setdefault(model, {})
-    key = (batch_size, verify, compile, fuse_projections)
+    key = (batch_size, verify, compile, fuse_projections, attention)
     held = per_model.get(key)
     if held is None or held[0].capacity < capacity:
         per_model.pop(key, None)  # the old cache and graphs go before the larger ones are allocated
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         cache = BoleCache.for_model(model, batch_size, max_cache_len=capacity)
-        held = per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile, fuse_projections))
+        held = per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile, fuse_projections, attention))
     held[0].reset()
     return held
 

@@ -386,13 +386,16 @@ def _decode(
             f"warning"
         )
     if graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs (generation/graphs.py)
-        cache, verify_forward = graphed_cache(model, B, capacity, bole.verify, bole.compile, bole.fuse_projections)
+        cache, verify_forward = graphed_cache(
+            model, B, capacity, bole.verify, bole.compile, bole.fuse_projections, bole.attention
+        )
         select = graphed_select(model)
     else:
         cache = BoleCache.for_model(model, B, max_cache_len=capacity)
         verify_forward = functools.partial(
-            tree_forward, model, cache, verify=bole.verify, compile=bole.compile, fuse_projections=bole.fuse_projections
-        )
+            tree_forward, model, cache, verify=bole.verify, compile=bole.compile,
+            fuse_projections=bole.fuse_projections, attention=bole.attention,
+        )  # fmt: skip
         select = select_round
     if chains:  # the prompt through the verify forward (generation/prefill.py)
         hidden = chain_prefill(verify_forward, cache, input_ids, mask, pad_token).to(device)  # [B, P, hidden]

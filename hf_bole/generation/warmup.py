@@ -29,6 +29,7 @@ def warmup(
     verify: str = "closed_form",
     compile: bool = False,
     fuse_projections: bool = True,
+    attention: str = "model",
 ) -> list[int]:
     r"""
     Runs one tree round (verify forward and commit) at every verify width that needs its own compiled kernels,
@@ -43,6 +44,7 @@ def warmup(
         compile (`bool`): as `bole_compile`: the compiled forward is compiled here too (the MTP drafter's
             compiled rounds are not: they compile in the first `generate` call's rounds, in seconds).
         fuse_projections (`bool`): as `bole_fuse_projections` (the compiled forward differs with it).
+        attention (`str`): as `bole_attention` (so does its Triton kernel).
 
     Returns:
         `list[int]`: the widths that were run.
@@ -75,7 +77,7 @@ def warmup(
         # Node i's parent is (i - 1) // 2: a binary tree, as wide as asked and log-deep.
         parents = ((torch.arange(width, device=device) - 1).div(2, rounding_mode="floor")).expand(batch_size, -1)
         ids = torch.cat([root, torch.randint(1, vocab, (batch_size, width - 1), device=device)], dim=1)
-        tree_forward(model, cache, ids, parents, verify, compile, fuse_projections)
+        tree_forward(model, cache, ids, parents, verify, compile, fuse_projections, attention)
         padded = path + [-1] * (width - len(path))  # as the acceptance walk gives it: [B, width], -1 after the leaf
         cache.commit(torch.tensor([padded] * batch_size, device=device))
         root = ids[:, path[-1] : path[-1] + 1]

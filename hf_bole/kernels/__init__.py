@@ -1,5 +1,7 @@
-"""Exact tree verification kernels for Gated DeltaNet layers (Triton, with torch paths and naive references)."""
+"""Exact tree verification kernels for Gated DeltaNet and full-attention layers (Triton, with torch paths and naive
+references)."""
 
+from hf_bole.kernels.tree_attention import tree_attention
 from hf_bole.kernels.tree_gdn import (
     tree_ancestor_mask,
     tree_causal_conv1d,
@@ -9,10 +11,12 @@ from hf_bole.kernels.tree_gdn import (
     tree_gdn_commit_serial,
     tree_gdn_verify,
     tree_gdn_verify_serial,
+    tree_masks,
 )
 
 __all__ = [
     "tree_ancestor_mask",
+    "tree_attention",
     "tree_causal_conv1d",
     "tree_conv_state_commit",
     "tree_depths",
@@ -20,4 +24,5 @@ __all__ = [
     "tree_gdn_commit_serial",
     "tree_gdn_verify",
     "tree_gdn_verify_serial",
+    "tree_masks",
 ]

@@ -12,6 +12,7 @@ from typing import Optional  # the op schemas are read from these annotations at
 
 import torch
 
+from hf_bole.kernels.tree_attention import tree_attention as _tree_attention
 from hf_bole.kernels.tree_gdn import tree_causal_conv1d as _tree_causal_conv1d
 from hf_bole.kernels.tree_gdn import tree_gdn_verify as _tree_gdn_verify
 from hf_bole.kernels.tree_gdn import tree_gdn_verify_serial as _tree_gdn_verify_serial
@@ -82,6 +83,25 @@ def _(x, weight, bias, parents, conv_state, activation):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op("hf_bole::tree_attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    valid: torch.Tensor,
+    ancestors: torch.Tensor,
+    scale: Optional[float],
+) -> torch.Tensor:
+    return _tree_attention(q, k, v, lengths, valid, ancestors, scale=scale)
+
+
+@_attention_op.register_fake
+def _(q, k, v, lengths, valid, ancestors, scale):
+    B, H, N, D = q.shape
+    return q.new_empty(B, N, H, D)
+
+
 def tree_gdn_verify(
     q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False, ancestors=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,3 +119,8 @@ def tree_gdn_verify_serial(
 def tree_causal_conv1d(x, weight, bias, parents, conv_state, activation="silu") -> torch.Tensor:
     """`hf_bole.kernels.tree_causal_conv1d` as one node of a compiled graph."""
     return _conv_op(x, weight, bias, parents, conv_state, activation)
+
+
+def tree_attention(q, k, v, lengths, valid, ancestors, *, scale=None) -> torch.Tensor:
+    """`hf_bole.kernels.tree_attention` (default split) as one node of a compiled graph."""
+    return _attention_op(q, k, v, lengths, valid, ancestors, scale)

@@ -14,9 +14,13 @@ Qwen3.5 modeling files, wrapped once per process and passing through unless aske
     create_recurrent_attention_mask    called once per plain forward with the 2D attention mask and the position
                                        ids: tells a BoleCache which new slots are padding and which position
                                        comes next (nothing else in a forward shows the cache those)
+    ALL_ATTENTION_FUNCTIONS            the full-attention layers' attention functions: with `bole_tree` and
+                                       `tree_attention="triton"`, hf_bole's tree attention kernel
+                                       (`kernels/tree_attention.py`) in place of the model's own
 
-Full-attention layers need no seam: the ancestor mask arrives as the attention mask, the tree positions as
-position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask indexes.
+By default full-attention layers run the model's own attention: the ancestor mask arrives as the attention mask,
+the tree positions as position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask
+indexes.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.utils import logging
 
 from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
+from hf_bole.config import ATTENTION_MODES
 from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
-from hf_bole.kernels import tree_ancestor_mask
 from hf_bole.models.fused import projections_fused
 
 logger = logging.get_logger(__name__)
@@ -73,14 +77,20 @@ class TreeBatch:
     Args:
         parents: `[B, N]` int64 parent of every node (-1 for roots and padding nodes).
         verify: "closed_form" or "serial".
-        ancestors: `[B, N, N]` bool ancestor-or-self mask of the trees, built once for all GDN layers.
+        ancestors: `[B, N, N]` bool ancestor-or-self mask of the trees, built once for all layers.
         key_heads: the GDN layers' query/key heads (`linear_num_key_heads`).
+        attention: one of `ATTENTION_MODES`.
+        lengths: `[B]` int64 committed slots of every row (`BoleCache.lengths`), for `attention="triton"`.
+        valid: `[B, C]` bool, False at the cache's padding slots (`BoleCache.valid`), for `attention="triton"`.
     """
 
     parents: torch.Tensor
     verify: str
     ancestors: torch.Tensor
     key_heads: int
+    attention: str = "model"
+    lengths: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
     _copies: dict[torch.device, TreeBatch] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def on(self, device: torch.device) -> TreeBatch:
@@ -90,7 +100,12 @@ class TreeBatch:
             return self
         if device not in self._copies:
             self._copies[device] = TreeBatch(
-                self.parents.to(device), self.verify, self.ancestors.to(device), self.key_heads
+                self.parents.to(device),
+                self.verify,
+                self.ancestors.to(device),
+                self.key_heads,
+                self.attention,
+                *(x if x is None else x.to(device) for x in (self.lengths, self.valid)),
             )
         return self._copies[device]
 
@@ -177,6 +192,7 @@ def install_adapter(config) -> None:
     _wrap(module, "torch_chunk_gated_delta_rule", _tree_gated_delta_rule)
     _wrap(module, "torch_recurrent_gated_delta_rule", _tree_gated_delta_rule)
     _wrap(module, "create_recurrent_attention_mask", _observed_recurrent_attention_mask)
+    _wrap(module, "ALL_ATTENTION_FUNCTIONS", _TreeAttentionFunctions)
 
 
 @torch.no_grad()
@@ -188,6 +204,7 @@ def tree_forward(
     verify: str = "closed_form",
     compile: bool = False,
     fuse_projections: bool = True,
+    attention: str = "model",
 ) -> TreeForwardOutput:
     """Runs the model over a draft tree per row in one forward, from the committed state of `cache`.
 
@@ -209,6 +226,9 @@ def tree_forward(
         fuse_projections: run the projections of a layer that read one input as one GEMM (`models/fused.py`):
             its first call makes their weights views of one buffer per layer, which the plain forward computes
             with exactly as before.
+        attention: how the full-attention layers attend (`ATTENTION_MODES`): "model" (the model's own
+            implementation, SDPA or eager, with the tree's 4D mask) or "triton" (`hf_bole.kernels.tree_attention`:
+            Triton on CUDA, its torch reference on the CPU).
 
     Returns:
         `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`, both on the LM head's
@@ -228,6 +248,8 @@ def tree_forward(
         raise ValueError(f"tree_forward needs a BoleCache, got {type(cache).__name__}")
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if input_ids.dim() != 2 or input_ids.shape != parents.shape:
         raise ValueError(
             f"input_ids and parents must both be [B, N], got {tuple(input_ids.shape)} and {tuple(parents.shape)}"
@@ -244,10 +266,10 @@ def tree_forward(
         # A tree cut to the width its forward runs at (the loop's selection pads rows) is a view with the uncut
         # strides; the compiled forward guards on strides and would compile once more for it.
         input_ids, parents = input_ids.contiguous(), parents.contiguous()
-    ancestors = tree_ancestor_mask(parents)  # one tree for every layer: the mask, positions and GDN kernels share it
     forward = _compiled(decoder) if compile else decoder
     fused = projections_fused(decoder) if fuse_projections else contextlib.nullcontext()
-    with fused, cache.tree_mode(parents, verify, ancestors=ancestors) as (mask, position_ids):
+    # One ancestor mask for every layer: the attention mask, the positions and the tree kernels share it.
+    with fused, cache.tree_mode(parents, verify) as (mask, position_ids, ancestors):
         if config._attn_implementation == "eager":
             dtype = decoder.get_input_embeddings().weight.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
@@ -259,7 +281,13 @@ def tree_forward(
             **{cache_argument(type(decoder).forward): cache},
             use_cache=True,
             bole_tree=TreeBatch(
-                parents=parents, verify=verify, ancestors=ancestors, key_heads=config.linear_num_key_heads
+                parents=parents,
+                verify=verify,
+                ancestors=ancestors,
+                key_heads=config.linear_num_key_heads,
+                attention=attention,
+                lengths=cache.lengths if attention == "triton" else None,
+                valid=cache.valid if attention == "triton" else None,
             ),
         )
     hidden_states = outputs.last_hidden_state
@@ -375,3 +403,33 @@ def _observed_recurrent_attention_mask(original):
         return original(config, inputs_embeds, attention_mask, *args, **kwargs)
 
     return create_recurrent_attention_mask
+
+
+class _TreeAttentionFunctions:
+    """A modeling module's `ALL_ATTENTION_FUNCTIONS` whose attention functions route a tree forward with
+    `attention="triton"` to `tree_attention`; every other call, and every other attribute, is the original's."""
+
+    def __init__(self, functions):
+        self._functions = functions
+
+    def get_interface(self, attn_implementation, default):
+        return functools.partial(_attention, self._functions.get_interface(attn_implementation, default))
+
+    def __getattr__(self, name):
+        return getattr(self._functions, name)
+
+
+def _attention(original, module, query, key, value, attention_mask, *args, bole_tree: TreeBatch | None = None, **kwargs):
+    if bole_tree is None or bole_tree.attention != "triton":
+        if bole_tree is not None:
+            kwargs["bole_tree"] = bole_tree  # passed on exactly as called
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+    if kwargs.get("dropout", 0.0):
+        raise ValueError("hf_bole's tree attention computes no dropout: put the model in eval mode (model.eval())")
+    bole_tree = bole_tree.on(query.device)
+    # query [B, H, N, D]; key and value: the layer's storage [B, Hkv, C, D] with the tree's KV written; the 4D mask
+    # is not read (the kernel computes the same one from lengths, valid and ancestors).
+    out = _kernels().tree_attention(
+        query, key, value, bole_tree.lengths, bole_tree.valid, bole_tree.ancestors, scale=kwargs.get("scaling")
+    )
+    return out, None  # [B, N, H, D], as transformers' attention functions return it

@@ -95,7 +95,7 @@ def test_commit_moves_exact_slots():
     parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, -1, -1], [-1, 0, 0, 0, 0]])
     N = parents.shape[1]
     node_ids = (1000 + 100 * torch.arange(B)[:, None] + torch.arange(N)).float()  # [B, N]
-    with cache.tree_mode(parents) as (attention_mask, position_ids):
+    with cache.tree_mode(parents) as (attention_mask, position_ids, tree_ancestors):
         depth = torch.tensor([[0, 1, 1, 2, 3], [0, 1, 2, 0, 0], [0, 1, 1, 1, 1]])
         torch.testing.assert_close(position_ids, cache.positions[:, None] + depth, rtol=0, atol=0)
         for b in range(B):
@@ -106,6 +106,7 @@ def test_commit_moves_exact_slots():
                     j = int(parents[b, j])
                 expected = [bool(mask[b, s]) if s < T else (s - T) in ancestors for s in range(cache.capacity)]
                 assert attention_mask[b, 0, i].tolist() == expected
+                assert tree_ancestors[b, i].tolist() == [j in ancestors for j in range(N)]
         kv = node_ids[:, None, :, None].expand(B, 1, N, 16)
         cache.update(kv, kv, 3)
         key = torch.zeros(B, N, 2, 16)

@@ -33,6 +33,7 @@ def test_defaults_are_valid():
         pytest.param({"depth": True}, "BoleConfig.depth", id="depth-bool"),
         pytest.param({"budget": 2.0}, "BoleConfig.budget", id="budget-float"),
         pytest.param({"verify": "fast"}, "BoleConfig.verify must be one of", id="verify"),
+        pytest.param({"attention": "sdpa"}, "BoleConfig.attention must be one of", id="attention"),
         pytest.param({"prefill": "graph"}, "BoleConfig.prefill must be one of", id="prefill"),
         pytest.param({"fuse_projections": 1}, "BoleConfig.fuse_projections must be True or False", id="fuse-int"),
         pytest.param({"drafter": "eagle"}, "BoleConfig.drafter must be one of", id="drafter-name"),

@@ -211,6 +211,26 @@ def test_release_frees_what_calls_keep(dense_with_mtp):
     assert torch.equal(again, first) and model in loop._MTP_DRAFTERS
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_greedy_matches_plain_tree_attention(dense, backend, monkeypatch):
+    """bole_attention="triton": every full-attention layer of every verify forward attends through tree_attention
+    (its torch reference on the CPU, its kernel under the Triton interpreter), and the tokens are plain greedy's."""
+    import hf_bole.kernels as kernels
+
+    calls = []
+    attention = kernels.tree_attention
+    monkeypatch.setattr(kernels, "tree_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    prompts = [PROMPTS[r] for r in (0, 1, 3)]
+    ref = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    out = bole(
+        dense, prompts, max_new_tokens=NEW, do_sample=False, bole_drafter=oracle_for(dense, prompts),
+        bole_budget=16, bole_attention="triton", return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    layers = dense.config.layer_types.count("full_attention")
+    assert len(calls) >= layers * out.accept_lengths.shape[1] > 0
+
+
 def test_greedy_matches_plain_compiled(dense):
     """The verify forward through torch.compile (hf_bole's kernels as custom ops in its one graph)."""
     import hf_bole.models.qwen3_5 as adapter

@@ -44,12 +44,12 @@ def make_trees(shape: str, gen: torch.Generator) -> list[list[int]]:
     return [random_tree(9, max_depth=4, gen=gen), [-1, 0, 1], [-1, 0, 0, 0, 3]]
 
 
-def check_tree_logits(model, cache, committed, roots, trees, gen, verify="closed_form"):
+def check_tree_logits(model, cache, committed, roots, trees, gen, verify="closed_form", attention="model"):
     """Runs one tree round and compares every real node with the plain reference; returns the node tokens."""
     parents = batch_trees(trees)
     tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
     tokens[:, 0] = roots
-    out = tree_forward(model, cache, tokens, parents, verify=verify)
+    out = tree_forward(model, cache, tokens, parents, verify=verify, attention=attention)
     assert out.logits.shape == (3, parents.shape[1], VOCAB)
     torch.testing.assert_close(out.logits, model.get_output_embeddings()(out.hidden_states))
     for b, tree in enumerate(trees):
@@ -59,18 +59,22 @@ def check_tree_logits(model, cache, committed, roots, trees, gen, verify="closed
 
 
 @pytest.mark.parametrize(
-    "kind, shape, attn",
+    "kind, shape, attn, attention",
     [
-        pytest.param("dense", "chain", "sdpa", id="dense-chain"),
-        pytest.param("dense", "star", "sdpa", id="dense-star"),
-        pytest.param("dense", "deep", "sdpa", id="dense-deep"),
-        pytest.param("dense", "ragged", "eager", id="dense-ragged-eager"),
-        pytest.param("moe", "bushy", "sdpa", id="moe-bushy"),
-        pytest.param("moe", "ragged", "sdpa", id="moe-ragged"),
-        pytest.param("vl", "ragged", "sdpa", id="vl-ragged"),
+        pytest.param("dense", "chain", "sdpa", "model", id="dense-chain"),
+        pytest.param("dense", "star", "sdpa", "model", id="dense-star"),
+        pytest.param("dense", "deep", "sdpa", "model", id="dense-deep"),
+        pytest.param("dense", "ragged", "eager", "model", id="dense-ragged-eager"),
+        pytest.param("moe", "bushy", "sdpa", "model", id="moe-bushy"),
+        pytest.param("moe", "ragged", "sdpa", "model", id="moe-ragged"),
+        pytest.param("vl", "ragged", "sdpa", "model", id="vl-ragged"),
+        pytest.param("dense", "deep", "eager", "triton", id="dense-deep-tree-attention-torch"),
+        pytest.param(
+            "moe", "ragged", "sdpa", "triton", id="moe-ragged-tree-attention-kernel", marks=pytest.mark.interpreter
+        ),
     ],
 )
-def test_tree_forward(kind, shape, attn):
+def test_tree_forward(kind, shape, attn, attention):
     """Two rounds, so that the second starts from rows of different committed lengths."""
     gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     model = build_model(kind, attn)
@@ -79,12 +83,47 @@ def test_tree_forward(kind, shape, attn):
     committed = [list(p) for p in PROMPTS]
     for _ in range(2):
         trees = make_trees(shape, gen)
-        tokens, out = check_tree_logits(model, cache, committed, roots, trees, gen)
+        tokens, out = check_tree_logits(model, cache, committed, roots, trees, gen, attention=attention)
         paths = [random_path(tree, gen) for tree in trees]
         cache.commit(batch_trees(paths))  # -1 right-padding, as commit expects
         for b, path in enumerate(paths):
             committed[b] += tokens[b, path].tolist()
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
+
+
+def test_tree_attention_serves_every_full_attention_layer(monkeypatch):
+    """With attention="triton" every full-attention layer of a tree forward calls `tree_attention` once (and the
+    model's attention function never), giving the logits of attention="model"; plain forwards keep the model's."""
+    import hf_bole.kernels as kernels
+    from transformers.integrations import sdpa_attention
+
+    calls = {"tree": 0, "sdpa": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(kernels, "tree_attention", counted("tree", kernels.tree_attention))
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", counted("sdpa", sdpa_attention.sdpa_attention_forward))
+    gen = torch.Generator(torch.get_default_device()).manual_seed(5)
+    model = build_model()
+    attention_layers = model.config.layer_types.count("full_attention")
+    caches = [BoleCache(model.config, batch_size=3) for _ in range(2)]
+    parents = batch_trees(make_trees("ragged", gen))
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    for cache in caches:
+        tokens[:, 0] = prefill(model, cache, PROMPTS)
+    assert calls == {"tree": 0, "sdpa": 2 * attention_layers}  # the prefills
+    reference = tree_forward(model, caches[0], tokens, parents, attention="model")
+    assert calls == {"tree": 0, "sdpa": 3 * attention_layers}
+    out = tree_forward(model, caches[1], tokens, parents, attention="triton")
+    assert calls == {"tree": attention_layers, "sdpa": 3 * attention_layers}
+    torch.testing.assert_close(out.logits, reference.logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", ["deep", "root-only"])
@@ -133,8 +172,8 @@ def test_serial_matches_closed_form():
     assert closed.transient_bytes["factors"] > 0 and closed.transient_bytes["snapshots"] == 0
 
 
-@pytest.mark.parametrize("verify", ["closed_form", "serial"])
-def test_compiled_tree_forward_is_one_graph(verify, monkeypatch):
+@pytest.mark.parametrize("verify, attention", [("closed_form", "model"), ("serial", "model"), ("closed_form", "triton")])
+def test_compiled_tree_forward_is_one_graph(verify, attention, monkeypatch):
     """Under torch.compile the tree kernels are custom ops, not graph breaks: dynamo traces the whole decoder into
     one graph (`fullgraph=True` raises at any break), and that graph, run as traced, gives the eager logits."""
     import hf_bole.models.qwen3_5 as adapter
@@ -153,8 +192,8 @@ def test_compiled_tree_forward_is_one_graph(verify, monkeypatch):
     tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
     for cache in caches:
         tokens[:, 0] = prefill(model, cache, PROMPTS)
-    eager = tree_forward(model, caches[0], tokens, parents, verify=verify)
-    compiled = tree_forward(model, caches[1], tokens, parents, verify=verify, compile=True)
+    eager = tree_forward(model, caches[0], tokens, parents, verify=verify, attention=attention)
+    compiled = tree_forward(model, caches[1], tokens, parents, verify=verify, compile=True, attention=attention)
     assert traced_decoders == [model.get_decoder()]
     torch.testing.assert_close(compiled.logits, eager.logits, rtol=0, atol=0)
 
@@ -316,6 +355,8 @@ def test_tree_forward_errors():
         tree_forward(model, cache, ids[:2], torch.tensor([[-1, 0, 1]] * 2))
     with pytest.raises(ValueError, match="verify must be"):
         tree_forward(model, cache, ids, torch.tensor([[-1, 0, 1]] * 3), verify="fast")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        tree_forward(model, cache, ids, torch.tensor([[-1, 0, 1]] * 3), attention="flash")
     big = torch.tensor([[-1] + list(range(4))] * 3)
     with pytest.raises(ValueError, match="max_cache_len=10"):
         tree_forward(model, cache, torch.ones(3, 5, dtype=torch.int64), big)

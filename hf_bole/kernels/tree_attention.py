@@ -1,0 +1,303 @@
+"""Tree attention for the full-attention layers of a verify forward: split over the keys, grouped heads, the mask
+computed in the kernel.
+
+Why: transformers' SDPA path gives every full-attention layer of the 9B shape 31 us a round on an H200 at batch 1
+(results/speed_h200/tenth_session): with an arbitrary mask SDPA takes its memory-efficient kernel, which runs one
+program per (row, head, 32 queries) and walks every key slot of the storage in it, 16 programs on a 132-SM GPU. Before
+it, `repeat_kv` copies the layer's keys and values to every query head (two copies of 3.6 us a layer), and SDPA turns
+the boolean mask into an additive one.
+
+This kernel reads the keys once per key head, in place in the cache's storage, and spreads them over programs:
+- the `H / Hkv` query heads that share a key head are one block of `REP * N` query rows (row `r`: head
+  `kv_head * REP + r // N`, node `r % N`), so a key tile is loaded once for all of them;
+- the key slots are split into `SPLIT` slots a program, each program keeps a flash-attention running max and sum
+  over its slots, and a second launch merges the splits by their log-sum-exp (one launch when one split covers the
+  storage);
+- only slots below `lengths[b] + N` are read: a program above them returns at once, so the storage's capacity costs
+  nothing but idle programs;
+- slot `c` of row `b` is visible to node `i` iff it is committed and not padding (`c < lengths[b]` and
+  `valid[b, c]`) or it is the slot of one of `i`'s ancestors or `i` itself (`0 <= c - lengths[b] < N` and
+  `ancestors[b, i, c - lengths[b]]`): exactly `BoleCache.tree_mode`'s attention mask, which is never built for it.
+
+Numerics: scores and sums in float32, the probabilities rounded to the value dtype for the second product (as
+flash attention does); against float64, the same error as SDPA's kernels (tests/kernels/test_tree_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, is_interpreter, on_device, use_triton
+
+MAX_NODES = 128  # a program holds a row's tree of up to this many nodes (the budget tables' widest)
+MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] query tile in registers
+TARGET_PROGRAMS = 128  # the split is chosen to launch about this many programs (an H200 has 132 SMs)
+
+
+def tree_attention_mask(lengths: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """`[B, N, C]` bool: node i of row b sees slot c (the rule of the module docstring), `lengths [B]`,
+    `valid [B, C]`, `ancestors [B, N, N]`."""
+    B, N, _ = ancestors.shape
+    C = valid.shape[1]
+    rel = torch.arange(C, device=valid.device)[None, :] - lengths[:, None]  # [B, C]
+    in_tree = (rel >= 0) & (rel < N)
+    tree_part = ancestors.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(B, N, C)) & in_tree[:, None, :]
+    return ((rel < 0) & valid)[:, None, :] | tree_part
+
+
+def naive_tree_attention(q, k, v, lengths, valid, ancestors, scale: float) -> torch.Tensor:
+    """The specification, in the inputs' dtype (float64 in the tests): softmax over the visible slots of every
+    query head and node. q `[B, H, N, D]`, k and v `[B, Hkv, C, D]` -> `[B, N, H, D]`."""
+    H, Hkv = q.shape[1], k.shape[1]
+    mask = tree_attention_mask(lengths, valid, ancestors)[:, None]  # [B, 1, N, C]
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # query head h reads h // REP
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, N, C]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ v).transpose(1, 2)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    valid: torch.Tensor,
+    ancestors: torch.Tensor,
+    *,
+    scale: float | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """Attention of every tree node over a full-attention layer's KV storage.
+
+    Args:
+        q: `[B, H, N, D]` queries of the tree's nodes (any strides with the last dim contiguous, as transformers'
+            transposed view is).
+        k, v: `[B, Hkv, C, D]` the layer's KV storage (the tree's keys already at slots `lengths[b] + i`), `H` a
+            multiple of `Hkv`; read in place.
+        lengths: `[B]` int64 committed slots of every row (`lengths[b] + N <= C`).
+        valid: `[B, C]` bool, False at padding slots.
+        ancestors: `[B, N, N]` bool ancestor-or-self mask of the trees (`tree_ancestor_mask`).
+        scale: defaults to `D ** -0.5`.
+        split: key slots per program (a multiple of the kernel's key tile); by default chosen from the grid so that
+            about `TARGET_PROGRAMS` programs run.
+
+    Returns:
+        `[B, N, H, D]` in q's dtype (the layout of transformers' attention functions' output).
+
+    Triton on CUDA tensors and under `TRITON_INTERPRET=1`; `naive_tree_attention` on CPU tensors otherwise.
+    """
+    B, H, N, D = q.shape
+    Hkv, C = k.shape[1], k.shape[2]
+    check_dtype("q", q, (torch.float32, torch.float16, torch.bfloat16))
+    for name, x in (("k", k), ("v", v)):
+        check_dtype(name, x, (q.dtype,))
+        check_shape(name, x, (B, Hkv, C, D), "[B, Hkv, C, D]")
+    check_dtype("lengths", lengths, (torch.int64,))
+    check_shape("lengths", lengths, (B,), "[B]")
+    check_dtype("valid", valid, (torch.bool,))
+    check_shape("valid", valid, (B, C), "[B, C]")
+    check_dtype("ancestors", ancestors, (torch.bool,))
+    check_shape("ancestors", ancestors, (B, N, N), "[B, N, N]")
+    check_same_device(q=q, k=k, v=v, lengths=lengths, valid=valid, ancestors=ancestors)
+    if H % Hkv:
+        raise ValueError(f"the query heads ({H}) must be a multiple of the key heads ({Hkv})")
+    if N > MAX_NODES or N > C:
+        raise ValueError(f"tree_attention takes trees of 1 to {min(MAX_NODES, C)} nodes here, got N = {N}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"tree_attention takes head dims up to {MAX_HEAD_DIM}, got {D}")
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_M = 64 if BLOCK_D <= 128 else 32  # query rows a program: [BLOCK_M, BLOCK_D] float32 accumulators
+    BLOCK_N = 64 if BLOCK_D <= 64 else 32  # key slots a step
+    if split is not None and (split <= 0 or split % BLOCK_N):
+        raise ValueError(f"split must be a positive multiple of {BLOCK_N} (the key tile at D = {D}), got {split}")
+    scale = D**-0.5 if scale is None else scale
+    if not use_triton(q):
+        return naive_tree_attention(q, k, v, lengths, valid, ancestors, scale).to(q.dtype)
+
+    M = (H // Hkv) * N  # query rows per key head
+    row_blocks = triton.cdiv(M, BLOCK_M)
+    if split is None:
+        per_program = triton.cdiv(C, max(1, TARGET_PROGRAMS // (B * Hkv * row_blocks)))
+        split = triton.cdiv(per_program, BLOCK_N) * BLOCK_N
+    num_splits = triton.cdiv(C, split)
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    anc = ancestors.contiguous().view(torch.uint8)
+    out = torch.empty(B, N, H, D, dtype=q.dtype, device=q.device)
+    # One split writes the output itself; several write float32 partials [B * Hkv, splits, M, D] and their
+    # log2-sum-exp [B * Hkv, splits, M] (only the splits below lengths + N: the merge reads no others).
+    partial = torch.empty(B * Hkv, num_splits, M, D, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+    lse = torch.empty(B * Hkv, num_splits, M, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+    dtype_args = dict(
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=is_interpreter(),  # the interpreter's half-precision dot rounds wrongly
+    )
+    with on_device(q):
+        tree_attention_split_kernel[(row_blocks, num_splits, B * Hkv)](
+            q, k, v, lengths, valid, anc, out, partial, lse,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], valid.stride(0), *out.stride()[:3],
+            N, scale * 1.4426950408889634,  # log2(e): the kernel's exponentials are exp2
+            REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
+            NUM_SPLITS=num_splits, **dtype_args, num_warps=4,
+        )  # fmt: skip
+        if num_splits > 1:
+            tree_attention_merge_kernel[(row_blocks, B * Hkv)](
+                lengths, partial, lse, out, *out.stride()[:3], N,
+                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, SPLIT=split, NUM_SPLITS=num_splits,
+                num_warps=4,
+            )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def tree_attention_split_kernel(
+    q,
+    k,
+    v,
+    lengths,
+    valid,
+    ancestors,
+    out,
+    partial,
+    lse,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kc,
+    stride_vb,
+    stride_vh,
+    stride_vc,
+    stride_valid,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    N,
+    scale_log2,
+    REP: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One (query-row block, key split, row x key head): a flash-attention pass over the split's visible slots."""
+    i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_kh = i_bh // HKV, i_bh % HKV
+    length = tl.load(lengths + i_b)
+    lo = i_s * SPLIT
+    hi = tl.minimum(lo + SPLIT, length + N)  # no slot at or above lengths + N is visible
+    if lo >= hi:
+        return
+
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows of this key head
+    m_r = o_r < REP * N
+    node = o_r % N
+    head = i_kh * REP + o_r // N
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_q = tl.load(
+        q + i_b * stride_qb + head[:, None] * stride_qh + node[:, None] * stride_qn + o_d[None, :],
+        mask=m_r[:, None] & m_d[None, :],
+        other=0,
+    )  # [BLOCK_M, BLOCK_D]
+    if UPCAST_DOT:
+        b_q = b_q.to(tl.float32)
+    p_k = k + i_b * stride_kb + i_kh * stride_kh
+    p_v = v + i_b * stride_vb + i_kh * stride_vh
+    p_anc = ancestors + i_b * N * N + node * N  # [BLOCK_M] row starts of the nodes' ancestor masks
+
+    b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        o_c = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key slots
+        m_c = o_c < hi
+        b_k = tl.load(p_k + o_c[:, None] * stride_kc + o_d[None, :], mask=m_c[:, None] & m_d[None, :], other=0)
+        b_v = tl.load(p_v + o_c[:, None] * stride_vc + o_d[None, :], mask=m_c[:, None] & m_d[None, :], other=0)
+        if UPCAST_DOT:
+            b_k = b_k.to(tl.float32)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+
+        committed = tl.load(valid + i_b * stride_valid + o_c, mask=m_c & (o_c < length), other=0) != 0
+        rel = o_c - length
+        in_tree = m_c & (rel >= 0) & (rel < N)
+        seen = tl.load(p_anc[:, None] + rel[None, :], mask=m_r[:, None] & in_tree[None, :], other=0) != 0
+        b_s = tl.where(committed[None, :] | seen, b_s, float("-inf"))
+
+        b_new = tl.maximum(b_max, tl.max(b_s, axis=1))
+        b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)  # rows that have seen nothing yet stay at 0
+        b_p = tl.exp2(b_s - b_ref[:, None])
+        b_alpha = tl.exp2(b_max - b_ref)
+        b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
+        if UPCAST_DOT:
+            b_pv = tl.dot(b_p, b_v.to(tl.float32), input_precision=DOT_PRECISION)
+        else:
+            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        b_acc = b_acc * b_alpha[:, None] + b_pv
+        b_max = b_new
+
+    b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a split may hold no slot a row sees: its sum is 0
+    if NUM_SPLITS == 1:
+        p_o = out + i_b * stride_ob + node[:, None] * stride_on + head[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    else:
+        base = (i_bh * NUM_SPLITS + i_s) * REP * N
+        tl.store(partial + (base + o_r[:, None]) * D + o_d[None, :], b_o, mask=m_r[:, None] & m_d[None, :])
+        b_lse = tl.where(b_sum > 0, b_max + tl.log2(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf"))
+        tl.store(lse + base + o_r, b_lse, mask=m_r)
+
+
+@triton.jit(do_not_specialize=["N"])
+def tree_attention_merge_kernel(
+    lengths,
+    partial,
+    lse,
+    out,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    N,
+    REP: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One (query-row block, row x key head): the splits' outputs weighted by their sums, in order of the splits."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_kh = i_bh // HKV, i_bh % HKV
+    length = tl.load(lengths + i_b)
+    used = tl.minimum(tl.cdiv(length + N, SPLIT), NUM_SPLITS)  # the splits that ran
+
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_r = o_r < REP * N
+    o_d = tl.arange(0, BLOCK_D)
+    m_rd = m_r[:, None] & (o_d < D)[None, :]
+    b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i_s in range(0, used):
+        base = (i_bh * NUM_SPLITS + i_s) * REP * N
+        b_lse = tl.load(lse + base + o_r, mask=m_r, other=float("-inf"))
+        b_o = tl.load(partial + (base + o_r[:, None]) * D + o_d[None, :], mask=m_rd, other=0)
+        b_new = tl.maximum(b_max, b_lse)
+        b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+        b_alpha, b_w = tl.exp2(b_max - b_ref), tl.exp2(b_lse - b_ref)
+        b_sum = b_sum * b_alpha + b_w
+        b_acc = b_acc * b_alpha[:, None] + b_w[:, None] * b_o
+        b_max = b_new
+
+    node, head = o_r % N, i_kh * REP + o_r // N
+    b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]
+    p_o = out + i_b * stride_ob + node[:, None] * stride_on + head[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_rd)

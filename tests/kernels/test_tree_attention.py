@@ -1,0 +1,120 @@
+import os
+
+import pytest
+import torch
+
+from hf_bole.kernels import tree_ancestor_mask
+from hf_bole.kernels.tree_attention import naive_tree_attention, tree_attention, tree_attention_mask
+from tests.kernels.trees import make_parents, path_to, rel_err
+
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
+
+
+def backend_device(backend: str) -> str:
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def attention_inputs(kind, B, H, HKV, N, C, D, dtype=torch.float32, device="cpu", seed=0):
+    """A layer's queries and KV storage after the tree's KV was written: committed slots below `lengths` (some of
+    them padding), the tree's N slots after them, and above them NaN for the kernel (which never reads them), large
+    finite values for the torch path (which reads every slot, as SDPA does)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = make_parents(kind, N, B, seed=seed)
+    if B > 1 and N > 3:  # a ragged row: its last nodes are padding, children of the committed state
+        parents[1, -2:] = -1
+    lengths = torch.randint(0, C - N + 1, (B,), generator=gen)
+    lengths[0] = C - N  # one row whose tree ends at the last slot
+    valid = torch.rand(B, C, generator=gen) > 0.2
+    q = torch.randn(B, H, N, D, generator=gen)
+    k = torch.randn(B, HKV, C, D, generator=gen)
+    v = torch.randn(B, HKV, C, D, generator=gen)
+    unread = float("nan") if device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1" else 1e4
+    for b in range(B):
+        k[b, :, lengths[b] + N :] = unread
+        v[b, :, lengths[b] + N :] = unread
+    cast = lambda x: x.to(dtype=dtype, device=device)  # noqa: E731
+    ancestors = tree_ancestor_mask(parents).to(device)
+    return cast(q), cast(k), cast(v), lengths.to(device), valid.to(device), ancestors, parents
+
+
+def gold(q, k, v, lengths, valid, ancestors, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    f64 = [x.double().cpu().nan_to_num(0.0) for x in (q, k, v)]  # the unread slots, zero
+    return naive_tree_attention(*f64, lengths.cpu(), valid.cpu(), ancestors.cpu(), scale)
+
+
+CASES = [
+    pytest.param("chain", 1, 1, 1, 1, 8, 16, id="one-node"),
+    pytest.param("mixed", 2, 4, 1, 9, 40, 32, id="mixed-N9-rep4"),
+    pytest.param("star", 2, 6, 2, 17, 70, 64, id="star-N17-rep3-D64"),
+    pytest.param("deep", 1, 2, 2, 33, 96, 16, id="deep-N33-rep1"),
+    pytest.param("bushy", 3, 4, 2, 12, 50, 48, id="bushy-N12-D48"),
+    pytest.param("mixed", 1, 8, 2, 32, 160, 256, id="mixed-N32-rep4-D256"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,B,H,HKV,N,C,D", CASES)
+def test_tree_attention_fp32(backend, kind, B, H, HKV, N, C, D):
+    q, k, v, lengths, valid, anc, _ = attention_inputs(kind, B, H, HKV, N, C, D, device=backend_device(backend))
+    out = tree_attention(q, k, v, lengths, valid, anc)
+    assert out.shape == (B, N, H, D) and out.dtype == torch.float32
+    assert rel_err(out, gold(q, k, v, lengths, valid, anc)) <= 1e-5
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("split", [64, 128, 192])
+def test_tree_attention_every_split_is_the_same_attention(split):
+    """One program's slots (one launch) and many splits merged by the second launch, against float64."""
+    q, k, v, lengths, valid, anc, _ = attention_inputs("mixed", 2, 4, 2, 20, 150, 32, device=backend_device("triton"))
+    out = tree_attention(q, k, v, lengths, valid, anc, split=split)
+    assert rel_err(out, gold(q, k, v, lengths, valid, anc)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_attention_half_precision(backend, dtype):
+    q, k, v, lengths, valid, anc, _ = attention_inputs(
+        "mixed", 2, 8, 2, 24, 120, 64, dtype=dtype, device=backend_device(backend)
+    )
+    out = tree_attention(q, k, v, lengths, valid, anc, scale=0.1, split=64)
+    assert out.dtype == dtype
+    assert rel_err(out, gold(q, k, v, lengths, valid, anc, scale=0.1)) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_attention_reads_queries_in_transformers_layout(backend):
+    """transformers hands attention `[B, N, H, D]` projections transposed to `[B, H, N, D]` (not contiguous)."""
+    q, k, v, lengths, valid, anc, _ = attention_inputs("bushy", 2, 4, 2, 10, 40, 16, device=backend_device(backend))
+    transposed = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not transposed.is_contiguous()
+    assert torch.equal(tree_attention(transposed, k, v, lengths, valid, anc), tree_attention(q, k, v, lengths, valid, anc))
+
+
+def test_tree_attention_mask_is_the_rule():
+    """Node i sees the committed non-padding slots and the slots of its root-to-node path, nothing else."""
+    _, _, _, lengths, valid, anc, parents = attention_inputs("mixed", 3, 1, 1, 11, 30, 4)
+    mask = tree_attention_mask(lengths, valid, anc)
+    for b in range(3):
+        L = int(lengths[b])
+        for i in range(11):
+            expected = torch.zeros(30, dtype=torch.bool)
+            expected[:L] = valid[b, :L]
+            expected[[L + j for j in path_to(parents, b, i)]] = True
+            assert torch.equal(mask[b, i], expected)
+
+
+def test_tree_attention_bad_input():
+    q, k, v, lengths, valid, anc, _ = attention_inputs("chain", 1, 4, 2, 4, 16, 8)
+    with pytest.raises(ValueError, match="multiple of the key heads"):
+        tree_attention(q[:, :3], k, v, lengths, valid, anc)
+    with pytest.raises(ValueError, match="`v` must have shape"):
+        tree_attention(q, k, v[:, :, :8], lengths, valid, anc)
+    with pytest.raises(ValueError, match="`k` must have dtype"):
+        tree_attention(q, k.half(), v, lengths, valid, anc)
+    with pytest.raises(ValueError, match="`ancestors` must have dtype"):
+        tree_attention(q, k, v, lengths, valid, anc.long())
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        tree_attention(*(torch.zeros(*x.shape[:-1], 512) for x in (q, k, v)), lengths, valid, anc)
+    with pytest.raises(ValueError, match="split must be a positive multiple"):
+        tree_attention(q, k, v, lengths, valid, anc, split=20)
