@@ -114,7 +114,7 @@ def tree_attention(
         raise ValueError(f"split must be a positive multiple of {BLOCK_N} (the key tile at D = {D}), got {split}")
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q):
-        return naive_tree_attention(q, k, v, lengths, valid, ancestors, scale).to(q.dtype)
+        return naive_tree_attention(q, k, v, lengths, valid, ancestors, scale).to(q.dtype).contiguous()
 
     M = (H // Hkv) * N  # query rows per key head
     row_blocks = triton.cdiv(M, BLOCK_M)

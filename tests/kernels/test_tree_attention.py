@@ -118,3 +118,4 @@ def test_tree_attention_bad_input():
         tree_attention(*(torch.zeros(*x.shape[:-1], 512) for x in (q, k, v)), lengths, valid, anc)
     with pytest.raises(ValueError, match="split must be a positive multiple"):
         tree_attention(q, k, v, lengths, valid, anc, split=20)
+
