@@ -419,11 +419,12 @@ class _TreeAttentionFunctions:
         return getattr(self._functions, name)
 
 
-def _attention(original, module, query, key, value, attention_mask, *args, bole_tree: TreeBatch | None = None, **kwargs):
+def _attention(original, *args, bole_tree: TreeBatch | None = None, **kwargs):
     if bole_tree is None or bole_tree.attention != "triton":
         if bole_tree is not None:
             kwargs["bole_tree"] = bole_tree  # passed on exactly as called
-        return original(module, query, key, value, attention_mask, *args, **kwargs)
+        return original(*args, **kwargs)
+    _, query, key, value = args[:4]  # a full-attention layer's call: (module, q, k, v, mask, dropout=, scaling=)
     if kwargs.get("dropout", 0.0):
         raise ValueError("hf_bole's tree attention computes no dropout: put the model in eval mode (model.eval())")
     bole_tree = bole_tree.on(query.device)

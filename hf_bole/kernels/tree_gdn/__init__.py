@@ -1,9 +1,8 @@
-from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask, tree_depths
+from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask, tree_depths, tree_masks
 from hf_bole.kernels.tree_gdn.closed_form import tree_gdn_verify
 from hf_bole.kernels.tree_gdn.commit import tree_gdn_commit
 from hf_bole.kernels.tree_gdn.serial import tree_gdn_commit_serial, tree_gdn_verify_serial
 from hf_bole.kernels.tree_gdn.tree_conv import tree_causal_conv1d, tree_conv_state_commit
-from hf_bole.kernels.tree_gdn.round_masks import tree_masks
 
 __all__ = [
     "tree_ancestor_mask",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_bole.kernels.tree_gdn.round_masks import MAX_WIDTH, _tree_masks_fwd, tree_masks, tree_masks_torch
+from hf_bole.kernels.tree_gdn.ancestors import MAX_WIDTH, _tree_masks_fwd, tree_masks, tree_masks_torch
 from tests.kernels.trees import make_parents, path_to
 
 pytestmark = pytest.mark.interpreter
@@ -176,7 +176,7 @@ def test_empty_batch_and_tree(device):
 
 def test_plain_cpu_tensors_take_the_torch_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr("hf_bole.kernels.tree_gdn.round_masks._tree_masks_fwd", None)  # calling it would fail
+    monkeypatch.setattr("hf_bole.kernels.tree_gdn.ancestors._tree_masks_fwd", None)  # calling it would fail
     parents = make_parents("mixed", 20, 2)
     inputs = (parents, *cache_inputs(20, 2, 400, seed=0))
     assert_same(tree_masks(*inputs), tree_masks_torch(*inputs))
