@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hf_bole.config import VERIFY_MODES, BoleConfig
+from hf_bole.config import ATTENTION_MODES, VERIFY_MODES, BoleConfig
 from hf_bole.generation.budget import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_KV_LENGTHS,
@@ -52,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--compile", action="store_true", help="time the torch.compile'd verify forward, for generate(..., "
         "bole_compile=True) (it compiles first: a minute or more on a large model)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--attention", choices=ATTENTION_MODES, default=defaults.attention, help="how the verify forward's "
+        "full-attention layers attend, for generate(..., bole_attention=...)",
     )  # fmt: skip
     ap.add_argument("--topk", type=int, default=defaults.topk, help="shape of the synthetic draft trees")
     ap.add_argument("--depth", type=int, default=defaults.depth, help="shape of the synthetic draft trees")
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     table = calibrate(
         model, args.batch_sizes, args.kv_lengths, args.nodes, epsilon=args.epsilon, verify=args.verify,
         topk=args.topk, depth=args.depth, warmup=args.warmup, reps=args.reps, prefill_chunk=args.prefill_chunk,
-        seed=args.seed, cuda_graphs=args.cuda_graphs, compile=args.compile,
+        seed=args.seed, cuda_graphs=args.cuda_graphs, compile=args.compile, attention=args.attention,
     )  # fmt: skip
     written = [] if args.no_save else [table.save(table.default_path())]
     if args.out is not None:

@@ -201,15 +201,18 @@ class TableKey:
     dtype: str  # e.g. "bfloat16"
     verify: str  # "closed_form" or "serial"
     # "graphs" (forwards replayed from CUDA graphs) or "eager" (kernels launched from Python), prefixed "compiled-"
-    # for the torch.compile'd forward (`bole_compile`)
+    # for the torch.compile'd forward (`bole_compile`) and "triton-attention-" for `bole_attention="triton"`
     launch: str
 
     @classmethod
-    def for_model(cls, model, verify: str = "closed_form", cuda_graphs: bool = True, compile: bool = False) -> TableKey:
+    def for_model(
+        cls, model, verify: str = "closed_form", cuda_graphs: bool = True, compile: bool = False, attention: str = "model"
+    ) -> TableKey:
         """The key of the forwards `generate` runs for `model` with `bole_verify=verify`,
-        `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so) and
-        `bole_compile=compile`."""
-        launch = "compiled-" * compile + ("graphs" if captures(model, cuda_graphs) else "eager")
+        `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so),
+        `bole_compile=compile` and `bole_attention=attention`."""
+        launch = "compiled-" * compile + "triton-attention-" * (attention == "triton")
+        launch += "graphs" if captures(model, cuda_graphs) else "eager"
         # The GPU its forwards run on (under accelerate hooks `model.device` may name a parameter left elsewhere).
         device = placement(model).input_device
         return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
@@ -388,11 +391,11 @@ class BudgetResolver:
                 f"(calibration times forwards on one GPU): {fallback}"
             )
             return cls.fallback(batch_size)
-        key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile)
+        key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile, config.attention)
         table = find_table(key)
         if table is None:
             eager = " --no-cuda-graphs" if not key.replayed and captures(model, True) else ""
-            eager += " --compile" * config.compile
+            eager += " --compile" * config.compile + " --attention triton" * (config.attention == "triton")
             _warn_once(
                 f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
                 f"({key.device}), dtype, verify mode and launch ({key.launch}); {fallback}. Measure one with "
@@ -575,6 +578,7 @@ def calibrate(
     progress: bool = True,
     cuda_graphs: bool = True,
     compile: bool = False,
+    attention: str = "model",
 ) -> BudgetTable:
     """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
@@ -601,9 +605,10 @@ def calibrate(
             otherwise. Replayed, `T_dec` is the roots-only verify forward replayed the same way (a one-token step
             of every row; a plain `DynamicCache` step launched from Python would mostly time the host).
         compile (`bool`): time the `torch.compile`d verify forward (`bole_compile`); it compiles on its first call.
+        attention (`str`): how the verify forward's full-attention layers attend (`bole_attention`).
 
     Returns:
-        `BudgetTable` keyed by `TableKey.for_model(model, verify, cuda_graphs, compile)`.
+        `BudgetTable` keyed by `TableKey.for_model(model, verify, cuda_graphs, compile, attention)`.
     """
     from hf_bole.models import check_supported_model
 
@@ -617,7 +622,7 @@ def calibrate(
     defaults = BoleConfig()
     epsilon = defaults.epsilon if epsilon is None else epsilon
     topk, depth = topk or defaults.topk, depth or defaults.depth
-    BoleConfig(epsilon=epsilon, topk=topk, depth=depth, verify=verify)  # validates them
+    BoleConfig(epsilon=epsilon, topk=topk, depth=depth, verify=verify, attention=attention)  # validates them
     batch_sizes, kv_lengths, nodes = sorted(set(batch_sizes)), sorted(set(kv_lengths)), sorted(set(nodes))
     if not batch_sizes or batch_sizes[0] < 1 or not kv_lengths or kv_lengths[0] < 1 or not nodes or nodes[0] < 0:
         raise ValueError(
@@ -629,7 +634,7 @@ def calibrate(
     grid = {b: [n for n in nodes if n == 0 or b <= n <= b * tree_nodes] for b in batch_sizes}
     timer = _Timer(device, warmup, reps)
     generator = torch.Generator().manual_seed(seed)
-    key = TableKey.for_model(model, verify, cuda_graphs, compile)
+    key = TableKey.for_model(model, verify, cuda_graphs, compile, attention)
 
     total = sum(len(kv_lengths) * (1 + len(grid[b])) for b in batch_sizes)
     bar = _progress(total, progress)
@@ -641,7 +646,7 @@ def calibrate(
             try:
                 _measure_bucket(
                     model, b, kv, grid[b], timings, timer, topk, depth, verify, key.replayed,
-                    compile, prefill_chunk, generator, bar,
+                    compile, attention, prefill_chunk, generator, bar,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 logger.warning(f"hf_bole calibrate: out of memory at batch {b}, KV {kv}; kept {len(timings)} timings")
@@ -682,7 +687,7 @@ def calibrate(
 
 def _measure_bucket(
     model, b: int, kv: int, grid: list[int], timings: dict, timer: _Timer, topk: int, depth: int, verify: str,
-    graphed: bool, compile: bool, prefill_chunk: int, generator: torch.Generator, bar,
+    graphed: bool, compile: bool, attention: str, prefill_chunk: int, generator: torch.Generator, bar,
 ) -> None:  # fmt: skip
     """Fills `timings[None]` (decode step) and `timings[N]` (verify forward) for one bucket, as they come.
 
@@ -720,10 +725,12 @@ def _measure_bucket(
             BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
         )
         if graphed:
-            forward = VerifyGraphs(model, cache, verify, compile)
+            forward = VerifyGraphs(model, cache, verify, compile, attention=attention)
             timings[None] = timer(functools.partial(forward, roots, no_parents))
         else:
-            forward = functools.partial(tree_forward, model, cache, verify=verify, compile=compile)
+            forward = functools.partial(
+                tree_forward, model, cache, verify=verify, compile=compile, attention=attention
+            )
         bar.update(1)
         for n in grid:
             if n == 0:

@@ -136,7 +136,7 @@ def tree_attention(
     )
     with on_device(q):
         tree_attention_split_kernel[(row_blocks, num_splits, B * Hkv)](
-            q, k, v, lengths, valid, anc, out, partial, lse,
+            q, k, v, lengths, valid.view(torch.uint8), anc, out, partial, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], valid.stride(0), *out.stride()[:3],
             N, scale * 1.4426950408889634,  # log2(e): the kernel's exponentials are exp2
             REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,

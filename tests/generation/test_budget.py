@@ -295,6 +295,12 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
         BudgetResolver.for_model(model, BoleConfig(compile=True), batch_size=4)
     message = caplog.records[3].getMessage()
     assert "closed_form__compiled-graphs.json" in message and "--verify closed_form --compile`" in message
+    # and the tree attention kernel's (bole_attention="triton")
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        BudgetResolver.for_model(model, BoleConfig(compile=True, attention="triton"), batch_size=4)
+    message = caplog.records[4].getMessage()
+    assert "closed_form__compiled-triton-attention-graphs.json" in message
+    assert "--verify closed_form --compile --attention triton`" in message
 
 
 def test_auto_for_a_spread_model_is_the_fallback(monkeypatch, caplog):
@@ -319,6 +325,7 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
     assert key == TableKey(model_key(model.config), "NVIDIA Test GPU", "bfloat16", "closed_form", "graphs")
     assert TableKey.for_model(model, cuda_graphs=False).launch == "eager"
     assert TableKey.for_model(model, compile=True).launch == "compiled-graphs"
+    assert TableKey.for_model(model, attention="triton").launch == "triton-attention-graphs"
     _table(key).save(_table(key).default_path())
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
@@ -492,3 +499,16 @@ def test_calibrate_refuses_spread_models(dense, monkeypatch):
     monkeypatch.setattr(dense, "hf_device_map", {"model.layers.0": 0, "model.layers.2": 1}, raising=False)
     with pytest.raises(ValueError, match="spread over 2 devices.*bole_budget=<int>"):
         budget_module.calibrate(dense, batch_sizes=[1], kv_lengths=[8], nodes=[0, 4])
+
+
+def test_calibrate_times_the_tree_attention_kernel(dense, monkeypatch):
+    """`attention="triton"` times forwards whose attention layers call tree_attention, under a key of its own."""
+    import hf_bole.kernels as kernels
+
+    calls = []
+    attention = kernels.tree_attention
+    monkeypatch.setattr(kernels, "tree_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    table = budget_module.calibrate(
+        dense, [1], [8], [0, 2], warmup=1, reps=1, progress=False, cuda_graphs=False, attention="triton"
+    )  # fmt: skip
+    assert table.key.launch == "triton-attention-eager" and calls
