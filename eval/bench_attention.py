@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval.bench_kernels import machine_header, time_graph  # noqa: E402
 from hf_bole.kernels import tree_attention, tree_masks  # noqa: E402
-from hf_bole.kernels.tree_attention import naive_tree_attention, tree_attention_mask  # noqa: E402
+from hf_bole.kernels.attention import naive_tree_attention, tree_attention_mask  # noqa: E402
 from hf_bole.kernels.tree_gdn.ancestors import tree_masks_torch  # noqa: E402
 from hf_bole.models.qwen3_5 import attention_backends  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402

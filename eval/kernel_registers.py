@@ -1,11 +1,15 @@
-"""Registers and spills of the closed form's kernels for an H200 (sm_90a), compiled offline: no GPU needed.
+"""Registers and spills of hf_bole's kernels for an H200 (sm_90a), compiled offline: no GPU needed.
 
 Triton compiles each launch config to PTX for the target, and the ptxas that ships in Triton's wheel reports
 registers, spill stores and spill loads per thread (`ptxas -v`). On an H200 both kernels ran at their register
 limit (Nsight Compute, results/kernels_h200_tenth), so spills are what a change to them should be checked for
 before a GPU run. The figures come from this machine's Triton, which may differ from the GPU's. Usage:
 
-    python eval/kernel_registers.py [--tile 128] [--precision tf32x3]
+    python eval/kernel_registers.py [--kernels gdn attention masks] [--tile 128] [--precision tf32x3]
+
+gdn: the closed form's solve and apply kernels at every launch config; attention: the tree attention's split and
+merge kernels at the tiles `_tiles` picks, one split and several, bf16 and fp32 (Qwen3.5's grouping, 4 query heads a
+key head); masks: the round-mask kernel at every tree tile, with the masks and the ancestors alone.
 """
 
 from __future__ import annotations
@@ -25,12 +29,17 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hf_bole.kernels import attention  # noqa: E402
+from hf_bole.kernels.tree_gdn import ancestors  # noqa: E402
 from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Pointer and scalar types of the kernels' arguments as a model calls them (bf16 q/k/v/beta, fp32 g and state).
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "h0": "*fp32", "anc": "*u8",
-            "o": "*bf16", "scale": "fp32"}  # fmt: skip
+            "o": "*bf16", "scale": "fp32", "out": "*bf16", "scale_log2": "fp32", "lengths": "*i64", "valid": "*u8",
+            "ancestors": "*u8", "parents": "*i64", "positions": "*i64", "position_ids": "*i64",
+            "attention_mask": "*u8"}  # fmt: skip
+SCALARS = ("B", "T", "H", "HK", "N", "C")
 
 
 def ptxas() -> str:
@@ -50,17 +59,19 @@ def signature(fn, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in POINTERS:
             sig[name] = POINTERS[name]
-        elif name.startswith("stride") or name in ("B", "T", "H", "HK"):
+        elif name.startswith("stride") or name in SCALARS:
             sig[name] = "i32"
         else:
             sig[name] = "*fp32"
     return sig
 
 
-def registers(fn, constexprs: dict, config: triton.Config) -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) per thread of `fn` built with `constexprs` and `config`."""
+def registers(fn, constexprs: dict, config: triton.Config, float_type: str = "bf16") -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) per thread of `fn` built with `constexprs` and `config`, its
+    bf16 pointers of `float_type` instead."""
     constexprs = {**constexprs, **config.kwargs}
-    source = ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
+    typed = {n: t.replace("bf16", float_type) for n, t in signature(fn, constexprs).items()}
+    source = ASTSource(fn=fn, signature=typed, constexprs=constexprs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     compiled = triton.compile(source, target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,22 +90,58 @@ def registers(fn, constexprs: dict, config: triton.Config) -> tuple[int, int, in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tile", type=int, default=128, help="the tree tile BT (32, 64 or 128)")
-    ap.add_argument("--precision", default="tf32x3", help="dot_precision of the float32 matmuls")
+    ap.add_argument("--kernels", nargs="+", choices=["gdn", "attention", "masks"], default=["gdn"])
+    ap.add_argument("--tile", type=int, default=128, help="gdn: the tree tile BT (32, 64 or 128)")
+    ap.add_argument("--precision", default="tf32x3", help="gdn: dot_precision of the float32 matmuls")
     args = ap.parse_args()
+    print(f"Triton {triton.__version__}, sm_90a")
+    print(f"{'kernel':<7} {'config':<44} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
+    for part in args.kernels:
+        {"gdn": gdn_kernels, "attention": attention_kernels, "masks": mask_kernels}[part](args)
+
+
+def report(name: str, described: str, counts: tuple[int, int, int]) -> None:
+    regs, stores, loads = counts
+    print(f"{name:<7} {described:<44} {regs:>9} {stores:>12} {loads:>11}", flush=True)
+
+
+def attention_kernels(args) -> None:
+    for block_d in (256, 128, 64):
+        block_m, block_n, warps = attention._tiles(block_d)
+        for float_type, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+            for splits in (1, 6):
+                constexprs = dict(REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  SPLIT=3 * block_n, NUM_SPLITS=splits, DOT_PRECISION=precision, UPCAST_DOT=False)  # fmt: skip
+                counts = registers(attention.tree_attention_split_kernel, constexprs, triton.Config({}, num_warps=warps),
+                                   float_type)  # fmt: skip
+                report("split", f"D={block_d},{block_m}x{block_n},w={warps},{float_type},splits={splits}", counts)
+            constexprs = dict(REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=attention.MERGE_BLOCK_M, SPLIT=96,
+                              NUM_SPLITS=6)  # fmt: skip
+            counts = registers(attention.tree_attention_merge_kernel, constexprs, triton.Config({}, num_warps=4), float_type)
+            report("merge", f"D={block_d},{attention.MERGE_BLOCK_M} rows,w=4,{float_type}", counts)
+
+
+def mask_kernels(args) -> None:
+    for bt in (16, 32, 64, 128):
+        for masks in (True, False):
+            constexprs = dict(BT=bt, LOG_BT=(bt - 1).bit_length(), BLOCK_C=ancestors.BLOCK_C, MASKS=masks)
+            config = triton.Config({}, num_warps=4 if bt <= 64 else 8)
+            counts = registers(ancestors.tree_masks_fwd_kernel, constexprs, config)
+            report("masks", f"BT={bt},masks={masks},w={config.num_warps}", counts)
+
+
+def gdn_kernels(args) -> None:
     common = {"K": 128, "BT": args.tile, "USE_QK_L2NORM": True, "DOT_PRECISION": args.precision, "UPCAST_DOT": False,
               "USE_PDL": True}  # fmt: skip
     apply = {**common, "V": 128, "USE_INITIAL_STATE": True, "SPLIT_STATE": True}
-    print(f"Triton {triton.__version__}, sm_90a, K = V = 128, BT = {args.tile}, {args.precision}")
-    print(f"{'kernel':<7} {'config':<28} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
+    print(f"gdn: K = V = 128, BT = {args.tile}, {args.precision}")
     for name, fn, constexprs, configs in (
         ("solve", kernels.tree_gdn_verify_solve_kernel.fn, common, kernels.SOLVE_CONFIGS),
         ("apply", kernels.tree_gdn_verify_apply_kernel.fn.fn, apply, kernels.APPLY_CONFIGS),
     ):
         for config in configs:
             described = ",".join(f"{k}={v}" for k, v in config.kwargs.items()) + f",w={config.num_warps}"
-            regs, stores, loads = registers(fn, constexprs, config)
-            print(f"{name:<7} {described:<28} {regs:>9} {stores:>12} {loads:>11}", flush=True)
+            report(name, described, registers(fn, constexprs, config))
 
 
 if __name__ == "__main__":

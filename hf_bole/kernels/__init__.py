@@ -1,7 +1,7 @@
 """Exact tree verification kernels for Gated DeltaNet and full-attention layers (Triton, with torch paths and naive
 references)."""
 
-from hf_bole.kernels.tree_attention import tree_attention
+from hf_bole.kernels.attention import tree_attention
 from hf_bole.kernels.tree_gdn import (
     tree_ancestor_mask,
     tree_causal_conv1d,

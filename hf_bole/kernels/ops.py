@@ -12,7 +12,7 @@ from typing import Optional  # the op schemas are read from these annotations at
 
 import torch
 
-from hf_bole.kernels.tree_attention import tree_attention as _tree_attention
+from hf_bole.kernels.attention import tree_attention as _tree_attention
 from hf_bole.kernels.tree_gdn import tree_causal_conv1d as _tree_causal_conv1d
 from hf_bole.kernels.tree_gdn import tree_gdn_verify as _tree_gdn_verify
 from hf_bole.kernels.tree_gdn import tree_gdn_verify_serial as _tree_gdn_verify_serial

@@ -16,7 +16,7 @@ Qwen3.5 modeling files, wrapped once per process and passing through unless aske
                                        comes next (nothing else in a forward shows the cache those)
     ALL_ATTENTION_FUNCTIONS            the full-attention layers' attention functions: with `bole_tree` and
                                        `tree_attention="triton"`, hf_bole's tree attention kernel
-                                       (`kernels/tree_attention.py`) in place of the model's own
+                                       (`kernels/attention.py`) in place of the model's own
 
 By default full-attention layers run the model's own attention: the ancestor mask arrives as the attention mask,
 the tree positions as position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask

@@ -8,7 +8,7 @@ import torch
 import hf_bole.kernels.ops  # noqa: F401  (registers the ops)
 import hf_bole.cache.bole_cache  # noqa: F401  (registers write_tree_kv)
 from hf_bole.kernels import tree_ancestor_mask
-from tests.kernels.test_tree_attention import attention_inputs
+from tests.kernels.test_attention import attention_inputs
 from tests.kernels.trees import gdn_inputs, make_parents
 
 BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]

@@ -9,7 +9,7 @@ case $PART in
 call1)  # the two new kernels on CUDA: their tests, their bench against what runs today, then the 9B row A/B (graphs,
         # eager forward) of bole_attention="model" against "triton" in one process
     step tests 200 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
-        tests/kernels/test_tree_attention.py tests/kernels/test_tree_masks.py tests/kernels/test_ancestors.py tests/cache/test_bole_cache.py \
+        tests/kernels/test_attention.py tests/kernels/test_tree_masks.py tests/kernels/test_ancestors.py tests/cache/test_bole_cache.py \
         tests/models/test_qwen3_5.py -k "attention or masks or tree_mode or tree_forward or one_graph or compile"
     STEP_SHOWS="^\|" STEP_TAIL=60 step bench_attention 180 python3 eval/bench_attention.py \
         --out "$OUT/attention.jsonl"

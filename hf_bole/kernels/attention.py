@@ -20,7 +20,7 @@ This kernel reads the keys once per key head, in place in the cache's storage, a
   `ancestors[b, i, c - lengths[b]]`): exactly `BoleCache.tree_mode`'s attention mask, which is never built for it.
 
 Numerics: scores and sums in float32, the probabilities rounded to the value dtype for the second product (as
-flash attention does); against float64, the same error as SDPA's kernels (tests/kernels/test_tree_attention.py).
+flash attention does); against float64, the same error as SDPA's kernels (tests/kernels/test_attention.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, i
 MAX_NODES = 128  # a program holds a row's tree of up to this many nodes (the budget tables' widest)
 MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] query tile in registers
 TARGET_PROGRAMS = 128  # the split is chosen to launch about this many programs (an H200 has 132 SMs)
+MERGE_BLOCK_M = 16  # query rows a merge program: its [16, 256] partial tiles fit in registers (166 a thread at 4 warps)
 
 
 def tree_attention_mask(lengths: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
@@ -108,8 +109,7 @@ def tree_attention(
     if D > MAX_HEAD_DIM:
         raise ValueError(f"tree_attention takes head dims up to {MAX_HEAD_DIM}, got {D}")
     BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_M = 64 if BLOCK_D <= 128 else 32  # query rows a program: [BLOCK_M, BLOCK_D] float32 accumulators
-    BLOCK_N = 64 if BLOCK_D <= 64 else 32  # key slots a step
+    BLOCK_M, BLOCK_N, num_warps = _tiles(BLOCK_D)
     if split is not None and (split <= 0 or split % BLOCK_N):
         raise ValueError(f"split must be a positive multiple of {BLOCK_N} (the key tile at D = {D}), got {split}")
     scale = D**-0.5 if scale is None else scale
@@ -140,15 +140,27 @@ def tree_attention(
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], valid.stride(0), *out.stride()[:3],
             N, scale * 1.4426950408889634,  # log2(e): the kernel's exponentials are exp2
             REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
-            NUM_SPLITS=num_splits, **dtype_args, num_warps=4,
+            NUM_SPLITS=num_splits, **dtype_args, num_warps=num_warps,
         )  # fmt: skip
         if num_splits > 1:
-            tree_attention_merge_kernel[(row_blocks, B * Hkv)](
+            tree_attention_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_M), B * Hkv)](
                 lengths, partial, lse, out, *out.stride()[:3], N,
-                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, SPLIT=split, NUM_SPLITS=num_splits,
-                num_warps=4,
+                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=MERGE_BLOCK_M, SPLIT=split,
+                NUM_SPLITS=num_splits, num_warps=4,
             )  # fmt: skip
     return out
+
+
+def _tiles(block_d: int) -> tuple[int, int, int]:
+    """(query rows, key slots a step, warps) of a split program at head dim `block_d`: tiles whose program compiles
+    for sm_90a without spilling registers in bf16 (`eval/kernel_registers.py --kernels attention`; ptxas of Triton
+    3.9: 252, 219 and 171 registers a thread at 256, 128 and 64), where the [rows, head dim] float32 accumulator,
+    the query tile and a key and a value tile are all held in registers. Larger tiles spilled."""
+    if block_d > 128:
+        return 32, 16, 8
+    if block_d > 64:
+        return 32, 32, 8
+    return 64, 32, 8
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -188,10 +200,11 @@ def tree_attention_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """One (query-row block, key split, row x key head): a flash-attention pass over the split's visible slots."""
+    """One (query-row block, key split, row x key head): a flash-attention pass over the split's visible slots, the
+    committed ones first (visible where valid), then the tree's (visible on the node's ancestor mask)."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_kh = i_bh // HKV, i_bh % HKV
-    length = tl.load(lengths + i_b)
+    i_b, i_kh = (i_bh // HKV).to(tl.int64), i_bh % HKV  # the row's base offsets in int64, offsets inside it in int32
+    length = tl.load(lengths + i_b).to(tl.int32)
     lo = i_s * SPLIT
     hi = tl.minimum(lo + SPLIT, length + N)  # no slot at or above lengths + N is visible
     if lo >= hi:
@@ -202,57 +215,70 @@ def tree_attention_split_kernel(
     node = o_r % N
     head = i_kh * REP + o_r // N
     o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    b_q = tl.load(
-        q + i_b * stride_qb + head[:, None] * stride_qh + node[:, None] * stride_qn + o_d[None, :],
-        mask=m_r[:, None] & m_d[None, :],
-        other=0,
-    )  # [BLOCK_M, BLOCK_D]
+    m_rd = m_r[:, None] & (o_d < D)[None, :]
+    b_q = tl.load(q + i_b * stride_qb + (head * stride_qh + node * stride_qn)[:, None] + o_d[None, :], mask=m_rd, other=0)
     if UPCAST_DOT:
         b_q = b_q.to(tl.float32)
     p_k = k + i_b * stride_kb + i_kh * stride_kh
     p_v = v + i_b * stride_vb + i_kh * stride_vh
-    p_anc = ancestors + i_b * N * N + node * N  # [BLOCK_M] row starts of the nodes' ancestor masks
 
     b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    committed_end = tl.minimum(hi, length)
+    for start in range(lo, committed_end, BLOCK_N):
         o_c = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key slots
+        m_c = o_c < committed_end
+        seen = tl.load(valid + i_b * stride_valid + o_c, mask=m_c, other=0) != 0  # [BLOCK_N]
+        b_max, b_sum, b_acc = _attend(
+            b_q, p_k, p_v, o_c, m_c, o_d, seen[None, :], b_max, b_sum, b_acc, stride_kc, stride_vc, scale_log2, D,
+            DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    p_anc = ancestors + i_b * N * N
+    for start in range(tl.maximum(lo, length), hi, BLOCK_N):
+        o_c = start + tl.arange(0, BLOCK_N)
         m_c = o_c < hi
-        b_k = tl.load(p_k + o_c[:, None] * stride_kc + o_d[None, :], mask=m_c[:, None] & m_d[None, :], other=0)
-        b_v = tl.load(p_v + o_c[:, None] * stride_vc + o_d[None, :], mask=m_c[:, None] & m_d[None, :], other=0)
-        if UPCAST_DOT:
-            b_k = b_k.to(tl.float32)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-
-        committed = tl.load(valid + i_b * stride_valid + o_c, mask=m_c & (o_c < length), other=0) != 0
-        rel = o_c - length
-        in_tree = m_c & (rel >= 0) & (rel < N)
-        seen = tl.load(p_anc[:, None] + rel[None, :], mask=m_r[:, None] & in_tree[None, :], other=0) != 0
-        b_s = tl.where(committed[None, :] | seen, b_s, float("-inf"))
-
-        b_new = tl.maximum(b_max, tl.max(b_s, axis=1))
-        b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)  # rows that have seen nothing yet stay at 0
-        b_p = tl.exp2(b_s - b_ref[:, None])
-        b_alpha = tl.exp2(b_max - b_ref)
-        b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
-        if UPCAST_DOT:
-            b_pv = tl.dot(b_p, b_v.to(tl.float32), input_precision=DOT_PRECISION)
-        else:
-            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        b_acc = b_acc * b_alpha[:, None] + b_pv
-        b_max = b_new
+        rel = o_c - length  # [BLOCK_N] tree nodes of the slots
+        seen = tl.load(p_anc + node[:, None] * N + rel[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+        b_max, b_sum, b_acc = _attend(
+            b_q, p_k, p_v, o_c, m_c, o_d, seen, b_max, b_sum, b_acc, stride_kc, stride_vc, scale_log2, D,
+            DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
 
     b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a split may hold no slot a row sees: its sum is 0
     if NUM_SPLITS == 1:
-        p_o = out + i_b * stride_ob + node[:, None] * stride_on + head[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+        p_o = out + i_b * stride_ob + (node * stride_on + head * stride_oh)[:, None] + o_d[None, :]
+        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_rd)
     else:
-        base = (i_bh * NUM_SPLITS + i_s) * REP * N
-        tl.store(partial + (base + o_r[:, None]) * D + o_d[None, :], b_o, mask=m_r[:, None] & m_d[None, :])
+        base = (i_bh * NUM_SPLITS + i_s).to(tl.int64) * (REP * N)  # this split's first row
+        tl.store(partial + base * D + o_r[:, None] * D + o_d[None, :], b_o, mask=m_rd)
         b_lse = tl.where(b_sum > 0, b_max + tl.log2(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf"))
         tl.store(lse + base + o_r, b_lse, mask=m_r)
+
+
+@triton.jit
+def _attend(
+    b_q, p_k, p_v, o_c, m_c, o_d, seen, b_max, b_sum, b_acc, stride_kc, stride_vc, scale_log2, D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One key tile into the running max, sum and output of the rows: `o_c [BLOCK_N]` slots (`m_c` in range),
+    `seen` what each row sees of them (`[BLOCK_M, BLOCK_N]` or `[1, BLOCK_N]`)."""
+    m_cd = m_c[:, None] & (o_d < D)[None, :]
+    b_k = tl.load(p_k + o_c[:, None] * stride_kc + o_d[None, :], mask=m_cd, other=0)  # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(p_v + o_c[:, None] * stride_vc + o_d[None, :], mask=m_cd, other=0)
+    if UPCAST_DOT:
+        b_k = b_k.to(tl.float32)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    b_s = tl.where(seen & m_c[None, :], b_s, float("-inf"))
+    b_new = tl.maximum(b_max, tl.max(b_s, axis=1))
+    b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)  # rows that have seen nothing yet stay at 0
+    b_p = tl.exp2(b_s - b_ref[:, None])
+    b_alpha = tl.exp2(b_max - b_ref)
+    if UPCAST_DOT:
+        b_pv = tl.dot(b_p, b_v.to(tl.float32), input_precision=DOT_PRECISION)
+    else:
+        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return b_new, b_sum * b_alpha + tl.sum(b_p, axis=1), b_acc * b_alpha[:, None] + b_pv
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -275,8 +301,8 @@ def tree_attention_merge_kernel(
 ):
     """One (query-row block, row x key head): the splits' outputs weighted by their sums, in order of the splits."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_kh = i_bh // HKV, i_bh % HKV
-    length = tl.load(lengths + i_b)
+    i_b, i_kh = (i_bh // HKV).to(tl.int64), i_bh % HKV
+    length = tl.load(lengths + i_b).to(tl.int32)
     used = tl.minimum(tl.cdiv(length + N, SPLIT), NUM_SPLITS)  # the splits that ran
 
     o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -287,9 +313,9 @@ def tree_attention_merge_kernel(
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i_s in range(0, used):
-        base = (i_bh * NUM_SPLITS + i_s) * REP * N
+        base = (i_bh * NUM_SPLITS + i_s).to(tl.int64) * (REP * N)
         b_lse = tl.load(lse + base + o_r, mask=m_r, other=float("-inf"))
-        b_o = tl.load(partial + (base + o_r[:, None]) * D + o_d[None, :], mask=m_rd, other=0)
+        b_o = tl.load(partial + base * D + o_r[:, None] * D + o_d[None, :], mask=m_rd, other=0)
         b_new = tl.maximum(b_max, b_lse)
         b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
         b_alpha, b_w = tl.exp2(b_max - b_ref), tl.exp2(b_lse - b_ref)
@@ -299,5 +325,5 @@ def tree_attention_merge_kernel(
 
     node, head = o_r % N, i_kh * REP + o_r // N
     b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]
-    p_o = out + i_b * stride_ob + node[:, None] * stride_on + head[:, None] * stride_oh + o_d[None, :]
+    p_o = out + i_b * stride_ob + (node * stride_on + head * stride_oh)[:, None] + o_d[None, :]
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_rd)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask
-from hf_bole.kernels.tree_attention import naive_tree_attention, tree_attention, tree_attention_mask
+from hf_bole.kernels.attention import naive_tree_attention, tree_attention, tree_attention_mask
 from tests.kernels.trees import make_parents, path_to, rel_err
 
 BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
