@@ -90,10 +90,14 @@ def main(argv=None):
                         )  # fmt: skip
                         assert torch.equal(mask[:, 0], tree_attention_mask(lengths, valid, anc)) and masks_ok
                         mask_sets = [(p, L, pos, val) for _, _, _, L, val, p, pos in sets]
-                        full = [(q, k, v, *tree_masks(*m)[::2], m[1], m[3]) for (q, k, v, *_), m in zip(sets, mask_sets)]
+                        full = [
+                            (q, k, v, *tree_masks(*m)[::2], m[1], m[3]) for (q, k, v, *_), m in zip(sets, mask_sets)
+                        ]
                         ms = {
                             "sdpa": time_graph(lambda q, k, v, a, m, L, val: sdpa_tree(q, k, v, m, D**-0.5), full),
-                            "triton": time_graph(lambda q, k, v, a, m, L, val: tree_attention(q, k, v, L, val, a), full),
+                            "triton": time_graph(
+                                lambda q, k, v, a, m, L, val: tree_attention(q, k, v, L, val, a), full
+                            ),
                             "masks-torch": time_graph(tree_masks_torch, mask_sets),
                             "masks-triton": time_graph(tree_masks, mask_sets),
                         }
@@ -103,7 +107,9 @@ def main(argv=None):
                         f.write(json.dumps(row) + "\n")
                         f.flush()
                         print(row, flush=True)
-    print("\n| shape | B | N | C | sdpa µs | triton µs | × | masks torch µs | masks triton µs | err sdpa | err triton |")
+    print(
+        "\n| shape | B | N | C | sdpa µs | triton µs | × | masks torch µs | masks triton µs | err sdpa | err triton |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         t = r["ms"]

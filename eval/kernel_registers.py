@@ -110,14 +110,17 @@ def attention_kernels(args) -> None:
         block_m, block_n, warps = attention._tiles(block_d)
         for float_type, precision in (("bf16", "tf32"), ("fp32", "ieee")):
             for splits in (1, 6):
-                constexprs = dict(REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  SPLIT=3 * block_n, NUM_SPLITS=splits, DOT_PRECISION=precision, UPCAST_DOT=False)  # fmt: skip
-                counts = registers(attention.tree_attention_split_kernel, constexprs, triton.Config({}, num_warps=warps),
-                                   float_type)  # fmt: skip
+                constexprs = dict(
+                    REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=3 * block_n,
+                    NUM_SPLITS=splits, DOT_PRECISION=precision, UPCAST_DOT=False,
+                )  # fmt: skip
+                config = triton.Config({}, num_warps=warps)
+                counts = registers(attention.tree_attention_split_kernel, constexprs, config, float_type)
                 report("split", f"D={block_d},{block_m}x{block_n},w={warps},{float_type},splits={splits}", counts)
             constexprs = dict(REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=attention.MERGE_BLOCK_M, SPLIT=96,
                               NUM_SPLITS=6)  # fmt: skip
-            counts = registers(attention.tree_attention_merge_kernel, constexprs, triton.Config({}, num_warps=4), float_type)
+            config = triton.Config({}, num_warps=4)
+            counts = registers(attention.tree_attention_merge_kernel, constexprs, config, float_type)
             report("merge", f"D={block_d},{attention.MERGE_BLOCK_M} rows,w=4,{float_type}", counts)
 
 

@@ -71,6 +71,8 @@ def markdown(rows: list[dict], header: dict) -> str:
     graphs = "on" if s.get("cuda_graphs") else "off"
     if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
         graphs = f"off (the model spans {', '.join(devices)})"
+    kernel = s.get("attention") == "triton"
+    attention = ", tree attention by hf_bole's kernel (bole_attention=\"triton\")" if kernel else ""
     lines = [
         f"# Results: {s['model']}",
         "",
@@ -79,7 +81,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth 3, topk 1), SDPA cuDNN "
         f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {graphs}"
-        f"{_compiled(s.get('compile'))}. "
+        f"{_compiled(s.get('compile'))}{attention}. "
         f"Tokens/s per process: generated tokens up to and including "
         f"EOS/stop over the wall time of the generate calls, prefill included; each batch timed "
         f"{s.get('repeats') or 1}× after an untimed warm-up, the median pass kept"

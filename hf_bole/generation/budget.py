@@ -206,7 +206,12 @@ class TableKey:
 
     @classmethod
     def for_model(
-        cls, model, verify: str = "closed_form", cuda_graphs: bool = True, compile: bool = False, attention: str = "model"
+        cls,
+        model,
+        verify: str = "closed_form",
+        cuda_graphs: bool = True,
+        compile: bool = False,
+        attention: str = "model",
     ) -> TableKey:
         """The key of the forwards `generate` runs for `model` with `bole_verify=verify`,
         `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so),

@@ -216,7 +216,9 @@ def tree_attention_split_kernel(
     head = i_kh * REP + o_r // N
     o_d = tl.arange(0, BLOCK_D)
     m_rd = m_r[:, None] & (o_d < D)[None, :]
-    b_q = tl.load(q + i_b * stride_qb + (head * stride_qh + node * stride_qn)[:, None] + o_d[None, :], mask=m_rd, other=0)
+    b_q = tl.load(
+        q + i_b * stride_qb + (head * stride_qh + node * stride_qn)[:, None] + o_d[None, :], mask=m_rd, other=0
+    )
     if UPCAST_DOT:
         b_q = b_q.to(tl.float32)
     p_k = k + i_b * stride_kb + i_kh * stride_kh

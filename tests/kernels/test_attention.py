@@ -88,7 +88,9 @@ def test_tree_attention_reads_queries_in_transformers_layout(backend):
     q, k, v, lengths, valid, anc, _ = attention_inputs("bushy", 2, 4, 2, 10, 40, 16, device=backend_device(backend))
     transposed = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not transposed.is_contiguous()
-    assert torch.equal(tree_attention(transposed, k, v, lengths, valid, anc), tree_attention(q, k, v, lengths, valid, anc))
+    assert torch.equal(
+        tree_attention(transposed, k, v, lengths, valid, anc), tree_attention(q, k, v, lengths, valid, anc)
+    )
 
 
 def test_tree_attention_mask_is_the_rule():
@@ -118,4 +120,3 @@ def test_tree_attention_bad_input():
         tree_attention(*(torch.zeros(*x.shape[:-1], 512) for x in (q, k, v)), lengths, valid, anc)
     with pytest.raises(ValueError, match="split must be a positive multiple"):
         tree_attention(q, k, v, lengths, valid, anc, split=20)
-

@@ -42,10 +42,8 @@ def test_gdn_ops(backend):
 def test_write_tree_kv_op():
     keys, values = torch.zeros(2, 1, 12, 4), torch.zeros(2, 1, 12, 4)
     slots = torch.tensor([[3, 4, 5], [7, 8, 9]])
-    torch.library.opcheck(
-        torch.ops.hf_bole.write_tree_kv.default, (keys, values, slots, torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4)),
-        test_utils=CHECKS,
-    )  # fmt: skip
+    new = (torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4))
+    torch.library.opcheck(torch.ops.hf_bole.write_tree_kv.default, (keys, values, slots, *new), test_utils=CHECKS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

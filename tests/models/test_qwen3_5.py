@@ -109,7 +109,8 @@ def test_tree_attention_serves_every_full_attention_layer(monkeypatch):
     monkeypatch.setattr(kernels, "tree_attention", counted("tree", kernels.tree_attention))
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", counted("sdpa", sdpa_attention.sdpa_attention_forward))
+    sdpa = counted("sdpa", sdpa_attention.sdpa_attention_forward)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", sdpa)
     gen = torch.Generator(torch.get_default_device()).manual_seed(5)
     model = build_model()
     attention_layers = model.config.layer_types.count("full_attention")
@@ -172,7 +173,9 @@ def test_serial_matches_closed_form():
     assert closed.transient_bytes["factors"] > 0 and closed.transient_bytes["snapshots"] == 0
 
 
-@pytest.mark.parametrize("verify, attention", [("closed_form", "model"), ("serial", "model"), ("closed_form", "triton")])
+@pytest.mark.parametrize(
+    "verify, attention", [("closed_form", "model"), ("serial", "model"), ("closed_form", "triton")]
+)
 def test_compiled_tree_forward_is_one_graph(verify, attention, monkeypatch):
     """Under torch.compile the tree kernels are custom ops, not graph breaks: dynamo traces the whole decoder into
     one graph (`fullgraph=True` raises at any break), and that graph, run as traced, gives the eager logits."""
