@@ -59,7 +59,7 @@ def inputs(B, H, Hkv, D, N, C, fill, seed):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="*", default=["9B"], choices=list(SHAPES))
     ap.add_argument("--batch-sizes", nargs="*", type=int, default=[1, 8, 16])
     ap.add_argument("--nodes", nargs="*", type=int, default=[16, 32, 64])
     ap.add_argument("--capacities", nargs="*", type=int, default=[512, 2048, 8192])

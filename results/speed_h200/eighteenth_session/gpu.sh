@@ -6,20 +6,23 @@ set -uo pipefail
 PART=$1
 . eval/gpu_preamble.sh
 case $PART in
-call1)  # the two new kernels on CUDA: their tests, their bench against what runs today, then the 9B row A/B (graphs,
-        # eager forward) of bole_attention="model" against "triton" in one process
-    step tests 200 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
-        tests/kernels/test_attention.py tests/kernels/test_tree_masks.py tests/kernels/test_ancestors.py tests/cache/test_bole_cache.py \
-        tests/models/test_qwen3_5.py -k "attention or masks or tree_mode or tree_forward or one_graph or compile"
-    STEP_SHOWS="^\|" STEP_TAIL=60 step bench_attention 180 python3 eval/bench_attention.py \
+call1)  # the two new kernels on CUDA: their tests, and their bench against what runs today
+    step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 tests/kernels/test_attention.py \
+        tests/kernels/test_tree_masks.py tests/kernels/test_ancestors.py tests/kernels/test_ops.py
+    step model_tests 200 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
+        tests/cache/test_bole_cache.py tests/models/test_qwen3_5.py tests/generation/test_loop.py \
+        -k "attention or tree_mode or tree_forward or one_graph or plain_oracle or pipelined"
+    STEP_SHOWS="^\|" STEP_TAIL=30 step bench_attention 150 python3 eval/bench_attention.py --shapes 9B \
         --out "$OUT/attention.jsonl"
+    ;;
+call2)  # the 9B row A/B (CUDA graphs, eager forward) of bole_attention="model" against "triton", in one process
     STEP_SHOWS="median|exact" STEP_TAIL=4 step ab_attention_9b_b1 240 python3 -c "import sys; sys.path.insert(0, '.')
 from eval import ab_turns
 ab_turns.main('attention', {'model': lambda m: {'bole_attention': 'model'}, 'triton': lambda m: {'bole_attention': 'triton'}})" \
         --shape 9B --depth 6 --max-new-tokens 256 --modes bole --batch-sizes 1 --num-prompts 2 --repeats 5 \
         --output-dir "$OUT"
     ;;
-call2)  # issue 8's 9B row, compiled, against ar-static in one run, with the attention the A/B of call 1 chose
+call3)  # issue 8's 9B row, compiled, against ar-static in one run, with the attention the A/B of call 2 chose
     ATTENTION=${ATTENTION:-triton}
     STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b1_compiled 560 python3 eval/run.py --shape 9B --depth 6 \
         --max-new-tokens 256 --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on --profile --interleave \
