@@ -72,7 +72,7 @@ def markdown(rows: list[dict], header: dict) -> str:
     if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
         graphs = f"off (the model spans {', '.join(devices)})"
     kernel = s.get("attention") == "triton"
-    attention = ", tree attention by hf_bole's kernel (bole_attention=\"triton\")" if kernel else ""
+    attention = ", tree attention by hf_bole (bole_attention=\"triton\")" if kernel else ""
     lines = [
         f"# Results: {s['model']}",
         "",

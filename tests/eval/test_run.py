@@ -476,7 +476,7 @@ def test_header_says_graphs_are_off_for_a_spread_model():
     assert "hf_bole's CUDA graphs on" in one and "tree attention" not in one
     assert "hf_bole's CUDA graphs off (the model spans cuda:0, cuda:1)" in two
     kernel = report.markdown([], {"machine": machine, "settings": {**settings, "attention": "triton"}, "devices": []})
-    assert "tree attention by hf_bole's kernel (bole_attention=\"triton\")" in kernel
+    assert "tree attention by hf_bole (bole_attention=\"triton\")" in kernel
 
 
 def test_epsilon_sweep_runs_fixed_budgets_once():
