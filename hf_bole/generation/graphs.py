@@ -138,23 +138,32 @@ class VerifyGraphs:
 
 
 class SelectGraphs:
-    """`select_round(tree, root_tokens, budget, max_nodes_per_row)` replayed from a CUDA graph per (tree shape,
-    budget, cap): one kernel, or select_nodes' hundred small ops past the kernel's size, and the copies of the
-    round's tree into the graph's inputs, launched while the GPU waits for the round's tree. Returns the graph's
-    buffers, valid until the next call."""
+    """`select_round(tree, root_tokens, budget, max_nodes_per_row, active, safe)` replayed from a CUDA graph per
+    (tree shape, budget, cap, safe): one kernel, or select_nodes' hundred small ops past the kernel's size, with the
+    tree's preparation (`prepared_tree`) and the copies of the round's tree into the graph's inputs, launched while
+    the GPU waits for the round's tree. Returns the graph's buffers, valid until the next call."""
 
     def __init__(self):
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], VerifyTree]] = {}
         self._pool = None
 
-    def __call__(self, tree: DraftTree, root_tokens: torch.Tensor, budget: int, max_nodes_per_row: int) -> VerifyTree:
-        inputs = (tree.tokens, tree.parents, tree.draft_logprobs, root_tokens)
-        key = (tuple(tree.tokens.shape), tree.draft_logprobs.dtype, budget, max_nodes_per_row)
+    def __call__(
+        self,
+        tree: DraftTree,
+        root_tokens: torch.Tensor,
+        budget: int,
+        max_nodes_per_row: int,
+        active: torch.Tensor | None = None,
+        safe: tuple[int, int] | None = None,
+    ) -> VerifyTree:
+        inputs = (tree.tokens, tree.parents, tree.draft_logprobs, root_tokens, *([] if active is None else [active]))
+        key = (tuple(tree.tokens.shape), tree.draft_logprobs.dtype, budget, max_nodes_per_row, active is None, safe)
         if key not in self._graphs:
             static = tuple(x.clone() for x in inputs)
 
             def run() -> VerifyTree:
-                return select_round(DraftTree(*static[:3]), static[3], budget, max_nodes_per_row)
+                tree, roots = DraftTree(*static[:3]), static[3]
+                return select_round(tree, roots, budget, max_nodes_per_row, *static[4:], safe=safe)
 
             graph, out = capture(run, root_tokens.device, self._pool)
             self._pool = graph.pool()

@@ -461,19 +461,18 @@ def _decode(
         )
         tree = drafter.propose(ctx)
         timer.mark("draft")
-        tree_copy = None
+        tree_copy, safe = None, None
         if not builtin_drafter:
             if pipelined:  # checked a round late on a host copy; verified now in a form no kernel can trip over
                 _check_custom_tree(tree, B, vocab_size, drafter, max_depth, values=False)
                 tree_copy = DraftTree(*(x.to("cpu", non_blocking=True) for x in (tree.tokens, tree.parents, tree.draft_logprobs)))
-                tree = tree.made_safe(vocab_size, max_depth)
+                safe = (vocab_size, max_depth)  # made safe inside selection (its graph, where one replays it)
             else:
                 _check_custom_tree(tree, B, vocab_size, drafter, max_depth)
-        # Rows that are done verify their root only (their draft gets no budget) and commit nothing.
-        logprobs = torch.where(active_t[:, None], tree.draft_logprobs.to(device), float("-inf"))
-        tree = DraftTree(tokens=tree.tokens.to(device), parents=tree.parents.to(device), draft_logprobs=logprobs)
-        # Committed KV of the longest active row (left padding included), from host-side counts: no device read.
-        verify = select(tree, root, budget_for(sum(active), P - 1 + longest), per_row)
+        tree = DraftTree(*(x.to(device) for x in (tree.tokens, tree.parents, tree.draft_logprobs)))
+        # Rows that are done verify their root only (their draft gets no budget, `active_t`) and commit nothing. The
+        # committed KV of the longest active row (left padding included), from host-side counts: no device read.
+        verify = select(tree, root, budget_for(sum(active), P - 1 + longest), per_row, active_t, safe)
         budget_for.observe(verify)  # the goodput rule's draft probabilities (selection ranked them), read next round
         if sum(active) > 1 or not (pipelined or graphed):
             # Cut the forward to the widest row kept: a host read, which waits for drafting and selection (pipelined,

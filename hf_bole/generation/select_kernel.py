@@ -277,9 +277,18 @@ def select_nodes_triton(
     return _select_nodes_fwd(tree, root_tokens, budget, max_nodes_per_row, M)
 
 
-def select_round(tree: DraftTree, root_tokens: torch.LongTensor, budget: int, max_nodes_per_row: int) -> VerifyTree:
+def select_round(
+    tree: DraftTree,
+    root_tokens: torch.LongTensor,
+    budget: int,
+    max_nodes_per_row: int,
+    active: torch.BoolTensor | None = None,
+    safe: tuple[int, int] | None = None,
+) -> VerifyTree:
     """The decoding loop's selection: `select_nodes_triton` where the batch's `B * N` draft nodes fit its one program
-    (`MAX_NODES`), else `select_nodes` (about 80 small kernels), said once in a warning."""
+    (`MAX_NODES`), else `select_nodes` (about 80 small kernels), said once in a warning; of the tree
+    `prepared_tree(tree, active, safe)`, so that a replayed selection (`SelectGraphs`) replays that too."""
+    tree = prepared_tree(tree, active, safe)
     if tree.tokens.numel() <= MAX_NODES:
         return select_nodes_triton(tree, root_tokens, budget, max_nodes_per_row)
     logger.warning_once(
@@ -289,3 +298,16 @@ def select_round(tree: DraftTree, root_tokens: torch.LongTensor, budget: int, ma
         f"(bole_topk, bole_depth) keep it in one launch"
     )
     return select_nodes(tree, root_tokens, budget, max_nodes_per_row)
+
+
+def prepared_tree(
+    tree: DraftTree, active: torch.BoolTensor | None = None, safe: tuple[int, int] | None = None
+) -> DraftTree:
+    """What the loop selects from: with `safe = (vocab_size, max_depth)`, a custom drafter's tree made safe to verify
+    (`DraftTree.made_safe`: about 15 small kernels); with `active` (`[B]` bool), the drafts of rows that are done
+    turned into padding (they verify their root only and take none of the budget)."""
+    if safe is not None:
+        tree = tree.made_safe(*safe)
+    if active is not None:
+        tree = DraftTree(tree.tokens, tree.parents, torch.where(active[:, None], tree.draft_logprobs, float("-inf")))
+    return tree

@@ -30,6 +30,7 @@ from hf_bole.generation.budget import (
     synthetic_draft_tree,
 )
 from hf_bole.generation import DraftTree, VerifyTree, select_nodes
+from hf_bole.generation.select_kernel import prepared_tree
 from hf_bole.models import Placement
 from tests.models import tiny
 
@@ -351,8 +352,8 @@ def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
     calls no Python)."""
     rounds = []
 
-    def select_round(tree, root_tokens, budget, max_nodes_per_row):
-        vt = budget_module.select_nodes(tree, root_tokens, budget, max_nodes_per_row)
+    def select_round(tree, root_tokens, budget, max_nodes_per_row, active=None, safe=None):
+        vt = budget_module.select_nodes(prepared_tree(tree, active, safe), root_tokens, budget, max_nodes_per_row)
         rounds.append((budget, int(vt.num_nodes.sum()) - len(root_tokens)))
         return vt
 

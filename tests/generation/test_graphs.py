@@ -13,6 +13,7 @@ from hf_bole import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
 from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, SelectGraphs, graphed_cache, width_bucket
+from hf_bole.generation.select_kernel import prepared_tree
 from hf_bole.generation.select import select_nodes
 from hf_bole.models import Placement, graph_unsafe_experts, tree_forward
 from tests.generation.recorded_graph import recording_capture
@@ -178,6 +179,28 @@ def test_replayed_selection_reads_its_static_inputs(monkeypatch):
         for field in dataclasses.fields(direct):
             torch.testing.assert_close(getattr(replayed, field.name), getattr(direct, field.name), rtol=0, atol=0)
     assert len(captured) == 2  # budgets 4 and 9
+
+
+def test_replayed_selection_prepares_the_tree_inside(monkeypatch):
+    """The rows that are done and a custom drafter's tree made safe (`prepared_tree`) are part of the replayed
+    selection: a tree with a token out of the vocabulary, too deep a node and a finished row selects as
+    select_nodes does on the prepared tree, one capture per (budget, safe) whatever rows are active."""
+    captured = []
+    monkeypatch.setattr(graphs_module, "capture", recording_capture(captured))
+    select = SelectGraphs()
+    generator = torch.Generator().manual_seed(2)
+    for active in ([True, False, True], [True, True, False], [True, False, True]):
+        tree = synthetic_draft_tree(3, 3, 3, generator)
+        tree.tokens[0, 1] = 10**6  # outside any vocabulary: clamped
+        roots = torch.randint(0, 50, (3,), generator=generator, device=generator.device)
+        active_t = torch.tensor(active)
+        for safe in ((50, 2), None):
+            replayed = select(tree, roots, 6, 7, active_t, safe)
+            direct = select_nodes(prepared_tree(tree, active_t, safe), roots, 6, 7)
+            for field in dataclasses.fields(direct):
+                torch.testing.assert_close(getattr(replayed, field.name), getattr(direct, field.name), rtol=0, atol=0)
+        assert not bool(replayed.node_mask[~active_t, 1:].any())  # finished rows verify their root only
+    assert len(captured) == 2  # made safe or not
 
 
 def test_selection_reads_nothing_on_the_host(monkeypatch):
