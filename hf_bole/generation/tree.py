@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask
+from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask, tree_depths
 
 # Draft log-probabilities are log-softmax outputs; a little slack absorbs rounding of low-precision drafters.
 _LOGPROB_SLACK = 1e-3
@@ -79,7 +79,7 @@ class DraftTree:
 
     def depths(self) -> torch.LongTensor:
         """`[B, N]`: the number of draft ancestors of every node (0 for a child of the root)."""
-        return self.ancestor_mask().sum(-1) - 1
+        return tree_depths(self.parents)
 
     def cumulative_logprobs(self) -> torch.FloatTensor:
         """`[B, N]`: `log rho(v)`, the sum of `draft_logprobs` along the path from the root to v (-inf on padding)."""
