@@ -15,7 +15,7 @@ Qwen3.5 modeling files, wrapped once per process and passing through unless aske
                                        ids: tells a BoleCache which new slots are padding and which position
                                        comes next (nothing else in a forward shows the cache those)
     ALL_ATTENTION_FUNCTIONS            the full-attention layers' attention functions: with `bole_tree` and
-                                       `tree_attention="triton"`, hf_bole's tree attention kernel
+                                       `attention="triton"`, hf_bole's tree attention kernel
                                        (`kernels/attention.py`) in place of the model's own
 
 By default full-attention layers run the model's own attention: the ancestor mask arrives as the attention mask,
@@ -270,7 +270,7 @@ def tree_forward(
     fused = projections_fused(decoder) if fuse_projections else contextlib.nullcontext()
     # One ancestor mask for every layer: the attention mask, the positions and the tree kernels share it.
     with fused, cache.tree_mode(parents, verify) as (mask, position_ids, ancestors):
-        if config._attn_implementation == "eager":
+        if config._attn_implementation == "eager" and attention == "model":  # eager attention adds its mask
             dtype = decoder.get_input_embeddings().weight.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
         # Qwen3.5 takes mRoPE position ids: a text row and three rotary rows, all equal for text.

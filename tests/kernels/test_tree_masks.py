@@ -210,13 +210,25 @@ def _replace(index, value):
         pytest.param(
             _replace(3, torch.ones(2, 9, dtype=torch.bool, device="meta")), r"one device.*valid on meta", id="device"
         ),
-        pytest.param(
-            [make_parents("chain", MAX_WIDTH + 1, 1), torch.tensor([0]), torch.tensor([0]), torch.ones(1, 200).bool()],
-            r"N = 129 exceeds its limit of 128",
-            id="too-wide",
-        ),
     ],
 )
 def test_input_errors(inputs, message):
     with pytest.raises(ValueError, match=message):
         tree_masks(*inputs)
+
+
+def test_wider_trees_take_the_torch_path_and_say_so(monkeypatch, caplog):
+    """Past the kernel's 128 nodes (only tree_forward's serial verification takes such trees) the torch path gives
+    the masks, and a log line says so."""
+    import logging
+
+    import hf_bole.kernels.tree_gdn.ancestors as module
+
+    monkeypatch.setattr(module, "_tree_masks_fwd", None)  # calling it would fail
+    module.logger.warning_once.cache_clear()  # said once per process: maybe by an earlier test
+    parents = make_parents("mixed", MAX_WIDTH + 1, 2)
+    lengths, positions, valid = cache_inputs(MAX_WIDTH + 1, 2, None, seed=3)
+    with caplog.at_level(logging.WARNING):
+        out = tree_masks(parents, lengths, positions, valid)
+    assert all(torch.equal(a, b) for a, b in zip(out, tree_masks_torch(parents, lengths, positions, valid)))
+    assert "more than 128 nodes (here 129)" in caplog.text

@@ -40,8 +40,11 @@ import math
 import torch
 import triton
 import triton.language as tl
+from transformers.utils import logging
 
 from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, on_device, use_triton
+
+logger = logging.get_logger(__name__)
 
 # Program 0 holds a few [BT, BT] tiles in registers: 128 x 128 lanes is the most we allow, a root and the 127 draft
 # nodes a row that the budget tables reach (budget.py), as accept_kernel.py does.
@@ -127,9 +130,19 @@ def _ancestor_mask_torch(parents: torch.Tensor) -> torch.Tensor:
 
 def _use_kernel(parents: torch.Tensor) -> bool:
     """The kernel for a nonempty tree of at most MAX_WIDTH nodes on CUDA (or the interpreter), outside a
-    `torch.compile` trace (which takes the torch ops; the verify forward's kernels are custom ops of their own)."""
+    `torch.compile` trace (which takes the torch ops; the verify forward's kernels are custom ops of their own).
+    A wider tree (only `tree_forward(..., verify="serial")` takes one: the decoding loop's are at most 128 nodes)
+    takes the torch path, said once."""
     B, N = parents.shape
-    return use_triton(parents) and 0 < N <= MAX_WIDTH and B > 0 and not torch.compiler.is_compiling()
+    if not use_triton(parents) or B == 0 or N == 0 or torch.compiler.is_compiling():
+        return False
+    if N > MAX_WIDTH:
+        logger.warning_once(
+            f"hf_bole: trees of more than {MAX_WIDTH} nodes (here {N}) get their ancestor mask and the round's masks "
+            f"from torch's repeated squaring (about 40 small kernels), not the one-launch kernel"
+        )
+        return False
+    return True
 
 
 def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -214,7 +227,8 @@ def tree_masks(
 
     Args:
         parents (`torch.LongTensor` of shape `(batch_size, N)`): parent of every node, `-1 <= parents[b, i] < i`
-            (-1: a root or a padding node), `N <= 128` (`MAX_WIDTH`). The values are not checked here.
+            (-1: a root or a padding node); the kernel takes `N <= 128` (`MAX_WIDTH`), wider trees the torch path.
+            The values are not checked here.
         lengths (`torch.LongTensor` of shape `(batch_size,)`): committed KV slots of each row; the tree's nodes
             take the slots `lengths[b] + i`.
         positions (`torch.LongTensor` of shape `(batch_size,)`): the position of each row's next token.
@@ -241,13 +255,8 @@ def tree_masks(
     if valid.dim() != 2 or valid.shape[0] != B:
         raise ValueError(f"`valid` must have shape [B, C] with B = {B}, got {tuple(valid.shape)}")
     check_same_device(**inputs)
-    if not use_triton(parents) or B == 0 or N == 0:
+    if not _use_kernel(parents):
         return tree_masks_torch(parents, lengths, positions, valid)
-    if N > MAX_WIDTH:
-        raise ValueError(
-            f"tree_masks holds a row's N x N node pairs in one program: N = {N} exceeds its limit of {MAX_WIDTH} "
-            f"(the tree kernels' widest tree)"
-        )
     C = valid.shape[1]
     ancestors = torch.empty(B, N, N, dtype=torch.bool, device=parents.device)
     position_ids = torch.empty(B, N, dtype=torch.int64, device=parents.device)
