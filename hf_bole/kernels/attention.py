@@ -108,7 +108,7 @@ def tree_attention(
         raise ValueError(f"tree_attention takes trees of 1 to {min(MAX_NODES, C)} nodes here, got N = {N}")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"tree_attention takes head dims up to {MAX_HEAD_DIM}, got {D}")
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot takes no dimension below 16
     BLOCK_M, BLOCK_N, num_warps = _tiles(BLOCK_D)
     if split is not None and (split <= 0 or split % BLOCK_N):
         raise ValueError(f"split must be a positive multiple of {BLOCK_N} (the key tile at D = {D}), got {split}")

@@ -45,6 +45,7 @@ def gold(q, k, v, lengths, valid, ancestors, scale=None):
 
 CASES = [
     pytest.param("chain", 1, 1, 1, 1, 8, 16, id="one-node"),
+    pytest.param("mixed", 2, 2, 1, 6, 20, 8, id="D8-below-the-dot-tile"),
     pytest.param("mixed", 2, 4, 1, 9, 40, 32, id="mixed-N9-rep4"),
     pytest.param("star", 2, 6, 2, 17, 70, 64, id="star-N17-rep3-D64"),
     pytest.param("deep", 1, 2, 2, 33, 96, 16, id="deep-N33-rep1"),
