@@ -9,7 +9,7 @@ before a GPU run. The figures come from this machine's Triton, which may differ 
 
 gdn: the closed form's solve and apply kernels at every launch config; attention: the tree attention's split and
 merge kernels at the tiles `_tiles` picks, one split and several, bf16 and fp32 (Qwen3.5's grouping, 4 query heads a
-key head); masks: the round-mask kernel at every tree tile, with the masks and the ancestors alone.
+key head); masks: the round-mask kernel at every tree tile, with the masks and the ancestors alone; kv: the commit's KV move.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_bole.kernels import attention  # noqa: E402
+from hf_bole.kernels import attention, kv_move  # noqa: E402
 from hf_bole.kernels.tree_gdn import ancestors  # noqa: E402
 from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels  # noqa: E402
 
@@ -38,8 +38,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "h0": "*fp32", "anc": "*u8",
             "o": "*bf16", "scale": "fp32", "out": "*bf16", "scale_log2": "fp32", "lengths": "*i64", "valid": "*u8",
             "ancestors": "*u8", "parents": "*i64", "positions": "*i64", "position_ids": "*i64",
-            "attention_mask": "*u8"}  # fmt: skip
-SCALARS = ("B", "T", "H", "HK", "N", "C")
+            "attention_mask": "*u8", "keys": "*bf16", "values": "*bf16", "path": "*i64"}  # fmt: skip
+SCALARS = ("B", "T", "H", "HK", "N", "C", "L")
 
 
 def ptxas() -> str:
@@ -90,14 +90,14 @@ def registers(fn, constexprs: dict, config: triton.Config, float_type: str = "bf
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", choices=["gdn", "attention", "masks"], default=["gdn"])
+    ap.add_argument("--kernels", nargs="+", choices=["gdn", "attention", "masks", "kv"], default=["gdn"])
     ap.add_argument("--tile", type=int, default=128, help="gdn: the tree tile BT (32, 64 or 128)")
     ap.add_argument("--precision", default="tf32x3", help="gdn: dot_precision of the float32 matmuls")
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, sm_90a")
     print(f"{'kernel':<7} {'config':<44} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
     for part in args.kernels:
-        {"gdn": gdn_kernels, "attention": attention_kernels, "masks": mask_kernels}[part](args)
+        {"gdn": gdn_kernels, "attention": attention_kernels, "masks": mask_kernels, "kv": kv_kernels}[part](args)
 
 
 def report(name: str, described: str, counts: tuple[int, int, int]) -> None:
@@ -131,6 +131,13 @@ def mask_kernels(args) -> None:
             config = triton.Config({}, num_warps=4 if bt <= 64 else 8)
             counts = registers(ancestors.tree_masks_fwd_kernel, constexprs, config)
             report("masks", f"BT={bt},masks={masks},w={config.num_warps}", counts)
+
+
+def kv_kernels(args) -> None:
+    for block_l in (2, 8, 16):
+        constexprs = dict(H=4, D=256, BLOCK_L=block_l, BLOCK_D=256)
+        counts = registers(kv_move.kv_commit_fwd_kernel, constexprs, triton.Config({}, num_warps=4))
+        report("kv", f"L<={block_l},D=256,w=4", counts)
 
 
 def gdn_kernels(args) -> None:

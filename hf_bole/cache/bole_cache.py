@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from hf_bole.kernels import tree_conv_state_commit, tree_gdn_commit, tree_gdn_commit_serial, tree_masks
+from hf_bole.kernels import kv_commit, tree_conv_state_commit, tree_gdn_commit, tree_gdn_commit_serial, tree_masks
 from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 
 VERIFY_MODES = ("closed_form", "serial")
@@ -652,13 +652,9 @@ class BoleCache(Cache):
                 )
 
         accepted = path >= 0  # [B, L]
-        steps = torch.arange(L, device=self.device)
-        dst = self.lengths[:, None] + steps  # [B, L]
-        # Padding entries move their own slot onto itself, so every row's scatter has distinct targets.
-        src = self.lengths[:, None] + torch.where(accepted, path, steps)
         for group, rg in zip(self._groups, r.groups):
-            # One copy of the path and slots per device group (none on the cache's own device).
-            self._commit_group(group, rg, r, *(x.to(group.device) for x in (path, dst, src)), check_values)
+            # One copy of the path and lengths per device group (none on the cache's own device).
+            self._commit_group(group, rg, r, *(x.to(group.device) for x in (path, self.lengths)), check_values)
 
         num_accepted = accepted.sum(1)
         self.lengths.add_(num_accepted)
@@ -674,18 +670,14 @@ class BoleCache(Cache):
         rg: _GroupRound,
         r: _TreeRound,
         path: torch.Tensor,
-        dst: torch.Tensor,
-        src: torch.Tensor,
+        lengths: torch.Tensor,
         check_values: bool,
     ) -> None:
-        """`commit` for the layers of one device group: `path` and the KV slots `dst` (written) and `src` (read), each
-        `[B, L]`, on its device."""
-        B, L = path.shape
+        """`commit` for the layers of one device group: `path [B, L]` and the committed `lengths [B]` before it, on
+        its device."""
+        B = path.shape[0]
         N = r.parents.shape[1]
-        for buf in (group.keys, group.values):
-            NA, _, H, _, D = buf.shape
-            dst_i, src_i = (x[None, :, None, :, None].expand(NA, B, H, L, D) for x in (dst, src))
-            buf.scatter_(3, dst_i, buf.gather(3, src_i))
+        kv_commit(group.keys, group.values, lengths, path)
 
         if r.verify == "serial":
             for g, snapshots in enumerate(rg.snapshots):

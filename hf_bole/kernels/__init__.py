@@ -2,6 +2,7 @@
 references)."""
 
 from hf_bole.kernels.attention import tree_attention
+from hf_bole.kernels.kv_move import kv_commit
 from hf_bole.kernels.tree_gdn import (
     tree_ancestor_mask,
     tree_causal_conv1d,
@@ -15,6 +16,7 @@ from hf_bole.kernels.tree_gdn import (
 )
 
 __all__ = [
+    "kv_commit",
     "tree_ancestor_mask",
     "tree_attention",
     "tree_causal_conv1d",
