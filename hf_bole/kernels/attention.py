@@ -4,8 +4,8 @@ computed in the kernel.
 Why: transformers' SDPA path gives every full-attention layer of the 9B shape 31 us a round on an H200 at batch 1
 (results/speed_h200/tenth_session): with an arbitrary mask SDPA takes its memory-efficient kernel, which runs one
 program per (row, head, 32 queries) and walks every key slot of the storage in it, 16 programs on a 132-SM GPU. Before
-it, `repeat_kv` copies the layer's keys and values to every query head (two copies of 3.6 us a layer), and SDPA turns
-the boolean mask into an additive one.
+it, `repeat_kv` copies the layer's keys and values to every query head (two copies of 3.6 us a layer in the
+seventeenth session's kernel log), and SDPA turns the boolean mask into an additive one.
 
 This kernel reads the keys once per key head, in place in the cache's storage, and spreads them over programs:
 - the `H / Hkv` query heads that share a key head are one block of `REP * N` query rows (row `r`: head
@@ -20,7 +20,8 @@ This kernel reads the keys once per key head, in place in the cache's storage, a
   `ancestors[b, i, c - lengths[b]]`): exactly `BoleCache.tree_mode`'s attention mask, which is never built for it.
 
 Numerics: scores and sums in float32, the probabilities rounded to the value dtype for the second product (as
-flash attention does); against float64, the same error as SDPA's kernels (tests/kernels/test_attention.py).
+flash attention does); within 1e-5 (float32) and 1e-2 (bf16, fp16) of float64 in tests/kernels/test_attention.py, and
+eval/bench_attention.py reports its error beside SDPA's on the GPU.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, i
 MAX_NODES = 128  # a program holds a row's tree of up to this many nodes (the budget tables' widest)
 MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] query tile in registers
 TARGET_PROGRAMS = 128  # the split is chosen to launch about this many programs (an H200 has 132 SMs)
-MERGE_BLOCK_M = 16  # query rows a merge program: its [16, 256] partial tiles fit in registers (166 a thread at 4 warps)
+MERGE_BLOCK_M = 16  # query rows a merge program: its [16, 256] partial tiles fit in registers (120 a thread, 4 warps)
 
 
 def tree_attention_mask(lengths: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
@@ -122,8 +123,7 @@ def tree_attention(
         per_program = triton.cdiv(C, max(1, TARGET_PROGRAMS // (B * Hkv * row_blocks)))
         split = triton.cdiv(per_program, BLOCK_N) * BLOCK_N
     num_splits = triton.cdiv(C, split)
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, k, v, valid = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, valid))
     anc = ancestors.contiguous().view(torch.uint8)
     out = torch.empty(B, N, H, D, dtype=q.dtype, device=q.device)
     # One split writes the output itself; several write float32 partials [B * Hkv, splits, M, D] and their
