@@ -10,8 +10,8 @@ call1)  # the two new kernels on CUDA: their tests, and their bench against what
     step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 tests/kernels/test_attention.py \
         tests/kernels/test_tree_masks.py tests/kernels/test_ancestors.py tests/kernels/test_ops.py tests/kernels/test_kv_move.py
     step model_tests 200 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
-        tests/cache/test_bole_cache.py tests/models/test_qwen3_5.py tests/generation/test_loop.py \
-        -k "attention or tree_mode or tree_forward or one_graph or plain_oracle or pipelined"
+        tests/cache/test_bole_cache.py tests/models/test_qwen3_5.py tests/generation/test_loop.py tests/generation/test_graphs.py \
+        -k "attention or commit or tree_forward or one_graph or plain_oracle or pipelined or replayed"
     STEP_SHOWS="^\|" STEP_TAIL=30 step bench_attention 150 python3 eval/bench_attention.py --shapes 9B \
         --out "$OUT/attention.jsonl"
     ;;
