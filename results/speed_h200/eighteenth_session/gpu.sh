@@ -6,7 +6,8 @@ set -uo pipefail
 PART=$1
 . eval/gpu_preamble.sh
 case $PART in
-call1)  # the two new kernels on CUDA: their tests, and their bench against what runs today
+call1)  # the new kernels on CUDA (attention, round masks, ancestors, KV move): their tests and the code around them,
+        # then the attention bench against what runs today
     step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 tests/kernels/test_attention.py \
         tests/kernels/test_tree_masks.py tests/kernels/test_ancestors.py tests/kernels/test_ops.py tests/kernels/test_kv_move.py
     step model_tests 200 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
