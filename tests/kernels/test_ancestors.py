@@ -3,14 +3,7 @@ import torch
 
 from hf_bole.kernels import tree_ancestor_mask, tree_depths
 from hf_bole.kernels.tree_gdn import ancestors as module
-from tests.kernels.trees import make_parents, path_to
-
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
-
-
-def backend_device(backend: str) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
+from tests.kernels.trees import BACKENDS, backend_device, make_parents, path_to
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T", [1, 40, 128, 129])

@@ -5,14 +5,7 @@ import torch
 
 from hf_bole.kernels import tree_ancestor_mask
 from hf_bole.kernels.attention import naive_tree_attention, tree_attention, tree_attention_mask
-from tests.kernels.trees import make_parents, path_to, rel_err
-
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
-
-
-def backend_device(backend: str) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
+from tests.kernels.trees import BACKENDS, backend_device, make_parents, path_to, rel_err
 
 def attention_inputs(kind, B, H, HKV, N, C, D, dtype=torch.float32, device="cpu", seed=0):
     """A layer's queries and KV storage after the tree's KV was written: committed slots below `lengths` (some of

@@ -5,15 +5,7 @@ from hf_bole.kernels import tree_ancestor_mask, tree_gdn_verify
 from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels
 from hf_bole.kernels.tree_gdn.closed_form_kernels import tree_gdn_verify_fwd
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify
-from tests.kernels.trees import gdn_inputs, make_parents, rel_err
-
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
-
-
-def backend_device(backend: str) -> str:
-    # "triton": the compiled kernel on a GPU, the interpreter on the CPU; "torch": the CPU closed form.
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
+from tests.kernels.trees import BACKENDS, backend_device, gdn_inputs, make_parents, rel_err
 
 def gold(q, k, v, g, beta, parents, h0, **kw):
     f64 = [x.double().cpu() for x in (q, k, v, g, beta)]

@@ -3,14 +3,7 @@ import torch
 
 from hf_bole.kernels import kv_commit
 from hf_bole.kernels.kv_move import kv_commit_torch
-from tests.kernels.trees import make_parents, path_to
-
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
-
-
-def backend_device(backend: str) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
+from tests.kernels.trees import BACKENDS, backend_device, make_parents, path_to
 
 def storage(NA, B, H, C, D, device, dtype=torch.float32):
     """Every entry distinct (slot, layer, row, head and channel in its value), so any misplaced one shows."""

@@ -9,19 +9,14 @@ import hf_bole.kernels.ops  # noqa: F401  (registers the ops)
 import hf_bole.cache.bole_cache  # noqa: F401  (registers write_tree_kv)
 from hf_bole.kernels import tree_ancestor_mask
 from tests.kernels.test_attention import attention_inputs
-from tests.kernels.trees import gdn_inputs, make_parents
+from tests.kernels.trees import BACKENDS, backend_device, gdn_inputs, make_parents
 
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
 CHECKS = ("test_schema", "test_faketensor")
-
-
-def device_of(backend: str) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gdn_ops(backend):
-    device = device_of(backend)
+    device = backend_device(backend)
     q, k, v, g, beta, h0 = gdn_inputs(2, 9, 1, 2, 16, 16, device=device)
     parents = make_parents("mixed", 9, 2).to(device)
     ops = torch.ops.hf_bole
@@ -49,7 +44,7 @@ def test_write_tree_kv_op():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tree_attention_op(backend):
     """Its torch path returned a transposed view once, where the fake says contiguous: inductor's assert failed."""
-    q, k, v, lengths, valid, anc, _ = attention_inputs("mixed", 2, 4, 2, 9, 40, 16, device=device_of(backend))
+    q, k, v, lengths, valid, anc, _ = attention_inputs("mixed", 2, 4, 2, 9, 40, 16, device=backend_device(backend))
     k, v = k.nan_to_num(), v.nan_to_num()  # opcheck compares two runs: NaN never equals itself
     torch.library.opcheck(
         torch.ops.hf_bole.tree_attention.default, (q, k, v, lengths, valid, anc, 0.25), test_utils=CHECKS

@@ -1,8 +1,17 @@
-"""Random trees of every kind, as parent arrays in topological order, and GDN inputs on them."""
+"""Random trees of every kind, as parent arrays in topological order, GDN inputs on them, and the backends the
+kernel tests run on."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+# "triton": the compiled kernel on a GPU, the interpreter on the CPU; "torch": the torch path on the CPU.
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=pytest.mark.interpreter)]
+
+
+def backend_device(backend: str) -> str:
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 def chain(n: int) -> list[int]:
