@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval.bench_kernels import machine_header, time_graph  # noqa: E402
 from hf_bole.kernels import tree_attention, tree_masks  # noqa: E402
-from hf_bole.kernels.attention import naive_tree_attention, tree_attention_mask  # noqa: E402
-from hf_bole.kernels.tree_gdn.ancestors import tree_masks_torch  # noqa: E402
+from hf_bole.kernels.attention import naive_tree_attention  # noqa: E402
+from hf_bole.kernels.tree_gdn.ancestors import tree_attention_mask, tree_masks_torch  # noqa: E402
 from hf_bole.models.qwen3_5 import attention_backends  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 
@@ -77,17 +77,16 @@ def main(argv=None):
                     for C in args.capacities:
                         sets = [inputs(B, H, Hkv, D, N, C, args.fill, seed) for seed in range(4)]
                         q, k, v, lengths, valid, parents, positions = sets[0]
-                        anc, _, mask = tree_masks(parents, lengths, positions, valid)
+                        masks = tree_masks(parents, lengths, positions, valid)
+                        anc, _, mask = masks
                         gold = naive_tree_attention(
                             *(x.double() for x in (q, k, v)), lengths, valid, anc, D**-0.5
                         ).float()
                         got = tree_attention(q, k, v, lengths, valid, anc).float()
                         ref = sdpa_tree(q, k, v, mask, D**-0.5).float()
                         err = {n: ((x - gold).norm() / gold.norm()).item() for n, x in (("triton", got), ("sdpa", ref))}
-                        masks_ok = all(
-                            torch.equal(a, b) for a, b in zip(tree_masks(parents, lengths, positions, valid),
-                                                              tree_masks_torch(parents, lengths, positions, valid))
-                        )  # fmt: skip
+                        reference = tree_masks_torch(parents, lengths, positions, valid)
+                        masks_ok = all(torch.equal(a, b) for a, b in zip(masks, reference))
                         assert torch.equal(mask[:, 0], tree_attention_mask(lengths, valid, anc)) and masks_ok
                         mask_sets = [(p, L, pos, val) for _, _, _, L, val, p, pos in sets]
                         full = [

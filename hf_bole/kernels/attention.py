@@ -30,23 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_bole.kernels.tree_gdn.ancestors import tree_attention_mask
 from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, is_interpreter, on_device, use_triton
 
 MAX_NODES = 128  # a program holds a row's tree of up to this many nodes (the budget tables' widest)
 MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] query tile in registers
 TARGET_PROGRAMS = 128  # the split is chosen to launch about this many programs (an H200 has 132 SMs)
 MERGE_BLOCK_M = 16  # query rows a merge program: its [16, 256] partial tiles fit in registers (120 a thread, 4 warps)
-
-
-def tree_attention_mask(lengths: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """`[B, N, C]` bool: node i of row b sees slot c (the rule of the module docstring), `lengths [B]`,
-    `valid [B, C]`, `ancestors [B, N, N]`."""
-    B, N, _ = ancestors.shape
-    C = valid.shape[1]
-    rel = torch.arange(C, device=valid.device)[None, :] - lengths[:, None]  # [B, C]
-    in_tree = (rel >= 0) & (rel < N)
-    tree_part = ancestors.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(B, N, C)) & in_tree[:, None, :]
-    return ((rel < 0) & valid)[:, None, :] | tree_part
 
 
 def naive_tree_attention(q, k, v, lengths, valid, ancestors, scale: float) -> torch.Tensor:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask
-from hf_bole.kernels.attention import naive_tree_attention, tree_attention, tree_attention_mask
+from hf_bole.kernels.attention import naive_tree_attention, tree_attention
+from hf_bole.kernels.tree_gdn.ancestors import tree_attention_mask
 from tests.kernels.trees import BACKENDS, backend_device, make_parents, path_to, rel_err
 
 def attention_inputs(kind, B, H, HKV, N, C, D, dtype=torch.float32, device="cpu", seed=0):

@@ -179,16 +179,21 @@ def tree_masks_torch(
     parents: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tree_masks` in torch (about 40 small kernels, no host synchronisation): the specification."""
-    B, N = parents.shape
-    C = valid.shape[1]
     anc = _ancestor_mask_torch(parents)  # [B, N, N]
     position_ids = positions[:, None] + anc.sum(-1) - 1
-    rel = torch.arange(C, device=parents.device)[None, :] - lengths[:, None]  # [B, C]
+    return anc, position_ids, tree_attention_mask(lengths, valid, anc)[:, None]  # mask [B, 1, N, C]
+
+
+def tree_attention_mask(lengths: torch.Tensor, valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """`[B, N, C]` bool: node i of row b sees slot c where it is committed and not padding (`c < lengths[b]` and
+    `valid[b, c]`), or where it holds one of i's ancestors or i itself (`0 <= c - lengths[b] < N` and
+    `ancestors[b, i, c - lengths[b]]`); `lengths [B]`, `valid [B, C]`, `ancestors [B, N, N]`."""
+    B, N, _ = ancestors.shape
+    C = valid.shape[1]
+    rel = torch.arange(C, device=valid.device)[None, :] - lengths[:, None]  # [B, C]
     in_tree = (rel >= 0) & (rel < N)
-    tree_part = anc.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(B, N, -1)) & in_tree[:, None, :]
-    committed = (rel < 0) & valid  # [B, C]
-    attention_mask = (committed[:, None, :] | tree_part)[:, None]  # [B, 1, N, C]
-    return anc, position_ids, attention_mask
+    tree_part = ancestors.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(B, N, C)) & in_tree[:, None, :]
+    return ((rel < 0) & valid)[:, None, :] | tree_part
 
 
 def _tree_masks_fwd(
