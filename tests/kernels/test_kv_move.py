@@ -25,8 +25,17 @@ def paths_of(parents, L, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind,NA,B,H,N,L,D", [("chain", 1, 1, 1, 4, 4, 16), ("mixed", 3, 3, 2, 20, 7, 32),
-                                               ("deep", 2, 2, 4, 40, 16, 256), ("chain", 1, 2, 2, 60, 60, 16), ("deep", 1, 3, 2, 90, 20, 16), ("star", 1, 2, 1, 9, 2, 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,NA,B,H,N,L,D",
+    [
+        ("chain", 1, 1, 1, 4, 4, 16),
+        ("mixed", 3, 3, 2, 20, 7, 32),
+        ("deep", 2, 2, 4, 40, 16, 256),
+        ("chain", 1, 2, 2, 60, 60, 16),
+        ("deep", 1, 3, 2, 90, 20, 16),
+        ("star", 1, 2, 1, 9, 2, 8),
+    ],
+)
 def test_kv_commit_moves_the_path(backend, kind, NA, B, H, N, L, D):
     """Against the torch gather/scatter (the specification), bit for bit, with the path's nodes at their new slots
     and every other slot untouched."""
