@@ -176,8 +176,7 @@ class SelectGraphs:
 
 
 # model -> {(batch size, verify, compile, fuse_projections, attention): (cache, graphs)}: one cache per batch size and
-# settings,
-# reused (reset) by later calls that fit in it, replaced by a larger one when they do not.
+# settings, reused (reset) by later calls that fit in it, replaced by a larger one when they do not.
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
