@@ -193,7 +193,7 @@ def test_replayed_selection_prepares_the_tree_inside(monkeypatch):
         tree = synthetic_draft_tree(3, 3, 3, generator)
         tree.tokens[0, 1] = 10**6  # outside any vocabulary: clamped
         roots = torch.randint(0, 50, (3,), generator=generator, device=generator.device)
-        active_t = torch.tensor(active)
+        active_t = torch.tensor(active, device=generator.device)
         for safe in ((50, 2), None):
             replayed = select(tree, roots, 6, 7, active_t, safe)
             direct = select_nodes(prepared_tree(tree, active_t, safe), roots, 6, 7)

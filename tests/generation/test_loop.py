@@ -228,7 +228,9 @@ def test_greedy_matches_plain_tree_attention(dense, backend, monkeypatch):
     )  # fmt: skip
     assert torch.equal(out.sequences, ref)
     layers = dense.config.layer_types.count("full_attention")
-    assert len(calls) >= layers * out.accept_lengths.shape[1] > 0
+    # on CUDA the verify forward replays from a graph, which calls the Python function once, at capture
+    rounds = 1 if dense.device.type == "cuda" else out.accept_lengths.shape[1]
+    assert len(calls) >= layers * rounds > 0
 
 
 def test_greedy_matches_plain_compiled(dense):

@@ -217,7 +217,7 @@ def test_input_errors(inputs, message):
         tree_masks(*inputs)
 
 
-def test_wider_trees_take_the_torch_path_and_say_so(monkeypatch, caplog):
+def test_wider_trees_take_the_torch_path_and_say_so(monkeypatch, caplog, device):
     """Past the kernel's 128 nodes (only tree_forward's serial verification takes such trees) the torch path gives
     the masks, and a log line says so."""
     import logging
@@ -226,8 +226,8 @@ def test_wider_trees_take_the_torch_path_and_say_so(monkeypatch, caplog):
 
     monkeypatch.setattr(module, "_tree_masks_fwd", None)  # calling it would fail
     module.logger.warning_once.cache_clear()  # said once per process: maybe by an earlier test
-    parents = make_parents("mixed", MAX_WIDTH + 1, 2)
-    lengths, positions, valid = cache_inputs(MAX_WIDTH + 1, 2, None, seed=3)
+    parents = make_parents("mixed", MAX_WIDTH + 1, 2).to(device)
+    lengths, positions, valid = (x.to(device) for x in cache_inputs(MAX_WIDTH + 1, 2, None, seed=3))
     with caplog.at_level(logging.WARNING):
         out = tree_masks(parents, lengths, positions, valid)
     assert all(torch.equal(a, b) for a, b in zip(out, tree_masks_torch(parents, lengths, positions, valid)))
