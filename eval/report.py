@@ -71,8 +71,10 @@ def markdown(rows: list[dict], header: dict) -> str:
     graphs = "on" if s.get("cuda_graphs") else "off"
     if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
         graphs = f"off (the model spans {', '.join(devices)})"
-    kernel = s.get("attention") == "triton"
-    attention = ", tree attention by hf_bole (bole_attention=\"triton\")" if kernel else ""
+    attention = {  # results written before the header settled "auto" say neither
+        "triton": ", tree attention by hf_bole's kernel (bole_attention=\"triton\")",
+        "model": ", tree attention by the model's own attention with the tree mask (bole_attention=\"model\")",
+    }.get(s.get("attention"), "")
     lines = [
         f"# Results: {s['model']}",
         "",

@@ -109,8 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "through torch.compile (bole_compile); bare: on; `off on`: a sweep, each hf_bole mode both ways",
     )  # fmt: skip
     ap.add_argument(
-        "--attention", choices=["model", "triton"], help="how hf_bole modes' full-attention layers attend in the "
-        "verify forward (bole_attention; default: hf_bole's, the model's own attention with the tree mask)",
+        "--attention", choices=hf_bole.config.ATTENTION_MODES, help="how hf_bole modes' full-attention layers "
+        "attend in the verify forward (bole_attention; default: hf_bole's, \"auto\": its tree attention kernel on "
+        "CUDA)",
     )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
@@ -194,6 +195,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
         "devices": [str(d) for d in hf_bole.models.placement(model).devices],  # several under --device-map
     }
+    # the attention hf_bole's modes run with, "auto" settled as generate settles it (for the report's header)
+    header["settings"]["attention"] = hf_bole.config.resolve_attention(
+        args.attention or BoleConfig().attention, hf_bole.models.placement(model).layer_devices[0]
+    )
     out = Path(args.output_dir)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -320,7 +325,7 @@ def warm_up(
     # growth, and each budget meets tree widths (graphs) of its own; every tree width a later round may reach
     # gets its kernels compiled here too (hf_bole.warmup).
     for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
-        key = (mode.verify or "closed_form", n_rows, mode.compile, mode.attention or "model")
+        key = (mode.verify or "closed_form", n_rows, mode.compile, mode.attention or "auto")
         if key not in compiled:
             hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile, attention=key[3])
             compiled.add(key)

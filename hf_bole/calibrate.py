@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument(
         "--attention", choices=ATTENTION_MODES, default=defaults.attention, help="how the verify forward's "
-        "full-attention layers attend, for generate(..., bole_attention=...)",
+        "full-attention layers attend, for generate(..., bole_attention=...) (\"auto\": hf_bole's kernel on CUDA)",
     )  # fmt: skip
     ap.add_argument("--topk", type=int, default=defaults.topk, help="shape of the synthetic draft trees")
     ap.add_argument("--depth", type=int, default=defaults.depth, help="shape of the synthetic draft trees")

@@ -60,6 +60,7 @@ from hf_bole.config import (
     FALLBACK_BUDGET_PER_REQUEST,
     GOODPUT_BUDGET,
     BoleConfig,
+    resolve_attention,
 )
 from hf_bole.generation.graphs import VerifyGraphs, captures, trimmed
 from hf_bole.generation.select import select_nodes
@@ -211,15 +212,16 @@ class TableKey:
         verify: str = "closed_form",
         cuda_graphs: bool = True,
         compile: bool = False,
-        attention: str = "model",
+        attention: str = "auto",
     ) -> TableKey:
         """The key of the forwards `generate` runs for `model` with `bole_verify=verify`,
         `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so),
         `bole_compile=compile` and `bole_attention=attention`."""
-        launch = "compiled-" * compile + "triton-attention-" * (attention == "triton")
-        launch += "graphs" if captures(model, cuda_graphs) else "eager"
         # The GPU its forwards run on (under accelerate hooks `model.device` may name a parameter left elsewhere).
         device = placement(model).input_device
+        attention = resolve_attention(attention, placement(model).layer_devices[0])
+        launch = "compiled-" * compile + "triton-attention-" * (attention == "triton")
+        launch += "graphs" if captures(model, cuda_graphs) else "eager"
         return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
 
     @property
@@ -400,7 +402,8 @@ class BudgetResolver:
         table = find_table(key)
         if table is None:
             eager = " --no-cuda-graphs" if not key.replayed and captures(model, True) else ""
-            eager += " --compile" * config.compile + " --attention triton" * (config.attention == "triton")
+            # calibrate's --attention is "auto" too, which on a GPU is the kernel
+            eager += " --compile" * config.compile + " --attention model" * ("triton-attention-" not in key.launch)
             _warn_once(
                 f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
                 f"({key.device}), dtype, verify mode and launch ({key.launch}); {fallback}. Measure one with "
@@ -583,7 +586,7 @@ def calibrate(
     progress: bool = True,
     cuda_graphs: bool = True,
     compile: bool = False,
-    attention: str = "model",
+    attention: str = "auto",
 ) -> BudgetTable:
     """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
@@ -610,7 +613,8 @@ def calibrate(
             otherwise. Replayed, `T_dec` is the roots-only verify forward replayed the same way (a one-token step
             of every row; a plain `DynamicCache` step launched from Python would mostly time the host).
         compile (`bool`): time the `torch.compile`d verify forward (`bole_compile`); it compiles on its first call.
-        attention (`str`): how the verify forward's full-attention layers attend (`bole_attention`).
+        attention (`str`): how the verify forward's full-attention layers attend (`bole_attention`; "auto" is
+            settled by `resolve_attention` here).
 
     Returns:
         `BudgetTable` keyed by `TableKey.for_model(model, verify, cuda_graphs, compile, attention)`.
@@ -628,6 +632,7 @@ def calibrate(
     epsilon = defaults.epsilon if epsilon is None else epsilon
     topk, depth = topk or defaults.topk, depth or defaults.depth
     BoleConfig(epsilon=epsilon, topk=topk, depth=depth, verify=verify, attention=attention)  # validates them
+    attention = resolve_attention(attention, spread.layer_devices[0])
     batch_sizes, kv_lengths, nodes = sorted(set(batch_sizes)), sorted(set(kv_lengths)), sorted(set(nodes))
     if not batch_sizes or batch_sizes[0] < 1 or not kv_lengths or kv_lengths[0] < 1 or not nodes or nodes[0] < 0:
         raise ValueError(

@@ -97,7 +97,7 @@ class VerifyGraphs:
         verify: str,
         compile: bool = False,
         fuse_projections: bool = True,
-        attention: str = "model",
+        attention: str = "auto",
     ):
         if cache.max_cache_len is None:
             raise ValueError("CUDA graphs keep the cache's addresses: create the BoleCache with a fixed max_cache_len")
@@ -187,7 +187,7 @@ def graphed_cache(
     verify: str,
     compile: bool = False,
     fuse_projections: bool = True,
-    attention: str = "model",
+    attention: str = "auto",
 ) -> tuple[BoleCache, VerifyGraphs]:
     """An empty `BoleCache` of at least `capacity` slots per row for `model` on its CUDA device, and the verify
     graphs that go with it; both are kept for the next call of the same batch size, verify mode, `compile`,

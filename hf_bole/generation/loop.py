@@ -33,7 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from transformers.utils import logging
 
 from hf_bole.cache import BoleCache
-from hf_bole.config import BoleConfig
+from hf_bole.config import BoleConfig, resolve_attention
 from hf_bole.generation.accept_kernel import accept_greedy_kernel
 from hf_bole.generation.acceptance import (
     accept_sampling,
@@ -327,6 +327,8 @@ def _decode(
     _check_request(model, generation_config, model_kwargs, {"assistant_model": assistant_model, "synced_gpus": synced_gpus})
     place = placement(model)
     bole = _spread_settings(bole, place)
+    # "auto" attention, settled once for the call: the graphs, the budget table and the forwards are keyed by it.
+    bole = dataclasses.replace(bole, attention=resolve_attention(bole.attention, place.layer_devices[0]))
     check_logits_processor(logits_processor)
     stopping = _Stopping(stopping_criteria or StoppingCriteriaList(), input_ids.shape[1])
     do_sample = bool(generation_config.do_sample)

@@ -29,7 +29,7 @@ def warmup(
     verify: str = "closed_form",
     compile: bool = False,
     fuse_projections: bool = True,
-    attention: str = "model",
+    attention: str = "auto",
 ) -> list[int]:
     r"""
     Runs one tree round (verify forward and commit) at every verify width that needs its own compiled kernels,

@@ -40,7 +40,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.utils import logging
 
 from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
-from hf_bole.config import ATTENTION_MODES
+from hf_bole.config import resolve_attention
 from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
 from hf_bole.models.fused import projections_fused
@@ -79,7 +79,7 @@ class TreeBatch:
         verify: "closed_form" or "serial".
         ancestors: `[B, N, N]` bool ancestor-or-self mask of the trees, built once for all layers.
         key_heads: the GDN layers' query/key heads (`linear_num_key_heads`).
-        attention: one of `ATTENTION_MODES`.
+        attention: "model" or "triton" (`resolve_attention`'s answer, never "auto").
         lengths: `[B]` int64 committed slots of every row (`BoleCache.lengths`), for `attention="triton"`.
         valid: `[B, C]` bool, False at the cache's padding slots (`BoleCache.valid`), for `attention="triton"`.
     """
@@ -204,7 +204,7 @@ def tree_forward(
     verify: str = "closed_form",
     compile: bool = False,
     fuse_projections: bool = True,
-    attention: str = "model",
+    attention: str = "auto",
 ) -> TreeForwardOutput:
     """Runs the model over a draft tree per row in one forward, from the committed state of `cache`.
 
@@ -227,8 +227,8 @@ def tree_forward(
             its first call makes their weights views of one buffer per layer, which the plain forward computes
             with exactly as before.
         attention: how the full-attention layers attend (`ATTENTION_MODES`): "model" (the model's own
-            implementation, SDPA or eager, with the tree's 4D mask) or "triton" (`hf_bole.kernels.tree_attention`:
-            Triton on CUDA, its torch reference on the CPU).
+            implementation, SDPA or eager, with the tree's 4D mask), "triton" (`hf_bole.kernels.tree_attention`:
+            Triton on CUDA, its torch reference on the CPU) or "auto" ("triton" on CUDA, `resolve_attention`).
 
     Returns:
         `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`, both on the LM head's
@@ -248,8 +248,7 @@ def tree_forward(
         raise ValueError(f"tree_forward needs a BoleCache, got {type(cache).__name__}")
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    attention = resolve_attention(attention, cache.lengths.device)
     if input_ids.dim() != 2 or input_ids.shape != parents.shape:
         raise ValueError(
             f"input_ids and parents must both be [B, N], got {tuple(input_ids.shape)} and {tuple(parents.shape)}"

@@ -475,8 +475,10 @@ def test_header_says_graphs_are_off_for_a_spread_model():
     two = report.markdown([], {"machine": machine, "settings": settings, "devices": ["cuda:0", "cuda:1"]})
     assert "hf_bole's CUDA graphs on" in one and "tree attention" not in one
     assert "hf_bole's CUDA graphs off (the model spans cuda:0, cuda:1)" in two
-    kernel = report.markdown([], {"machine": machine, "settings": {**settings, "attention": "triton"}, "devices": []})
-    assert "tree attention by hf_bole (bole_attention=\"triton\")" in kernel
+    for attention, said in (("triton", "hf_bole's kernel"), ("model", "the model's own attention")):
+        header = {"machine": machine, "settings": {**settings, "attention": attention}, "devices": []}
+        text = report.markdown([], header)
+        assert f"tree attention by {said}" in text and f'(bole_attention="{attention}")' in text
 
 
 def test_epsilon_sweep_runs_fixed_budgets_once():

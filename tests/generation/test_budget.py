@@ -277,7 +277,8 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
     assert len(caplog.records) == 1  # once, however often generate is called
     message = caplog.records[0].getMessage()
     assert "no verification budget table" in message and "NVIDIA Test GPU" in message
-    assert "NVIDIA-Test-GPU__bfloat16__closed_form__graphs.json" in message
+    # on a GPU the default attention ("auto") is the tree attention kernel's, whose forwards get a table of their own
+    assert "NVIDIA-Test-GPU__bfloat16__closed_form__triton-attention-graphs.json" in message
     assert "python -m hf_bole.calibrate --model <checkpoint> --dtype bfloat16 --verify closed_form`" in message
     assert "32 draft nodes per active request, at most 128" in message
     for resolver in resolvers:
@@ -285,23 +286,24 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
     # another verify mode is another table, hence another warning
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         BudgetResolver.for_model(model, BoleConfig(verify="serial"), batch_size=4)
-    assert len(caplog.records) == 2 and "serial__graphs.json" in caplog.records[1].getMessage()
+    assert len(caplog.records) == 2 and "serial__triton-attention-graphs.json" in caplog.records[1].getMessage()
     # forwards launched from Python (bole_cuda_graphs=False) cost differently: a table of their own
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         BudgetResolver.for_model(model, BoleConfig(cuda_graphs=False), batch_size=4)
     message = caplog.records[2].getMessage()
-    assert "closed_form__eager.json" in message and "--verify closed_form --no-cuda-graphs`" in message
+    assert "closed_form__triton-attention-eager.json" in message and "--verify closed_form --no-cuda-graphs`" in message
     # so does the compiled forward (bole_compile=True)
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         BudgetResolver.for_model(model, BoleConfig(compile=True), batch_size=4)
     message = caplog.records[3].getMessage()
-    assert "closed_form__compiled-graphs.json" in message and "--verify closed_form --compile`" in message
-    # and the tree attention kernel's (bole_attention="triton")
-    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
-        BudgetResolver.for_model(model, BoleConfig(compile=True, attention="triton"), batch_size=4)
-    message = caplog.records[4].getMessage()
     assert "closed_form__compiled-triton-attention-graphs.json" in message
-    assert "--verify closed_form --compile --attention triton`" in message
+    assert "--verify closed_form --compile`" in message
+    # and the model's own attention (bole_attention="model")
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        BudgetResolver.for_model(model, BoleConfig(compile=True, attention="model"), batch_size=4)
+    message = caplog.records[4].getMessage()
+    assert "closed_form__compiled-graphs.json" in message
+    assert "--verify closed_form --compile --attention model`" in message
 
 
 def test_auto_for_a_spread_model_is_the_fallback(monkeypatch, caplog):
@@ -323,10 +325,12 @@ def test_auto_for_a_spread_model_is_the_fallback(monkeypatch, caplog):
 def test_auto_finds_stored_table(monkeypatch, caplog):
     model = _fake_gpu_model(monkeypatch)
     key = TableKey.for_model(model)
-    assert key == TableKey(model_key(model.config), "NVIDIA Test GPU", "bfloat16", "closed_form", "graphs")
-    assert TableKey.for_model(model, cuda_graphs=False).launch == "eager"
-    assert TableKey.for_model(model, compile=True).launch == "compiled-graphs"
-    assert TableKey.for_model(model, attention="triton").launch == "triton-attention-graphs"
+    launch = "triton-attention-graphs"  # on a GPU the default ("auto") attention is the kernel
+    assert key == TableKey(model_key(model.config), "NVIDIA Test GPU", "bfloat16", "closed_form", launch)
+    assert TableKey.for_model(model, cuda_graphs=False).launch == "triton-attention-eager"
+    assert TableKey.for_model(model, compile=True).launch == "compiled-triton-attention-graphs"
+    assert TableKey.for_model(model, attention="model").launch == "graphs"
+    assert TableKey.for_model(model, attention="triton") == key
     _table(key).save(_table(key).default_path())
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import GenerationConfig
 
-from hf_bole.config import BoleConfig
+from hf_bole.config import BoleConfig, resolve_attention
 
 
 class _Drafter:
@@ -15,8 +16,18 @@ class _Drafter:
 
 def test_defaults_are_valid():
     config = BoleConfig()
-    settings = (config.depth, config.topk, config.budget, config.epsilon, config.verify, config.drafter)
-    assert settings == (5, 4, "auto", 0.25, "closed_form", "mtp")
+    settings = (config.depth, config.topk, config.budget, config.epsilon, config.verify, config.attention)
+    assert settings == (5, 4, "auto", 0.25, "closed_form", "auto") and config.drafter == "mtp"
+
+
+def test_auto_attention_is_the_kernel_on_cuda():
+    """ "auto" attention: hf_bole's tree attention kernel where the cache is on CUDA, the model's own elsewhere (the
+    kernel's stand-in off CUDA is a torch reference); a named one is kept."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (resolve_attention("auto", cuda), resolve_attention("auto", cpu)) == ("triton", "model")
+    assert [resolve_attention(a, d) for a in ("model", "triton") for d in (cuda, cpu)] == ["model"] * 2 + ["triton"] * 2
+    with pytest.raises(ValueError, match="attention must be one of \\('auto', 'model', 'triton'\\), got 'sdpa'"):
+        resolve_attention("sdpa", cpu)
 
 
 @pytest.mark.parametrize(

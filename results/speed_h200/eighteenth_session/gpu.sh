@@ -25,7 +25,7 @@ ab_turns.main('attention', {'model': lambda m: {'bole_attention': 'model'}, 'tri
     ;;
 call3)  # issue 8's 9B row, compiled, against ar-static in one run, with the attention the A/B of call 2 chose
     ATTENTION=${ATTENTION:-triton}
-    STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b1_compiled 560 python3 eval/run.py --shape 9B --depth 6 \
+    STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b1_compiled 545 python3 eval/run.py --shape 9B --depth 6 \
         --max-new-tokens 256 --modes ar-static bole --batch-sizes 1 --num-prompts 2 --compile on --profile --interleave \
         --attention "$ATTENTION" --output-dir "$OUT"
     ;;
