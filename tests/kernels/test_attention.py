@@ -45,6 +45,8 @@ CASES = [
     pytest.param("deep", 1, 2, 2, 33, 96, 16, id="deep-N33-rep1"),
     pytest.param("bushy", 3, 4, 2, 12, 50, 48, id="bushy-N12-D48"),
     pytest.param("mixed", 1, 8, 2, 32, 160, 256, id="mixed-N32-rep4-D256"),
+    pytest.param("bushy", 1, 6, 1, 10, 40, 256, id="bushy-N10-rep6-D256"),  # the 27B shape's grouping
+    pytest.param("mixed", 1, 16, 1, 7, 30, 256, id="mixed-N7-rep16-D256"),  # 122B-A10B's
 ]
 
 
