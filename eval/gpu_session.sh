@@ -104,6 +104,8 @@ ncu_step() {  # ncu_step NAME SECONDS ARGS...: eval/ncu_kernels.py ARGS under Ns
     step "$name" "$limit" "$ncu" --clock-control none -k regex:tree_gdn_verify --section LaunchStats \
         --section Occupancy --section SpeedOfLight --section WarpStateStats python3 eval/ncu_kernels.py "$@"
 }
+# The committed tables were measured with the model's own attention (their key's launch is "graphs"): the parts that
+# install one run bole_attention="model", which reads them ("auto" on a GPU reads "triton-attention-graphs" tables).
 install_table() {  # install_table PATH: a committed budget table where generate's "auto" looks (not measured again)
     python3 -c "from hf_bole.generation.budget import BudgetTable; t = BudgetTable.load('$1'); \
 print('installed', t.save(t.default_path()))"
@@ -181,7 +183,7 @@ sweep9b)  # budget9b's sweep on the table the fifth session measured (results/bu
     # 128 new tokens (with 64, prefill was a quarter of a batch-1 call), the default epsilon (0.25)
     install_table results/budget_h200_9b/budget_9b.json
     harness sweep_9b 560 --shape 9B --depth 6 --modes bole --batch-sizes 1 4 8 16 --num-prompts 16 \
-        --max-new-tokens 128 --budget 16 32 64 128 auto --profile
+        --max-new-tokens 128 --budget 16 32 64 128 auto --profile --attention model
     ;;
 batch9bc)  # sixth session's last call: the 9B shape at batch 8, bole eager and compiled against ar-static (budget
     # 32: sweep9b's best at batch 8), then the 35B-A3B shape at batch 1 (no CUDA graphs: mixture of experts)
@@ -275,7 +277,7 @@ kernels10)  # tenth session: 100 + 150 + 270 s
 sweep11)  # eleventh session, second call: bench11's 9B table installed (not measured again), 96 new tokens
     install_table results/kernels_h200_eleventh/bench11/budget_9b.json
     harness sweep_9b 570 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
-        --max-new-tokens 96 --budget 16 32 64 128 auto goodput --profile
+        --max-new-tokens 96 --budget 16 32 64 128 auto goodput --profile --attention model
     ;;
 house12)  # twelfth session: 150 + 420 s
     step calibrate_house 150 python3 -m hf_bole.calibrate --model eval/house/checkpoint --dtype bf16 \
@@ -286,17 +288,19 @@ house12)  # twelfth session: 150 + 420 s
 house12b)  # twelfth session, second call: house12's table installed (not measured again)
     install_table results/budget_h200_house/twelfth/budget_house.json
     harness sweep_house_r7 500 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
-        --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 7 --profile
+        --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 7 --profile --attention model
     ;;
 turns)  # house12b took 453 s with 7 timed passes
     install_table results/budget_h200_house/twelfth/budget_house.json
     harness turns_house 540 --datasets gsm8k --modes bole --batch-sizes 16 8 4 1 --num-prompts 16 \
-        --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 5 --interleave --profile
+        --max-new-tokens 96 --budget 16 32 64 256 auto goodput --repeats 5 --interleave --profile \
+        --attention model
     ;;
 turns9b)  # sweep11 took 538 s with 16 prompts and 3 timed passes
     install_table results/kernels_h200_eleventh/bench11/budget_9b.json
     harness turns_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 16 8 4 1 --num-prompts 8 \
-        --max-new-tokens 96 --budget 16 32 64 128 auto goodput --repeats 3 --interleave --profile
+        --max-new-tokens 96 --budget 16 32 64 128 auto goodput --repeats 3 --interleave --profile \
+        --attention model
     ;;
 select)  # first compiles: give the tests room
     step select_tests 200 $PYTEST tests/generation/test_select_kernel.py tests/generation/test_select.py
