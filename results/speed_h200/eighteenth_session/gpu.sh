@@ -8,12 +8,12 @@ for PART in "$@"; do
 case $PART in
 call1)  # the new kernels on CUDA (attention, round masks, ancestors, KV move): their tests and the code around them,
         # then the attention bench against what runs today
-    step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 tests/kernels/test_attention.py \
+    step kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 tests/kernels/test_attention.py \
         tests/kernels/test_tree_masks.py tests/kernels/test_ancestors.py tests/kernels/test_ops.py tests/kernels/test_kv_move.py
-    step model_tests 180 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
+    step model_tests 170 env HF_BOLE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf --tb=short -n 4 \
         tests/cache/test_bole_cache.py tests/models/test_qwen3_5.py tests/generation/test_loop.py tests/generation/test_graphs.py \
         -k "attention or commit or tree_forward or one_graph or plain_oracle or pipelined or replayed"
-    STEP_SHOWS="^\|" STEP_TAIL=30 step bench_attention 90 python3 eval/bench_attention.py --shapes 9B \
+    STEP_SHOWS="^\|" STEP_TAIL=30 step bench_attention 120 python3 eval/bench_attention.py --shapes 9B \
         --out "$OUT/attention.jsonl"
     ;;
 call2)  # the 9B row A/B (CUDA graphs, eager forward) of bole_attention="model" against "triton", in one process
