@@ -190,14 +190,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else ["accelerate", "launch", f"--num_processes={accelerator.num_processes}"]
     )
     command = shlex.join([*launcher, "eval/run.py", *(sys.argv[1:] if argv is None else argv)])
+    place = hf_bole.models.placement(model)
     header = {
         "machine": report.machine(),
         "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
-        "devices": [str(d) for d in hf_bole.models.placement(model).devices],  # several under --device-map
+        "devices": [str(d) for d in place.devices],  # several under --device-map
     }
     # the attention hf_bole's modes run with, "auto" settled as generate settles it (for the report's header)
     header["settings"]["attention"] = hf_bole.config.resolve_attention(
-        args.attention or BoleConfig().attention, hf_bole.models.placement(model).layer_devices[0]
+        args.attention or BoleConfig().attention, place.layer_devices[0]
     )
     out = Path(args.output_dir)
     if accelerator.is_main_process:

@@ -218,8 +218,9 @@ class TableKey:
         `bole_cuda_graphs=cuda_graphs` (graphs only where `hf_bole.generation.graphs.captures` says so),
         `bole_compile=compile` and `bole_attention=attention`."""
         # The GPU its forwards run on (under accelerate hooks `model.device` may name a parameter left elsewhere).
-        device = placement(model).input_device
-        attention = resolve_attention(attention, placement(model).layer_devices[0])
+        place = placement(model)
+        device = place.input_device
+        attention = resolve_attention(attention, place.layer_devices[0])
         launch = "compiled-" * compile + "triton-attention-" * (attention == "triton")
         launch += "graphs" if captures(model, cuda_graphs) else "eager"
         return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
