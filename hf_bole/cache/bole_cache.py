@@ -152,21 +152,28 @@ class BoleAttentionLayer(CacheLayerMixin):
 
 
 def _write_tree_kv_eager(
-    keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
 ) -> None:
-    """Writes node i of row b (`key_states`, `value_states` `[B, Hkv, N, Dh]`) to slot `slots[b, i]` of one layer's
-    `keys` and `values` `[B, Hkv, C, Dh]`, in place."""
+    """Writes node i of row b (`key_states`, `value_states` `[B, Hkv, N, Dh]`) to slot `slots[b, i]` of attention
+    layer `layer` of the stacked `keys` and `values` `[NA, B, Hkv, C, Dh]`, in place."""
     B, H, N, D = key_states.shape
     index = slots[:, None, :, None].expand(B, H, N, D)
-    keys.scatter_(2, index, key_states)
-    values.scatter_(2, index, value_states)
+    keys[layer].scatter_(2, index, key_states)
+    values[layer].scatter_(2, index, value_states)
 
 
 # The same write as one op that mutates its arguments, for a compiled verify forward. Traced as `scatter_` into a view
 # of the stacked storage that attention then reads, the write became an out-of-place scatter (a copy of the layer's
 # whole storage) and a copy of the stack back at the end of the graph (inductor's code for a tiny model; copies of
 # 7-21 us a round on the 9B shape on an H200, results/speed_h200/seventeenth_session). Inductor calls a mutating
-# custom op in place.
+# custom op in place. The op takes the whole stack and the layer's index, not the layer's view: in the graph compiled
+# with the capacity symbolic (after a second prompt length), views at symbolic offsets (every attention layer's but
+# the first's) as mutated arguments gave wrong logits, off by 1-2 on the house model (twentieth session).
 _write_tree_kv = torch.library.custom_op("hf_bole::write_tree_kv", mutates_args=("keys", "values"))(
     _write_tree_kv_eager
 )
@@ -427,7 +434,7 @@ class BoleCache(Cache):
         r = self._round
         if r is not None and r.active:
             write = _write_tree_kv if torch.compiler.is_compiling() else _write_tree_kv_eager
-            write(keys[a], values[a], r.groups[group].slots, key_states, value_states)
+            write(keys, values, a, r.groups[group].slots, key_states, value_states)
             return keys[a], values[a]
 
         start, q = self._plain_length(), key_states.shape[2]

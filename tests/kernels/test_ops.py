@@ -35,10 +35,14 @@ def test_gdn_ops(backend):
 
 
 def test_write_tree_kv_op():
-    keys, values = torch.zeros(2, 1, 12, 4), torch.zeros(2, 1, 12, 4)
+    keys, values = torch.zeros(2, 2, 1, 12, 4), torch.zeros(2, 2, 1, 12, 4)  # two attention layers' stack
     slots = torch.tensor([[3, 4, 5], [7, 8, 9]])
     new = (torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4))
-    torch.library.opcheck(torch.ops.hf_bole.write_tree_kv.default, (keys, values, slots, *new), test_utils=CHECKS)
+    torch.library.opcheck(torch.ops.hf_bole.write_tree_kv.default, (keys, values, 1, slots, *new), test_utils=CHECKS)
+    keys.zero_(), values.zero_()
+    torch.ops.hf_bole.write_tree_kv(keys, values, 1, slots, *new)
+    assert torch.equal(keys[1, 0, :, 3:6], new[0][0]) and torch.equal(values[1, 1, :, 7:10], new[1][1])
+    assert not keys[0].any() and not keys[1, 0, :, 6:].any()  # the other layer's and the other slots untouched
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -277,6 +277,29 @@ def test_compiled_tree_forward_hands_its_kernels_no_views_of_storage_later_layer
     torch.testing.assert_close(compiled.logits, eager.logits, rtol=0, atol=0)
 
 
+def test_inductor_graph_with_the_capacity_symbolic_keeps_every_attention_layer(monkeypatch):
+    """Through inductor, as `bole_compile` runs it: the graph compiled for a second cache capacity (the next prompt's
+    length) has the capacity symbolic. Given each attention layer's view of the KV stack to write into, that graph
+    gave the second attention layer wrong keys: house-model logits off by 1-2, greedy outputs off plain `generate`
+    from the second prompt on (twentieth session). The write op now takes the whole stack and the layer's index."""
+    import hf_bole.models.qwen3_5 as adapter
+
+    monkeypatch.setattr(adapter, "_COMPILED", type(adapter._COMPILED)())
+    torch._dynamo.reset()  # a static first graph of its own, not one an earlier test left
+    model = build_model(num_hidden_layers=8)  # two attention layers share one KV stack
+    gen = torch.Generator(torch.get_default_device()).manual_seed(7)
+    parents = batch_trees([random_tree(9, max_depth=4, gen=gen) for _ in range(3)])
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    for capacity in (32, 96):  # the second compiles again, with the capacity symbolic
+        logits = []
+        for compile in (False, True):
+            cache = BoleCache(model.config, batch_size=3, max_cache_len=capacity)
+            tokens[:, 0] = prefill(model, cache, PROMPTS)
+            logits.append(tree_forward(model, cache, tokens, parents, compile=compile).logits)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)  # inductor fuses: not bit for bit
+    assert model.get_decoder() in adapter._COMPILED
+
+
 @pytest.mark.parametrize("width", [1, 5])
 def test_tree_forward_reads_the_state_storage_on_a_fresh_cache(width, monkeypatch):
     """A tree on an empty cache (the first prefill chain) starts from the cache's own state storage, zeros, not
