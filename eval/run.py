@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--model", default=str(HOUSE_CHECKPOINT), help="checkpoint folder or Hub id (default: the house model)"
     )
-    ap.add_argument("--shape", help=f"a random-weight model instead of --model: {', '.join(SHAPES)}, 'house' or a folder "
-                    "with a config.json; prompts are random token ids, the drafter is the oracle")  # fmt: skip
+    ap.add_argument("--shape", help=f"a random-weight model instead of --model: {', '.join(SHAPES)}, 'house' or a "
+                    "folder with a config.json; prompts are random token ids, the drafter is the oracle")  # fmt: skip
     ap.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), choices=DATASETS)
     ap.add_argument("--modes", nargs="+", default=["ar", "bole"], choices=MODES)
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CUDA)",
     )  # fmt: skip
     ap.add_argument(
-        "--profile", action="store_true", help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes"
+        "--profile", action="store_true",
+        help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes",
     )
     ap.add_argument("--output-dir", default="results/eval")
     ap.add_argument("--data-dir", default=None, help="passed to eval.data.load_prompts")
@@ -125,13 +126,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "through from_pretrained(device_map='auto'), a --shape built across them); every mode runs on that placement",
     )  # fmt: skip
     ap.add_argument(
-        "--gpu-reserve-gib", type=float, default=8.0, help="--device-map: GiB each GPU keeps free of weights (activations, "
-        "tree cache); the weights are shared evenly over the GPUs (eval.shapes.spread_max_memory)",
+        "--gpu-reserve-gib", type=float, default=8.0, help="--device-map: GiB each GPU keeps free of weights "
+        "(activations, tree cache); the weights are shared evenly over the GPUs (eval.shapes.spread_max_memory)",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on for every mode (default: off for every "
-        "mode, as hf_bole's generate turns it off: it re-plans for every key length, 45 vs 15 ms per house-model step)",
+        "--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on for every mode (default: off for "
+        "every mode, as hf_bole's generate turns it off: it re-plans for every key length, 45 vs 15 ms per "
+        "house-model step)",
     )  # fmt: skip
     args = ap.parse_args(argv)
 
@@ -508,7 +510,8 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     start = time.perf_counter()
     out = model.generate(
         input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True,
-        **generation, **extra, **mode.generate_kwargs(drafter), **graphs, **({"bole_profile": True} if profiled else {}),
+        **generation, **extra, **mode.generate_kwargs(drafter), **graphs,
+        **({"bole_profile": True} if profiled else {}),
     )  # fmt: skip
     for gpu in gpus:
         torch.cuda.synchronize(gpu)
@@ -597,7 +600,9 @@ def summarize(
         "peak_memory_bytes": max(peaks) if peaks else None,
         "transient_bytes": max(transient, key=lambda t: sum(t.values())) if transient else None,
         # ms per round in each phase, over all batches (--profile)
-        "round_phase_ms": {k: sum(p[k] for p in phases) / rounds for k in phases[0] if k != "rounds"} if rounds else None,
+        "round_phase_ms": (
+            {k: sum(p[k] for p in phases) / rounds for k in phases[0] if k != "rounds"} if rounds else None
+        ),
         "exact_share": sum(d is None for _, d in checked) / len(checked) if checked and mode.name != "ar" else None,
         "divergences": [{"prompt_id": prompts[i][0].id, **d} for i, d in checked if d is not None],
         "quality": quality,

@@ -301,7 +301,10 @@ class BoleCache(Cache):
         if device is None:
             device = torch.get_default_device() if layer_devices is None else layer_devices[0]
         device = torch.device(device)
-        layer_devices = [device] * len(layer_types) if layer_devices is None else [torch.device(d) for d in layer_devices]
+        if layer_devices is None:
+            layer_devices = [device] * len(layer_types)
+        else:
+            layer_devices = [torch.device(d) for d in layer_devices]
 
         layers = [
             BoleAttentionLayer(self, i) if t == "full_attention" else BoleLinearAttentionLayer(self, i)
@@ -360,7 +363,9 @@ class BoleCache(Cache):
         from hf_bole.models.placement import placement
 
         layer_devices = placement(model).layer_devices
-        return cls(model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype, layer_devices=layer_devices)
+        return cls(
+            model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype, layer_devices=layer_devices
+        )
 
     def __repr__(self) -> str:
         devices = f", devices={[str(g.device) for g in self._groups]}" if len(self._groups) > 1 else ""

@@ -87,14 +87,23 @@ def test_full_tile_prune_narrows_only_the_full_tile():
     assert prune(configs[-1:], {}, BT=128) == configs[-1:]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# bf16 inputs also meet their bound with the float32 products in one TF32 pass: on an H200, o 1.7e-3 and u 4.2e-4
+# off float64, and the layer in 28% less time at B = 16, T = 128, H = 32 (results/speed_h200/twentieth_session). The
+# interpreter computes float32 products whatever the precision: there this checks only the argument's way in.
+@pytest.mark.parametrize(
+    "backend,precision",
+    [("torch", "tf32x3"), pytest.param("triton", "tf32x3", marks=pytest.mark.interpreter),
+     pytest.param("triton", "tf32", marks=pytest.mark.interpreter)],
+)  # fmt: skip
 @pytest.mark.parametrize("kind,B,T,HK,H,K,V", [CASES[1], CASES[4]])
-def test_closed_form_bf16(backend, kind, B, T, HK, H, K, V):
+def test_closed_form_bf16(backend, precision, kind, B, T, HK, H, K, V):
     device = backend_device(backend)
     q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, dtype=torch.bfloat16, device=device, seed=1)
     g, beta = g.bfloat16(), beta.bfloat16()
     parents = make_parents(kind, T, B, seed=1).to(device)
-    o, u, log_decay = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
+    o, u, log_decay = tree_gdn_verify(
+        q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True, dot_precision=precision
+    )
     ref_o, ref_u, _ = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
     assert o.dtype == torch.bfloat16
     assert rel_err(o, ref_o) <= 1e-2
@@ -118,7 +127,8 @@ def test_closed_form_precomputed_ancestors(backend):
     q, k, v, g, beta, h0 = gdn_inputs(2, 30, 1, 2, 16, 16, device=device, seed=6)
     parents = make_parents("bushy", 30, 2, seed=6).to(device)
     out = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
-    out_anc = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True, ancestors=tree_ancestor_mask(parents))
+    ancestors = tree_ancestor_mask(parents)
+    out_anc = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True, ancestors=ancestors)
     for x, y in zip(out, out_anc):
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="ancestors"):

@@ -279,24 +279,31 @@ def test_compiled_tree_forward_hands_its_kernels_no_views_of_storage_later_layer
 
 def test_inductor_graph_with_the_capacity_symbolic_keeps_every_attention_layer(monkeypatch):
     """Through inductor, as `bole_compile` runs it: the graph compiled for a second cache capacity (the next prompt's
-    length) has the capacity symbolic. Given each attention layer's view of the KV stack to write into, that graph
-    gave the second attention layer wrong keys: house-model logits off by 1-2, greedy outputs off plain `generate`
-    from the second prompt on (twentieth session). The write op now takes the whole stack and the layer's index."""
+    length) has the capacity and the tree width symbolic. Given each attention layer's view of the KV stack to write
+    into, that graph gave the second attention layer wrong keys: house-model logits off by 1-2, greedy outputs off
+    plain `generate` from the second prompt on (twentieth session). The write op now takes the whole stack and the
+    layer's index. What the commit then builds from the round (GDN states, conv windows, KV) must match too."""
     import hf_bole.models.qwen3_5 as adapter
 
     monkeypatch.setattr(adapter, "_COMPILED", type(adapter._COMPILED)())
     torch._dynamo.reset()  # a static first graph of its own, not one an earlier test left
     model = build_model(num_hidden_layers=8)  # two attention layers share one KV stack
     gen = torch.Generator(torch.get_default_device()).manual_seed(7)
-    parents = batch_trees([random_tree(9, max_depth=4, gen=gen) for _ in range(3)])
-    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
-    for capacity in (32, 96):  # the second compiles again, with the capacity symbolic
-        logits = []
+    for capacity, n in ((32, 9), (96, 14)):  # the second compiles again, with both sizes symbolic
+        parents = batch_trees([random_tree(n, max_depth=4, gen=gen) for _ in range(3)])
+        tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+        paths = [random_path(parents[b].tolist(), gen) for b in range(3)]
+        path = torch.tensor([p + [-1] * (n - len(p)) for p in paths])  # [3, n], right-padded
+        runs = []
         for compile in (False, True):
             cache = BoleCache(model.config, batch_size=3, max_cache_len=capacity)
             tokens[:, 0] = prefill(model, cache, PROMPTS)
-            logits.append(tree_forward(model, cache, tokens, parents, compile=compile).logits)
-        torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)  # inductor fuses: not bit for bit
+            logits = tree_forward(model, cache, tokens, parents, compile=compile).logits
+            cache.commit(path)
+            group = cache._groups[0]
+            runs.append((logits, group.recurrent, group.conv, group.keys, group.values))
+        for compiled, eager in zip(runs[1], runs[0]):
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)  # inductor fuses: not bit for bit
     assert model.get_decoder() in adapter._COMPILED
 
 
@@ -403,7 +410,8 @@ def test_plain_calls_reach_the_kernels_as_called():
         return "o", "state"
 
     g, beta, state = torch.rand(2), torch.rand(2), torch.rand(2)
-    out = _tree_gated_delta_rule(fla_like)("q", "k", "v", g=g, beta=beta, initial_state=state, use_qk_l2norm_in_kernel=True)
+    wrapped = _tree_gated_delta_rule(fla_like)
+    out = wrapped("q", "k", "v", g=g, beta=beta, initial_state=state, use_qk_l2norm_in_kernel=True)
     assert out == ("o", "state")
     call = calls[0]
     assert call["g"] is g and call["beta"] is beta and call["gk"] is None and call["gv"] is None
