@@ -332,9 +332,11 @@ def warm_up(
         if key not in compiled:
             hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile, attention=key[3])
             compiled.add(key)
-    # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then.
+    # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then. Compiled, each batch
+    # too: a longer prompt grows the MTP drafter's cache, and its compiled round compiles again for the new size
+    # (seconds inside a timed pass otherwise, as seen on the CPU).
     graphed = mode.drafts and args.cuda_graphs and device.type == "cuda" and not args.device_map
-    for k, batch in enumerate(batches if graphed else batches[:1]):
+    for k, batch in enumerate(batches if graphed or mode.compile else batches[:1]):
         run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
     warmed.add((mode.label, batch_size))
 

@@ -3,6 +3,7 @@ counting, and the oracle drafter."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -265,6 +266,23 @@ def test_mode_failing_in_turns_is_a_row(checkpoint, tmp_path, monkeypatch):
     assert chain["error"] == "failed: RuntimeError" and chain["output_tokens_per_s"] is None
     assert len(chain_calls) == 2  # not tried again in the second turn
     assert ar["error"] is None and bole["error"] is None and bole["exact_share"] == 1.0
+
+
+def test_warm_up_runs_every_batch_when_compiled_or_graphed(monkeypatch):
+    """Off CUDA graphs one batch warms a mode up; a compiled mode meets each batch's sizes first in its warm-up, not
+    in a timed pass (the MTP drafter's compiled round compiles again when a longer prompt grows its cache)."""
+    from eval.modes import Mode
+
+    warmed_batches = []
+    monkeypatch.setattr(run, "run_batch", lambda model, tokenizer, prompts, batch, *a: warmed_batches.append(batch))
+    monkeypatch.setattr(run.hf_bole, "warmup", lambda *a, **k: None)
+    args = argparse.Namespace(cuda_graphs=True, device_map=False)
+    batches = [[0], [1], [2]]
+    for compiled, expected in ((False, [[0]]), (True, batches)):
+        warmed_batches.clear()
+        run.warm_up(None, None, None, batches, 1, Mode("bole", compile=compiled), args, {}, [None] * 3, set(), set(),
+                    torch.device("cpu"))  # fmt: skip
+        assert warmed_batches == expected
 
 
 def test_run_sweeps_tree_settings(checkpoint, tmp_path):
