@@ -38,8 +38,20 @@ next3)  # the whole kernel grid in one TF32 pass, for issue 2's "no slower than 
     STEP_SHOWS="^(32|48|64) |bole_bfloat16" STEP_TAIL=40 step bench_tf32_grid 500 python3 eval/bench_kernels.py \
         --providers fla bole --precision tf32 --out "$OUT/kernels_tf32_grid.jsonl"
     ;;
+next4)  # the README's 9B batch-8 compiled row with tree attention (2078.6 tokens/s, 2.56x ar-static at 18ff197)
+    STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b8_compiled 570 python3 eval/run.py --shape 9B \
+        --depth 6 --max-new-tokens 256 --modes ar-static bole --batch-sizes 8 --num-prompts 8 --budget 32 \
+        --compile on --profile --interleave --output-dir "$OUT/b8"
+    rm -f "$OUT"/b8/*.png
+    ;;
+next5)  # the batch-16 compiled row (2717.6 tokens/s, 1.87x ar-static at 18ff197, budget 64)
+    STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b16_compiled 570 python3 eval/run.py --shape 9B \
+        --depth 6 --max-new-tokens 256 --modes ar-static bole --batch-sizes 16 --num-prompts 16 --budget 64 \
+        --compile on --profile --interleave --output-dir "$OUT/b16"
+    rm -f "$OUT"/b16/*.png
+    ;;
 *)
-    echo "unknown part $PART (call2, call3, next1, next2, next3)"
+    echo "unknown part $PART (call2, call3, next1 ... next5)"
     ;;
 esac
 done
