@@ -172,8 +172,9 @@ def _write_tree_kv_eager(
 # whole storage) and a copy of the stack back at the end of the graph (inductor's code for a tiny model; copies of
 # 7-21 us a round on the 9B shape on an H200, results/speed_h200/seventeenth_session). Inductor calls a mutating
 # custom op in place. The op takes the whole stack and the layer's index, not the layer's view: in the graph compiled
-# with the capacity symbolic (after a second prompt length), views at symbolic offsets (every attention layer's but
-# the first's) as mutated arguments gave wrong logits, off by 1-2 on the house model (twentieth session).
+# with the capacity symbolic (after a second prompt length), inductor handed the op every layer's view at storage
+# offset 0, the first layer's, instead of its symbolic offset, so all tree KV landed in the first attention layer
+# (house-model logits off by 1-2, twentieth session).
 _write_tree_kv = torch.library.custom_op("hf_bole::write_tree_kv", mutates_args=("keys", "values"))(
     _write_tree_kv_eager
 )

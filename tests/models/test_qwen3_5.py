@@ -280,9 +280,10 @@ def test_compiled_tree_forward_hands_its_kernels_no_views_of_storage_later_layer
 def test_inductor_graph_with_the_capacity_symbolic_keeps_every_attention_layer(monkeypatch):
     """Through inductor, as `bole_compile` runs it: the graph compiled for a second cache capacity (the next prompt's
     length) has the capacity and the tree width symbolic. Given each attention layer's view of the KV stack to write
-    into, that graph gave the second attention layer wrong keys: house-model logits off by 1-2, greedy outputs off
-    plain `generate` from the second prompt on (twentieth session). The write op now takes the whole stack and the
-    layer's index. What the commit then builds from the round (GDN states, conv windows, KV) must match too."""
+    into, that graph passed every layer's view at offset 0 (the first layer's), so the second layer read wrong keys:
+    house-model logits off by 1-2, greedy outputs off plain `generate` from the second prompt on (twentieth session).
+    The write op now takes the whole stack and the layer's index. What the commit then builds from the round (GDN
+    states, conv windows, KV) must match too."""
     import hf_bole.models.qwen3_5 as adapter
 
     monkeypatch.setattr(adapter, "_COMPILED", type(adapter._COMPILED)())
