@@ -174,7 +174,8 @@ def _write_tree_kv_eager(
 # custom op in place. The op takes the whole stack and the layer's index, not the layer's view: in the graph compiled
 # with the capacity symbolic (after a second prompt length), inductor handed the op every layer's view at storage
 # offset 0, the first layer's, instead of its symbolic offset, so all tree KV landed in the first attention layer
-# (house-model logits off by 1-2, twentieth session).
+# (house-model logits off by 1-2, twentieth session; torch 2.11 and 2.13). The cause looks like pytorch/pytorch#198068
+# (no inductor lowering for aten.sym_storage_offset, reported there for AOTInductor; fix proposed in #198069).
 _write_tree_kv = torch.library.custom_op("hf_bole::write_tree_kv", mutates_args=("keys", "values"))(
     _write_tree_kv_eager
 )
