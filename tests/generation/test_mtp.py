@@ -12,9 +12,10 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTex
 
 from hf_bole.generation.drafters import mtp as mtp_module
 from hf_bole.generation.drafters.base import DraftContext
-from hf_bole.generation.drafters.mtp import MTPDrafter
+from hf_bole.generation.drafters.mtp import TOPK_CHUNK, MTPDrafter, top_k
 from hf_bole.generation.tree import DraftTree
-from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
+from hf_bole.models import mtp as head_module
+from hf_bole.models.mtp import Qwen3_5MTP, mtp_attention, save_pretrained_with_mtp
 from tests.generation.recorded_graph import recording_capture
 
 VOCAB, HIDDEN = 61, 64
@@ -331,6 +332,63 @@ def test_propose_ties_and_impossible_tokens():
     # real nodes: {3, 7} under the root, under 3 and under 7, then under the 3 best of those 4 (3->3, 3->7, 7->3)
     assert tree.num_nodes == 3 + 2 * 9
     assert tree.node_mask[:, :12].all() and not tree.node_mask[:, 12:].any()
+
+
+@pytest.mark.parametrize(
+    "shape", [(3, 8192), (2, 4, 248320), (5, 300), (7, 2 * TOPK_CHUNK), (2, 61)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_top_k_in_chunks_equals_topk(shape, k):
+    """Chunked rounds (8192 = 64 chunks; 248320 = 1940, then a shorter last chunk; 300 = 2 and a tail) give
+    torch's top-k exactly on distinct values; on ties, the same values at indices holding them."""
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    values, indices = top_k(x, k)
+    expected = x.topk(k, dim=-1)
+    assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+    ties = torch.randint(0, 5, shape).float()  # every value many times over
+    values, indices = top_k(ties, k)
+    assert torch.equal(values, ties.topk(k, dim=-1).values) and torch.equal(ties.gather(-1, indices), values)
+    assert (indices.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct indices
+
+
+@pytest.mark.parametrize("rep", [1, 3])
+def test_few_queries_attention_equals_sdpa(rep):
+    """`mtp_attention(few_queries=True)` (matmuls, grouped heads without copies) equals SDPA over repeated keys with
+    the boolean mask, in float64: rows that see one slot, all slots, or a scattered set."""
+    torch.manual_seed(0)
+    B, Hkv, Q, L, D = 2, 2, 3, 11, 8
+    q = torch.randn(B, Hkv * rep, Q, D, dtype=torch.float64)
+    k, v = torch.randn(2, B, Hkv, L, D, dtype=torch.float64)
+    mask = torch.rand(B, 1, Q, L) < 0.5
+    mask[0, 0, 0] = False
+    mask[0, 0, 0, 4] = True  # one slot
+    mask[1, 0, 2] = True  # every slot
+    mask[..., 0] |= ~mask.any(-1)  # no row sees nothing
+    out, weights = mtp_attention(None, q.transpose(1, 2).contiguous().transpose(1, 2), k, v, mask, scaling=0.3,
+                                 few_queries=True)  # fmt: skip
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, scale=0.3
+    )
+    assert weights is None
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-12, atol=1e-12)
+
+
+def test_rounds_attend_without_sdpa(monkeypatch):
+    """A prompt's extension goes through SDPA (its scores would be [prompt, cache] per head), a round's steps never
+    do: every tree step and a round's extension take `mtp_attention`'s matmuls."""
+    calls = []
+    sdpa = head_module.sdpa_attention_forward
+    monkeypatch.setattr(head_module, "sdpa_attention_forward", lambda *a, **kw: calls.append(a[1].shape) or sdpa(*a, **kw))
+    model = _model(moe=False)
+    rows = _rows([40, 12])
+    drafter = _drafter(model, _mtp(model), depth=3, topk=2)
+    drafter.propose(_ctx(rows, [0, 0], [30, 8], left_pad=True))  # the prompt: 30 entries, then 2 tree steps
+    assert [shape[2] for shape in calls] == [30]
+    calls.clear()
+    for start, end in ((30, 34), (34, 35), (35, 40)):  # rounds of 4, 1 and 5 entries (depth + 1 = 4: 5 is a prompt)
+        drafter.propose(_ctx(rows, [start, 8], [end, 12], positions=False))
+    assert [shape[2] for shape in calls] == [5]
 
 
 def _rounds(drafter, rows, bounds):

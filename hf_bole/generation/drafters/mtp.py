@@ -37,6 +37,8 @@ logger = logging.get_logger(__name__)
 
 # Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
 _CAPACITY_STEP = 256
+# `top_k`'s chunk: 128 divides the vocabularies of Qwen3.5 (248320) and the house model (8192)
+TOPK_CHUNK = 128
 
 
 
@@ -203,8 +205,7 @@ class MTPDrafter:
             positions = committed[:, None] - new_mask.sum(1, keepdim=True) + new_mask.cumsum(1) - 1
         inputs = (hidden, ctx.next_tokens, new_mask, positions, committed)
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
-        # A round brings in its accepted path, at most depth + 1 entries; more is a prompt, drafted eagerly.
-        is_round = num_new <= self.depth + 1
+        is_round = self._is_round(num_new)
         with attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
             if is_round and self._replays(device):
                 return self._propose_graphed(cache, inputs, num_nodes)
@@ -227,6 +228,10 @@ class MTPDrafter:
         tokens, parents and draft log-probabilities, each `[B, num_nodes]`."""
         root_hidden, root_position = self._extend(cache, *inputs)
         return self._draft(cache, root_hidden, root_position, inputs[-1], num_nodes)
+
+    def _is_round(self, num_new: int) -> bool:
+        # A round brings in its accepted path, at most depth + 1 entries; more is a prompt, drafted eagerly.
+        return num_new <= self.depth + 1
 
     def _replays(self, device: torch.device) -> bool:
         return self.cuda_graphs and device.type == "cuda"
@@ -265,9 +270,11 @@ class MTPDrafter:
         positions: torch.Tensor,
         mask: torch.Tensor,
         slots: torch.Tensor,
+        *,
+        few_queries: bool,
     ) -> torch.Tensor:
         """One MTP forward of entries (hidden, token) `[B, T]`, writing their keys/values to cache `slots [B, T]`;
-        returns the outputs `[B, T, hidden]`."""
+        returns the outputs `[B, T, hidden]`. `few_queries`: a round's step (see `mtp_attention`)."""
         cache.write_slots = slots
         device = hidden.device
         # Under accelerate's device_map the target's embedding and rotary embedding may run on another device than
@@ -275,10 +282,14 @@ class MTPDrafter:
         embeds = self.embed_tokens(tokens).to(device)
         # Qwen3.5's rotary embedding takes multimodal (3, B, T) position ids; text has one position on all three axes
         rope = tuple(t.to(device) for t in self.rotary_emb(embeds, positions.expand(3, *positions.shape)))
-        return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache)
+        return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries)
 
-    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float().log_softmax(-1)
+    def _top_children(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `topk` most likely next tokens after outputs `hidden [..., hidden]`: their draft log-probabilities
+        (float32) and ids, each `[..., topk]`, best first."""
+        logits = self.lm_head(hidden).float()  # [..., V]
+        best, tokens = top_k(logits, self.topk)
+        return best - logits.logsumexp(-1, keepdim=True), tokens
 
     def _extend(
         self,
@@ -304,7 +315,8 @@ class MTPDrafter:
         )[:, None]
         tokens = torch.where(new_mask, next_tokens, 0)
         hidden = hidden.masked_fill(~new_mask[..., None], 0)
-        out = self._step(cache, tokens, hidden, positions, mask, slots)  # [B, A, hidden]
+        few = self._is_round(num_new)
+        out = self._step(cache, tokens, hidden, positions, mask, slots, few_queries=few)  # [B, A, hidden]
         last = torch.where(new_mask, torch.arange(num_new, device=slots.device), 0).amax(1)  # [B]
         rows = torch.arange(batch_size, device=slots.device)
         return out[rows, last], positions[rows, last]
@@ -354,7 +366,7 @@ class MTPDrafter:
         committed_keys = ((keys >= cache.offset) & (keys < cache.offset + committed[:, None]))[:, None, :]  # [B, 1, L]
 
         # the drafted nodes, level by level; node ids number them in this order (shallower first)
-        logp, tokens = self._log_probs(root_hidden).topk(K, dim=-1)  # [B, K]
+        logp, tokens = self._top_children(root_hidden)  # [B, K]
         all_tokens, all_logp, all_cum = [tokens], [logp], [logp]
         all_parents = [torch.full_like(tokens, -1)]
         frontier_hidden = root_hidden[:, None].expand(-1, K, -1)  # [B, K, hidden]
@@ -372,8 +384,9 @@ class MTPDrafter:
                 (root_position + d)[:, None].expand(-1, K),
                 (committed_keys | frontier_ancestors)[:, None],
                 slots.expand(batch_size, -1),
+                few_queries=True,
             )  # [B, K, hidden]
-            child_logp, child_tokens = self._log_probs(out).topk(K, dim=-1)  # [B, K, K]
+            child_logp, child_tokens = self._top_children(out)  # [B, K, K]
             child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
             child_tokens = child_tokens.flatten(1)
             all_tokens.append(child_tokens)
@@ -452,6 +465,28 @@ class _MTPKVCache:
         self.key.scatter_(2, index, key_states)
         self.value.scatter_(2, index, value_states)
         return self.key[:, :, : self.num_keys], self.value[:, :, : self.num_keys]
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k)` over the last dim (values, then indices; best first, equal values in any order), by rounds over
+    `TOPK_CHUNK`-wide chunks: each chunk's top `k` (a shorter last chunk stays whole), then the top `k` of those.
+
+    Why: torch's top-k runs one block per row, which walks the whole row several times (a radix select); on an H200
+    that was 48 us for 32 rows of the house model's 8192-token vocabulary, four to five calls a drafting round
+    (twenty-first session's kernel log). Chunks give it many short rows, each round `TOPK_CHUNK / k` times fewer."""
+    n = x.shape[-1]
+    if k > TOPK_CHUNK or n <= 2 * TOPK_CHUNK:
+        return x.topk(k, dim=-1)
+    whole = n // TOPK_CHUNK * TOPK_CHUNK  # [..., :whole] in chunks, a view of x
+    part, index = x[..., :whole].unflatten(-1, (-1, TOPK_CHUNK)).topk(k, dim=-1)  # [..., whole / TOPK_CHUNK, k]
+    values = part.flatten(-2)
+    index = (index + torch.arange(0, whole, TOPK_CHUNK, device=x.device)[:, None]).flatten(-2)
+    if whole < n:
+        values = torch.cat([values, x[..., whole:]], dim=-1)
+        tail = torch.arange(whole, n, device=x.device).expand(*x.shape[:-1], -1)
+        index = torch.cat([index, tail], dim=-1)
+    best, which = top_k(values, k)
+    return best, index.gather(-1, which)
 
 
 def _round_up(n: int, step: int) -> int:
