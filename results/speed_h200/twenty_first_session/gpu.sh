@@ -37,10 +37,10 @@ house_b8c)  # house, batch 8, compiled chain/tree-serial/bole and ar: issue 8's 
     house house_b8_compiled 450 --modes ar chain tree-serial bole --batch-sizes 8 --compile on
     ;;
 drafter)  # call 4: the drafter's attention and top-k (this session's change) on the GPU, then the house tables eager
-    HF_BOLE_TEST_DEVICE=cuda step mtp_tests 120 python3 -m pytest -q tests/generation/test_mtp.py
-    ab ab_b8 110 --batch-sizes 8 --repeats 5
-    house house_b8_eager 150 --modes ar chain tree-serial bole --batch-sizes 8
-    ab ab_b1 80 --batch-sizes 1 --repeats 7
+    HF_BOLE_TEST_DEVICE=cuda step mtp_tests 100 python3 -m pytest -q tests/generation/test_mtp.py
+    ab ab_b8 100 --batch-sizes 8 --repeats 5
+    house house_b8_eager 130 --modes ar chain tree-serial bole --batch-sizes 8
+    ab ab_b1 70 --batch-sizes 1 --repeats 7
     house house_b1_eager 100 --modes ar chain tree-serial bole --batch-sizes 1
     ;;
 savecache)
