@@ -7,8 +7,9 @@ Takes eval/run.py's arguments (model, shape, modes, tree settings; the first bat
 mode runs `hf_bole.warmup` and its first batch twice untimed, then once under the profiler. Per mode it prints wall
 time, the summed time of GPU kernels (one stream: their sum is the busy time), the host's share (1 - busy / wall:
 time the GPU waits for Python, launches and synchronisations) and the ops that cost most on the host and on the GPU;
-for hf_bole's modes also, per round and phase (draft, select, verify, ...), the host time spent in the phase's code
-and the GPU time of the kernels it launched.
+for hf_bole's modes also, per round and phase (draft, select, verify, ...), the host time spent in the phase's code,
+the time of the GPU kernels that ran inside the phase (CUDA graph replays included) and the phase's span on the GPU
+timeline. A span far above its kernels with host time above it is a host-bound phase: the GPU waited for Python.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import hf_bole  # noqa: E402
 from eval import run  # noqa: E402
 from eval.modes import make_modes  # noqa: E402
 from hf_bole.generation.phases import PHASES  # noqa: E402
+
+CUDA = torch.autograd.DeviceType.CUDA
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -92,12 +95,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     phased = [s for s in summaries if s["phases"]]
     if phased:
-        print("\nPer round and phase: host ms in the phase's code | ms of GPU kernels it launched (graph replays "
-              "included where the profiler sees them)")  # fmt: skip
+        print("\nPer round and phase, ms: host time in the phase's code | its GPU kernels (graph replays included) | "
+              "its span on the GPU timeline, idle gaps included. A phase whose host time exceeds its kernels' keeps "
+              "the GPU waiting once the host falls behind.")  # fmt: skip
         print("| mode | " + " | ".join(PHASES) + " |")
         print("|---|" + "---:|" * len(PHASES))
         for s in phased:
-            cells = (f"{s['phases'][p]['host_ms']:.2f} \\| {s['phases'][p]['gpu_ms']:.2f}" for p in PHASES)
+            cells = (
+                " \\| ".join(f"{s['phases'][p].get(k, 0.0):.2f}" for k in ("host_ms", "kernel_ms", "span_ms"))
+                for p in PHASES
+            )
             print(f"| {s['mode']} | " + " | ".join(cells) + " |")
     if ours.json:
         Path(ours.json).write_text(json.dumps({"model": label, "dataset": dataset, "batch_size": batch_size,
@@ -107,9 +114,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
     events = prof.key_averages()
-    device_time = lambda e: e.device_time_total  # noqa: E731  (a range's: the kernels launched inside it)
     self_device_time = lambda e: e.self_device_time_total  # noqa: E731
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     tokens = max(len(t) for t in record["tokens"])
     accepts = record["accept_lengths"]
@@ -118,13 +124,23 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
     if kernels:
         print(events.table(sort_by="self_device_time_total", row_limit=top))
     rounds = (record["round_time_ms"] or {}).get("rounds", 0)
-    ranges = {e.key.removeprefix("bole::"): e for e in events if e.key.startswith("bole::")}
     phases = None
     if rounds:
+        # A phase's range appears twice: on the host (the time in its code) and on the GPU timeline (from its first
+        # kernel's start to its last's end, idle gaps included); the kernels inside the latter are its GPU work.
+        host_us = _host_phase_us(events)
+        kernel_us, span_us = dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0)
+        for _, duration, phase, _ in _kernels_by_phase(prof):
+            if phase in kernel_us:
+                kernel_us[phase] += duration
+        for start, end, phase in _gpu_phase_ranges(prof):
+            if phase in span_us:
+                span_us[phase] += end - start
         phases = {
-            phase: {"host_ms": e.cpu_time_total / 1e3 / rounds, "gpu_ms": device_time(e) / 1e3 / rounds}
-            for phase, e in ranges.items()
-        }
+            phase: {key: us[phase] / 1e3 / rounds for key, us in
+                    (("host_ms", host_us), ("kernel_ms", kernel_us), ("span_ms", span_us)) if phase in us}
+            for phase in PHASES
+        }  # fmt: skip
     return {
         "mode": label,
         "phases": phases,
@@ -142,27 +158,52 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
     }
 
 
+def _host_phase_us(events) -> dict[str, float]:
+    """phase -> microseconds of host time in its code, from the profiler's averaged events: the host-side bole::
+    ranges, not their namesakes on the GPU timeline (which carry no host time)."""
+    return {
+        e.key.removeprefix("bole::"): e.cpu_time_total
+        for e in events
+        if e.key.startswith("bole::") and e.device_type == torch.autograd.DeviceType.CPU
+    }
+
+
+def _gpu_phase_ranges(prof) -> list[tuple[float, float, str]]:
+    """(start, end, phase) in microseconds of every bole:: range on the GPU timeline, in start order: the phases'
+    record_function ranges appear there too, as annotations spanning their kernels."""
+    return sorted(
+        (e.time_range.start, e.time_range.end, e.name.removeprefix("bole::"))
+        for e in prof.events()
+        if e.device_type == CUDA and e.name.startswith("bole::")
+    )
+
+
+def _kernels_by_phase(prof) -> list[tuple[float, float, str, str]]:
+    """(start, duration, phase, name) in microseconds of every GPU kernel in start order, with the phase range it
+    ran in ("-" outside them)."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == CUDA and not e.name.startswith("bole::")),
+        key=lambda e: e.time_range.start,
+    )
+    phases, out, i = _gpu_phase_ranges(prof), [], 0
+    for e in kernels:
+        start = e.time_range.start
+        while i < len(phases) and phases[i][1] < start:
+            i += 1
+        phase = phases[i][2] if i < len(phases) and phases[i][0] <= start else "-"
+        out.append((start, e.time_range.elapsed_us(), phase, e.name))
+    return out
+
+
 def _write_kernel_log(prof, path: Path) -> None:
     """Every GPU kernel in start order, with the bole:: phase range (on the GPU timeline) it ran in: what one
     round's phases launch, kernel by kernel, e.g. how many small kernels a layer of the verify forward runs."""
-    on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    # The phases' record_function ranges appear on the GPU timeline too, as annotations spanning their kernels.
-    kernels = sorted((e for e in on_gpu if not e.name.startswith("bole::")), key=lambda e: e.time_range.start)
-    phases = sorted(
-        (e.time_range.start, e.time_range.end, e.name.removeprefix("bole::"))
-        for e in on_gpu
-        if e.name.startswith("bole::")
-    )
-    t0 = kernels[0].time_range.start if kernels else 0
+    kernels = _kernels_by_phase(prof)
+    t0 = kernels[0][0] if kernels else 0
     with path.open("w") as f:
         f.write("start_us\tdur_us\tphase\tname\n")
-        i = 0
-        for e in kernels:
-            start = e.time_range.start
-            while i < len(phases) and phases[i][1] < start:
-                i += 1
-            phase = phases[i][2] if i < len(phases) and phases[i][0] <= start else "-"
-            f.write(f"{start - t0:.1f}\t{e.time_range.elapsed_us():.1f}\t{phase}\t{e.name[:120]}\n")
+        for start, duration, phase, name in kernels:
+            f.write(f"{start - t0:.1f}\t{duration:.1f}\t{phase}\t{name[:120]}\n")
 
 
 if __name__ == "__main__":
