@@ -2,13 +2,10 @@
 # The twenty-first session's GPU runs (README.md beside this file says what each measured).
 # Usage, from the repository root, with fla-core's wheel in .whl/:
 #   OUT=... bash results/speed_h200/twenty_first_session/gpu.sh PART...   (parts in turn, on one machine)
-# At most 8 files come back from a device command. `savecache` packs Triton's and inductor's on-disk caches into
-# $OUT (two 14 MiB pieces at most); a later call on a fresh machine that carries them (.compile_cache/) unpacks them
-# first and skips most of the compiled modes' minutes of compiling.
+# At most 8 files come back from a device command, so each part keeps its output to a few. Call 1 also packed
+# Triton's and inductor's on-disk caches after the compiled house run, to carry them to later fresh machines: 34 MiB
+# gzipped, more than can travel beside the 35 MB checkout (64 MiB), so that was dropped.
 set -uo pipefail
-if ls .compile_cache/cache.tgz.* >/dev/null 2>&1; then
-    cat .compile_cache/cache.tgz.* | tar xzf - -C / && echo "compile caches unpacked ($(du -sh /tmp/torchinductor_root | cut -f1) inductor)"
-fi
 . eval/gpu_preamble.sh
 house() {  # house NAME SECONDS ARGS...: the house model on 8 MBPP prompts, 128 new tokens, passes in turns
     local name=$1 limit=$2
@@ -43,15 +40,22 @@ drafter)  # call 4: the drafter's attention and top-k (this session's change) on
     ab ab_b1 70 --batch-sizes 1 --repeats 7
     house house_b1_eager 100 --modes ar chain tree-serial bole --batch-sizes 1
     ;;
-savecache)
-    tar czf /tmp/cache.tgz -C / tmp/torchinductor_root root/.triton/cache 2>/dev/null
-    size=$(stat -c %s /tmp/cache.tgz)
-    echo "compile caches: $((size / 1048576)) MiB packed"
-    if [ "$size" -le $((28 * 1048576)) ]; then
-        split -b 14M /tmp/cache.tgz "$OUT/cache.tgz."
-    else
-        echo "too large to carry back; not saved"
-    fi
+next1)  # the next session's first call: the host time of each graph launch (graph_launch.py), then the per-phase
+        # table with host time beside kernels and span (profile_round.py as of this session), eager graphs, batch 8
+    STEP_SHOWS="^\||tokens/s" STEP_TAIL=12 step graph_launch 150 python3 results/speed_h200/twenty_first_session/graph_launch.py \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8
+    STEP_SHOWS="^\|" STEP_TAIL=12 step profile_b8 150 python3 eval/profile_round.py --datasets mbpp --num-prompts 8 \
+        --max-new-tokens 128 --batch-sizes 8 --modes tree-serial bole --json "$OUT/profile_b8.json"
+    ab ab_b8 250 --batch-sizes 8 --repeats 5
+    ;;
+next2)  # the compiled house modes at batch 1 with this session's drafter (851.7 tokens/s and 1.29x chain before it)
+    house house_b1_compiled 570 --modes ar chain bole --batch-sizes 1 --compile on
+    ;;
+next3)  # the README's 9B batch-8 compiled row with tree attention (2078.6 tokens/s, 2.56x ar-static at 18ff197)
+    STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b8_compiled 570 python3 eval/run.py --shape 9B \
+        --depth 6 --max-new-tokens 256 --modes ar-static bole --batch-sizes 8 --num-prompts 8 --budget 32 \
+        --compile on --profile --interleave --output-dir "$OUT/b8"
+    rm -f "$OUT"/b8/*.png "$OUT"/b8/results.jsonl
     ;;
 *)
     echo "unknown part $PART"
