@@ -65,8 +65,8 @@ def mtp_attention(
     softmax and a matmul.
 
     Why: with a boolean mask SDPA takes its memory-efficient kernel, one program per (row, head, block of queries)
-    walking every key slot of the storage. On an H200 that was 108 us a call for the house model's drafter at batch 8
-    over 529 slots, five calls a round: 0.53 ms of the round's 1.34 ms of drafting kernels (the twenty-first
+    walking every key slot of the storage. On an H200 that was 107 us a call for the house model's drafter at batch 8
+    over 529 slots, five calls a round: 0.53 ms of the round's 1.31 ms of drafting kernels (the twenty-first
     session's kernel log). The matmuls read the keys once per key head, for all its query heads. Their scores are
     `[B, Hkv, H / Hkv * Q, L]` in float32: small for a few queries, and never built for a prompt. No dropout: the
     drafter never trains.
