@@ -57,6 +57,10 @@ next3)  # the README's 9B batch-8 compiled row with tree attention (2078.6 token
         --compile on --profile --interleave --output-dir "$OUT/b8"
     rm -f "$OUT"/b8/*.png "$OUT"/b8/results.jsonl
     ;;
+next4)  # batch 8 without the host read that cuts the verify forward to the widest row (ab_trim.py)
+    STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_trim 300 python3 results/speed_h200/twenty_first_session/ab_trim.py \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --repeats 5 --output-dir "$OUT/ab_trim"
+    ;;
 *)
     echo "unknown part $PART"
     ;;
