@@ -65,11 +65,11 @@ def mtp_attention(
     softmax and a matmul.
 
     Why: with a boolean mask SDPA takes its memory-efficient kernel, one program per (row, head, block of queries)
-    walking every key slot of the storage. On an H200 that was 107 us a call for the house model's drafter at batch 8
-    over 529 slots, five calls a round: 0.53 ms of the round's 1.31 ms of drafting kernels (the twenty-first
-    session's kernel log). The matmuls read the keys once per key head, for all its query heads. Their scores are
-    `[B, Hkv, H / Hkv * Q, L]` in float32: small for a few queries, and never built for a prompt. No dropout: the
-    drafter never trains.
+    walking every key slot of the storage, so its time grows with the cache: on an H200, for the house model's
+    drafter at batch 8, about 50 us a call over 273 slots and 107 us over 529, five calls a round (the twenty-first
+    session's kernel log). The matmuls read the keys in place, once per key head for all its query heads, spread
+    over the GPU. Their scores are `[B, Hkv, H / Hkv * Q, L]`: small for a few queries, and never built for a
+    prompt. No dropout: the drafter never trains.
 
     query `[B, H, Q, D]`; key, value `[B, Hkv, L, D]`; attention_mask `[B, 1, Q, L]` bool, True where a query may
     attend -> `[B, Q, H, D]` (transformers' attention functions' layout).
@@ -82,12 +82,14 @@ def mtp_attention(
     Hkv, L = key.shape[1], key.shape[2]
     rep = H // Hkv  # query head h reads key head h // rep, as repeat_kv has it
     scaling = D**-0.5 if scaling is None else scaling
-    q = query.reshape(B, Hkv, rep * Q, D)  # row r of key head j: query head j * rep + r // Q, query r % Q
-    # bf16 products rounded to bf16 before the float32 softmax: a drafter's scores, off by at most 2**-9 of each
-    scores = torch.matmul(q, key.transpose(-1, -2))
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).view(B, Hkv, rep, Q, L) * scaling
-    probs = scores.masked_fill(~attention_mask[:, :, None], float("-inf")).softmax(-1).to(value.dtype)
-    out = torch.matmul(probs.view(B, Hkv, rep * Q, L), value)  # [B, Hkv, rep * Q, D]
+    q = query.reshape(B * Hkv, rep * Q, D)  # row r of key head j: query head j * rep + r // Q, query r % Q
+    k, v = key.reshape(B * Hkv, L, D), value.reshape(B * Hkv, L, D)  # views of the cache's storage
+    # Five kernels, no more than SDPA's path launches (repeat_kv's two copies, the mask's conversion and padding, its
+    # kernel): in a round's CUDA graph every kernel is a node that each launch pays for. The scores are rounded to the
+    # inputs' dtype (bf16: 2**-9 of each); softmax sums in float32.
+    scores = torch.baddbmm(q.new_empty(B * Hkv, rep * Q, L), q, k.transpose(1, 2), beta=0, alpha=scaling)
+    scores = torch.where(attention_mask[:, :, None], scores.view(B, Hkv, rep, Q, L), float("-inf"))
+    out = torch.bmm(scores.softmax(-1).view(B * Hkv, rep * Q, L), v)  # [B * Hkv, rep * Q, D]
     return out.view(B, H, Q, D).transpose(1, 2), None
 
 

@@ -37,8 +37,6 @@ logger = logging.get_logger(__name__)
 
 # Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
 _CAPACITY_STEP = 256
-# `top_k`'s chunk: 128 divides the vocabularies of Qwen3.5 (248320) and the house model (8192)
-TOPK_CHUNK = 128
 
 
 
@@ -284,12 +282,8 @@ class MTPDrafter:
         rope = tuple(t.to(device) for t in self.rotary_emb(embeds, positions.expand(3, *positions.shape)))
         return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries)
 
-    def _top_children(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `topk` most likely next tokens after outputs `hidden [..., hidden]`: their draft log-probabilities
-        (float32) and ids, each `[..., topk]`, best first."""
-        logits = self.lm_head(hidden).float()  # [..., V]
-        best, tokens = top_k(logits, self.topk)
-        return best - logits.logsumexp(-1, keepdim=True), tokens
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float().log_softmax(-1)
 
     def _extend(
         self,
@@ -366,7 +360,7 @@ class MTPDrafter:
         committed_keys = ((keys >= cache.offset) & (keys < cache.offset + committed[:, None]))[:, None, :]  # [B, 1, L]
 
         # the drafted nodes, level by level; node ids number them in this order (shallower first)
-        logp, tokens = self._top_children(root_hidden)  # [B, K]
+        logp, tokens = self._log_probs(root_hidden).topk(K, dim=-1)  # [B, K]
         all_tokens, all_logp, all_cum = [tokens], [logp], [logp]
         all_parents = [torch.full_like(tokens, -1)]
         frontier_hidden = root_hidden[:, None].expand(-1, K, -1)  # [B, K, hidden]
@@ -386,7 +380,7 @@ class MTPDrafter:
                 slots.expand(batch_size, -1),
                 few_queries=True,
             )  # [B, K, hidden]
-            child_logp, child_tokens = self._top_children(out)  # [B, K, K]
+            child_logp, child_tokens = self._log_probs(out).topk(K, dim=-1)  # [B, K, K]
             child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
             child_tokens = child_tokens.flatten(1)
             all_tokens.append(child_tokens)
@@ -465,28 +459,6 @@ class _MTPKVCache:
         self.key.scatter_(2, index, key_states)
         self.value.scatter_(2, index, value_states)
         return self.key[:, :, : self.num_keys], self.value[:, :, : self.num_keys]
-
-
-def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k)` over the last dim (values, then indices; best first, equal values in any order), by rounds over
-    `TOPK_CHUNK`-wide chunks: each chunk's top `k` (a shorter last chunk stays whole), then the top `k` of those.
-
-    Why: torch's top-k runs one block per row, which walks the whole row several times (a radix select); on an H200
-    that was 48 us for 32 rows of the house model's 8192-token vocabulary, four to five calls a drafting round
-    (twenty-first session's kernel log). Chunks give it many short rows, each round `TOPK_CHUNK / k` times fewer."""
-    n = x.shape[-1]
-    if k > TOPK_CHUNK or n <= 2 * TOPK_CHUNK:
-        return x.topk(k, dim=-1)
-    whole = n // TOPK_CHUNK * TOPK_CHUNK  # [..., :whole] in chunks, a view of x
-    part, index = x[..., :whole].unflatten(-1, (-1, TOPK_CHUNK)).topk(k, dim=-1)  # [..., whole / TOPK_CHUNK, k]
-    values = part.flatten(-2)
-    index = (index + torch.arange(0, whole, TOPK_CHUNK, device=x.device)[:, None]).flatten(-2)
-    if whole < n:
-        values = torch.cat([values, x[..., whole:]], dim=-1)
-        tail = torch.arange(whole, n, device=x.device).expand(*x.shape[:-1], -1)
-        index = torch.cat([index, tail], dim=-1)
-    best, which = top_k(values, k)
-    return best, index.gather(-1, which)
 
 
 def _round_up(n: int, step: int) -> int:

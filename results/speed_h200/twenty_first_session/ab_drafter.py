@@ -1,8 +1,11 @@
 """The MTP drafter's round against its form before this session, in one process, passes taken in turns
 (`eval/ab_turns.py`). Arguments: eval/run.py's (the first batch size; `bole` mode's depth, topk and compile).
 
-    after   a round's steps attend by matmuls (`mtp_attention`, few_queries) and take the top-k in chunks (`top_k`)
-    before  SDPA (its memory-efficient kernel) in every step and `log_softmax(...).topk(...)` over the whole vocabulary
+    after   a round's steps attend by matmuls (`mtp_attention` with few_queries)
+    before  SDPA (its memory-efficient kernel) in every step
+
+Call 4 of the twenty-first session ran this script on `e41afd3`, whose `after` also took the top-k over the
+vocabulary in 128-wide chunks (and `before` as now): that top-k was dropped after the run (README.md).
 
     python results/speed_h200/twenty_first_session/ab_drafter.py --datasets mbpp --num-prompts 8 \
         --max-new-tokens 128 --batch-sizes 8 --repeats 5
@@ -22,9 +25,6 @@ from hf_bole.generation.drafters.mtp import MTPDrafter  # noqa: E402
 
 
 class Before(MTPDrafter):
-    def _top_children(self, hidden):
-        return self.lm_head(hidden).float().log_softmax(-1).topk(self.topk, dim=-1)
-
     def _step(self, *args, few_queries):
         return super()._step(*args, few_queries=False)
 
