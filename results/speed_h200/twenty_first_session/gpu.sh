@@ -33,7 +33,7 @@ house_b1c)  # house, batch 1, compiled ar/chain/bole with the fix: issue 8's bol
 house_b8c)  # house, batch 8, compiled chain/tree-serial/bole and ar: issue 8's bole >= 1.3x tree-serial
     house house_b8_compiled 450 --modes ar chain tree-serial bole --batch-sizes 8 --compile on
     ;;
-drafter)  # call 4: the drafter's attention and top-k (this session's change) on the GPU, then the house tables eager
+drafter)  # call 4, on e41afd3: the drafter's attention and top-k on the GPU, then the house tables eager
     HF_BOLE_TEST_DEVICE=cuda step mtp_tests 100 python3 -m pytest -q tests/generation/test_mtp.py
     ab ab_b8 100 --batch-sizes 8 --repeats 5
     house house_b8_eager 130 --modes ar chain tree-serial bole --batch-sizes 8
