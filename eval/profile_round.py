@@ -129,11 +129,12 @@ def _summarize(prof, label: str, record: dict, wall: float, top: int) -> dict:
         # A phase's range appears twice: on the host (the time in its code) and on the GPU timeline (from its first
         # kernel's start to its last's end, idle gaps included); the kernels inside the latter are its GPU work.
         host_us = _host_phase_us(events)
+        ranges = _gpu_phase_ranges(prof)
         kernel_us, span_us = dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0)
-        for _, duration, phase, _ in _kernels_by_phase(prof):
+        for _, duration, phase, _ in _kernels_by_phase(prof, ranges):
             if phase in kernel_us:
                 kernel_us[phase] += duration
-        for start, end, phase in _gpu_phase_ranges(prof):
+        for start, end, phase in ranges:
             if phase in span_us:
                 span_us[phase] += end - start
         phases = {
@@ -178,14 +179,14 @@ def _gpu_phase_ranges(prof) -> list[tuple[float, float, str]]:
     )
 
 
-def _kernels_by_phase(prof) -> list[tuple[float, float, str, str]]:
-    """(start, duration, phase, name) in microseconds of every GPU kernel in start order, with the phase range it
-    ran in ("-" outside them)."""
+def _kernels_by_phase(prof, phases: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """(start, duration, phase, name) in microseconds of every GPU kernel in start order, with the phase range of
+    `phases` (`_gpu_phase_ranges`) it ran in ("-" outside them)."""
     kernels = sorted(
         (e for e in prof.events() if e.device_type == CUDA and not e.name.startswith("bole::")),
         key=lambda e: e.time_range.start,
     )
-    phases, out, i = _gpu_phase_ranges(prof), [], 0
+    out, i = [], 0
     for e in kernels:
         start = e.time_range.start
         while i < len(phases) and phases[i][1] < start:
@@ -198,7 +199,7 @@ def _kernels_by_phase(prof) -> list[tuple[float, float, str, str]]:
 def _write_kernel_log(prof, path: Path) -> None:
     """Every GPU kernel in start order, with the bole:: phase range (on the GPU timeline) it ran in: what one
     round's phases launch, kernel by kernel, e.g. how many small kernels a layer of the verify forward runs."""
-    kernels = _kernels_by_phase(prof)
+    kernels = _kernels_by_phase(prof, _gpu_phase_ranges(prof))
     t0 = kernels[0][0] if kernels else 0
     with path.open("w") as f:
         f.write("start_us\tdur_us\tphase\tname\n")
