@@ -50,7 +50,8 @@ def test_kernels_fall_in_the_phase_range_around_them():
         _Event("k_verify", CUDA, _Range(61, 90)),
         _Event("host_op", CPU, _Range(20, 30)),
     ])  # fmt: skip
-    got = [(name, phase, duration) for _, duration, phase, name in profile_round._kernels_by_phase(prof, profile_round._gpu_phase_ranges(prof))]
+    kernels = profile_round._kernels_by_phase(prof, profile_round._gpu_phase_ranges(prof))
+    got = [(name, phase, duration) for _, duration, phase, name in kernels]
     assert got == [("k_before", "-", 5), ("k_draft_a", "draft", 4), ("k_draft_b", "draft", 9), ("k_gap", "-", 3),
                    ("k_verify", "verify", 29)]  # fmt: skip
     assert profile_round._gpu_phase_ranges(prof) == [(10, 50, "draft"), (60, 100, "verify")]
