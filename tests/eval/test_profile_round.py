@@ -67,8 +67,13 @@ class _Average:
 def test_host_time_comes_from_the_host_side_ranges():
     """With a GPU every phase's range is averaged twice, on the host and on the GPU timeline (no host time there),
     in either order."""
-    events = [_Average("bole::draft", CPU, 80.0), _Average("bole::draft", CUDA, 0.0),
-              _Average("bole::verify", CUDA, 0.0), _Average("bole::verify", CPU, 30.0), _Average("aten::mm", CPU, 5.0)]  # fmt: skip
+    events = [
+        _Average("bole::draft", CPU, 80.0),
+        _Average("bole::draft", CUDA, 0.0),
+        _Average("bole::verify", CUDA, 0.0),
+        _Average("bole::verify", CPU, 30.0),
+        _Average("aten::mm", CPU, 5.0),
+    ]
     assert profile_round._host_phase_us(events) == {"draft": 80.0, "verify": 30.0}
 
 
