@@ -510,11 +510,11 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         torch.cuda.reset_peak_memory_stats(gpu)
         torch.cuda.synchronize(gpu)
     start = time.perf_counter()
+    # `generation` comes last: a caller's settings there (eval/ab_turns.py's variants) override the mode's.
+    kwargs = {**mode.generate_kwargs(drafter), **graphs, **({"bole_profile": True} if profiled else {}), **generation}
     out = model.generate(
-        input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True,
-        **generation, **extra, **mode.generate_kwargs(drafter), **graphs,
-        **({"bole_profile": True} if profiled else {}),
-    )  # fmt: skip
+        input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True, **extra, **kwargs
+    )
     for gpu in gpus:
         torch.cuda.synchronize(gpu)
     seconds = time.perf_counter() - start
