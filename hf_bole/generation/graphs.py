@@ -52,6 +52,53 @@ def trimmed(verify: VerifyTree, graphed: bool) -> VerifyTree:
     return verify.narrowed(width_bucket(width, verify.input_ids.shape[1]) if graphed else width)
 
 
+class Trim:
+    """The width each round's verify forward runs at, read from the device only where the read pays.
+
+    Selection pads every row to the most a row could get (`W = verify.input_ids.shape[1]` columns), and the forward
+    costs by its width; `trimmed` cuts it to the widest row kept, a host read that waits for drafting and selection.
+    The host then launches the forward while the GPU idles (0.45 ms before each verify graph's first kernel on the
+    house model at batch 8; the twenty-second session's A/B: 3600 against 3042 tokens/s without the read). So:
+
+    - without CUDA graphs, several rows (or one row not pipelined): the forward runs at the widest row's exact width;
+    - one row pipelined or replayed from graphs keeps the width of its budget, what the budget deems nearly free;
+    - several rows replayed from graphs: graph widths are buckets (`width_bucket`), so a cut leaves the forward at
+      about its padded width or takes a bucket well below it. The host reads the widest row while the latest round
+      it knows of could be cut by a quarter of `W` or more (rows sharing a small budget: at batch 8 and a budget of
+      32, 84% of the oracle drafter's rounds had no row over 16 of the 25 columns); after a round it could not cut
+      that far (the house model's MTP drafts at batch 8 and the fallback budget fill 32 of the 33) the forward
+      keeps `W` without the read, and that round's widest row reaches the host through a copy read once it has
+      arrived, never waited for.
+
+    Every choice verifies the same nodes: only padding is cut.
+    """
+
+    def __init__(self, graphed: bool, pipelined: bool):
+        self.graphed, self.pipelined = graphed, pipelined
+        self.widest: int | None = None  # the widest row kept (root included) of the latest round the host knows of
+        self._arriving: tuple[torch.Tensor, object] | None = None  # ([1] widest on the host, event after its copy)
+
+    def __call__(self, verify: VerifyTree, active_rows: int) -> VerifyTree:
+        if active_rows == 1 and (self.pipelined or self.graphed):
+            return verify
+        if not self.graphed:
+            return trimmed(verify, graphed=False)
+        padded = verify.input_ids.shape[1]
+        if self._arriving is not None and (self._arriving[1] is None or self._arriving[1].query()):
+            self.widest, self._arriving = int(self._arriving[0]), None
+        if self.widest is not None and 4 * width_bucket(self.widest, padded) > 3 * padded:
+            if self._arriving is None:
+                widest = verify.num_nodes.amax().reshape(1).to("cpu", non_blocking=True)  # pinned, from CUDA
+                event = None
+                if verify.num_nodes.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                self._arriving = (widest, event)
+            return verify
+        self.widest = int(verify.num_nodes.max())
+        return verify.narrowed(width_bucket(self.widest, padded))
+
+
 def capture(run, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """Captures `run()` into a CUDA graph drawing on memory `pool`; returns the graph and what the captured call
     returned (its output buffers, filled by each replay). `run` is called once eagerly on a side stream first, so

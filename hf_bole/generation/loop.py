@@ -44,7 +44,7 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
-from hf_bole.generation.graphs import captures, drop_graphs, graphed_cache, graphed_select, trimmed
+from hf_bole.generation.graphs import Trim, captures, drop_graphs, graphed_cache, graphed_select
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.prefill import chain_prefill, use_chains
 from hf_bole.generation.select_kernel import select_round
@@ -434,6 +434,7 @@ def _decode(
     rounds: list[list[int]] = []  # per round, the tokens each row accepted (0: it sat the round out)
     peak_transient = dict.fromkeys(cache.transient_bytes, 0)  # the rounds' tree state (prefill chains not counted)
     timer = PhaseTimer(device, enabled=bole.profile)
+    trim = Trim(graphed, pipelined)
     queued: list[_Queued] = []  # rounds on the GPU whose tokens the host has not read, oldest first
     uploaded = None  # the `active` list `active_t` [B] holds on the device
     while True:
@@ -476,12 +477,8 @@ def _decode(
         # committed KV of the longest active row (left padding included), from host-side counts: no device read.
         verify = select(tree, root, budget_for(sum(active), P - 1 + longest), per_row, active_t, safe)
         budget_for.observe(verify)  # the goodput rule's draft probabilities (selection ranked them), read next round
-        if sum(active) > 1 or not (pipelined or graphed):
-            # Cut the forward to the widest row kept: a host read, which waits for drafting and selection (pipelined,
-            # for the previous round too: the host reads its tokens while this forward runs). A single row pipelined
-            # or replayed from graphs keeps the width of its budget (what the budget deems nearly free), so that the
-            # forward is enqueued behind them without that wait.
-            verify = trimmed(verify, graphed)
+        # The forward cut to the widest row kept where that pays for the host read it takes (`Trim`).
+        verify = trim(verify, sum(active))
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents.to(cache.device))
         timer.mark("verify")

@@ -12,9 +12,17 @@ import hf_bole
 from hf_bole import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
-from hf_bole.generation.graphs import CAPACITY_STEP, WIDTH_BUCKETS, SelectGraphs, graphed_cache, width_bucket
+from hf_bole.generation.graphs import (
+    CAPACITY_STEP,
+    WIDTH_BUCKETS,
+    SelectGraphs,
+    Trim,
+    graphed_cache,
+    width_bucket,
+)
 from hf_bole.generation.select_kernel import prepared_tree
 from hf_bole.generation.select import select_nodes
+from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import Placement, graph_unsafe_experts, tree_forward
 from tests.generation.recorded_graph import recording_capture
 from tests.models.tiny import batch_trees, build_model, prefill
@@ -55,6 +63,41 @@ def test_width_bucket():
     assert [width_bucket(w, 128) for w in (1, 4, 5, 16, 17, 100, 128)] == [4, 4, 8, 16, 32, 128, 128]
     assert width_bucket(20, 24) == 24  # never wider than selection padded the trees
     assert WIDTH_BUCKETS[-1] == hf_bole.kernels.tree_gdn.closed_form.MAX_NODES  # the kernels' largest tree
+
+
+def _padded_rows(widths: list[int], W: int) -> VerifyTree:
+    """Chains of `widths` nodes (root included) padded to `W` columns, as selection pads them."""
+    parents = torch.full((len(widths), W), -1)
+    for b, n in enumerate(widths):
+        parents[b, 1:n] = torch.arange(n - 1)
+    node_mask = torch.arange(W) < torch.tensor(widths)[:, None]
+    depths = torch.where(node_mask, torch.arange(W), 0)
+    tokens = torch.where(node_mask, 7, 0)
+    return VerifyTree(tokens, parents, depths, torch.where(node_mask, torch.arange(W) - 1, -1), node_mask,
+                      torch.tensor(widths))  # fmt: skip
+
+
+def test_trim_reads_the_widest_row_only_where_the_cut_pays(monkeypatch):
+    """Several rows replayed from graphs: the forward is cut (a host read) while the latest round known could lose
+    a quarter of its width; after a round that could not, it keeps its padded width without reading, and learns
+    that round's width from a copy read once it has arrived. Eager forwards always run at the exact width, one
+    row pipelined or graphed at its budget's."""
+    reads = []
+    max_ = torch.Tensor.max
+    monkeypatch.setattr(torch.Tensor, "max", lambda self, *a, **k: reads.append("max") or max_(self, *a, **k))
+    trim = Trim(graphed=True, pipelined=True)
+    narrow, wide = _padded_rows([3, 9, 5], 33), _padded_rows([30, 2, 5], 33)
+    assert trim(narrow, 3).input_ids.shape[1] == 16 and reads == ["max"]  # nothing known yet: read, cut to 16
+    assert trim(wide, 3).input_ids.shape[1] == 32 and trim.widest == 30  # the latest round was narrow: read
+    reads.clear()
+    assert trim(narrow, 3).input_ids.shape[1] == 33 and reads == []  # the latest was wide: padded, no read
+    assert trim.widest == 30  # the copy of this round's widest row (9) is on its way (on a CPU: already there)
+    assert trim(narrow, 3).input_ids.shape[1] == 16 and trim.widest == 9  # it arrived: this round is cut
+    assert reads == ["max"]
+    assert trim(wide, 1) is wide  # one row keeps its budget's width
+    eager = Trim(graphed=False, pipelined=True)
+    assert eager(wide, 3).input_ids.shape[1] == 30 and eager(narrow, 3).input_ids.shape[1] == 9
+    assert eager(wide, 1) is wide and Trim(graphed=False, pipelined=False)(wide, 1).input_ids.shape[1] == 30
 
 
 def test_graphed_cache_is_kept_and_grown():

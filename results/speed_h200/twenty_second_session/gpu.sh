@@ -17,6 +17,20 @@ measure)  # the drafter's attention on CUDA, the host time of graph launches, pe
     STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_trim 250 python3 results/speed_h200/twenty_second_session/ab_trim.py \
         --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --repeats 5 --output-dir "$OUT"
     ;;
+trim)  # Trim against a cut every round: CUDA tests, house batch 8, the 9B shape at batch 8 and a budget of 32, eager
+    HF_BOLE_TEST_DEVICE=cuda step cuda_tests 100 python3 -m pytest -q -x tests/generation/test_graphs.py \
+        tests/generation/test_mtp.py -k "trim or cuda_graphs_generate or few_queries or without_sdpa or whole_cache"
+    STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_trim_house 100 python3 results/speed_h200/twenty_second_session/ab_trim.py \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --repeats 5 --output-dir "$OUT"
+    STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_trim_9b 200 python3 results/speed_h200/twenty_second_session/ab_trim.py \
+        --shape 9B --depth 6 --budget 32 --max-new-tokens 256 --num-prompts 8 --batch-sizes 8 --repeats 3 --output-dir "$OUT"
+    ;;
+house)  # the README's eager house rows (MBPP, batches 1 and 8) with Trim, beside chain and tree-serial
+    STEP_SHOWS="^\| mbpp|NOT a tie" STEP_TAIL=30 step house 250 python3 eval/run.py --datasets mbpp \
+        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/house" \
+        --modes ar chain tree-serial bole --batch-sizes 1 8
+    rm -f "$OUT"/house/*.png "$OUT"/house/results.jsonl "$OUT"/house/run.log
+    ;;
 *)
     echo "unknown part $PART"
     ;;
