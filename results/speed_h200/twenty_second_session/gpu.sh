@@ -31,6 +31,17 @@ house)  # the README's eager house rows (MBPP, batches 1 and 8) with Trim, besid
         --modes ar chain tree-serial bole --batch-sizes 1 8
     rm -f "$OUT"/house/*.png "$OUT"/house/results.jsonl "$OUT"/house/run.log
     ;;
+final)  # the fixed Trim test on CUDA, the house A/B again on warm caches, the GSM8K house rows, graph launch times
+    HF_BOLE_TEST_DEVICE=cuda step cuda_tests 80 python3 -m pytest -q -x tests/generation/test_graphs.py -k "trim or cuda_graphs_generate"
+    STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_trim_house 150 python3 results/speed_h200/twenty_second_session/ab_trim.py \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --repeats 5 --output-dir "$OUT"
+    STEP_SHOWS="^\| gsm8k|NOT a tie" STEP_TAIL=30 step house_gsm8k 230 python3 eval/run.py --datasets gsm8k \
+        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/house_gsm8k" \
+        --modes ar chain tree-serial bole --batch-sizes 1 8
+    rm -f "$OUT"/house_gsm8k/*.png "$OUT"/house_gsm8k/results.jsonl "$OUT"/house_gsm8k/run.log "$OUT"/*.jsonl
+    STEP_SHOWS="^\||tokens/s" STEP_TAIL=12 step graph_launch 120 python3 $LAST/graph_launch.py \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8
+    ;;
 *)
     echo "unknown part $PART"
     ;;
