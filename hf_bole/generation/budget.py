@@ -7,7 +7,7 @@ every round.
 `T_ver(N)` is the complete verify forward (`tree_forward`: every layer, the LM head over every node) of a batch of
 draft trees holding `N` draft nodes in all, plus one root per request, from a cache prefilled to the KV-length
 bucket, at the width of the widest row kept (or that width's CUDA-graph bucket): what `generate` runs where it cuts
-the forward (`graphs.Trim`); where it keeps the padded width, the cut would have saved under a quarter. Forwards are
+the forward (`graphs.Trim`); it keeps the padded width only after a round whose cut saved under a quarter. Forwards are
 timed as `generate` launches them: replayed from CUDA graphs (`bole_cuda_graphs`, the default on CUDA for dense
 models), where `T_dec` is the roots-only forward replayed the same way, one token per row; or launched from Python,
 where `T_dec` is plain `generate`'s one-token decode step (a `DynamicCache`) of the same batch and KV length. All
