@@ -57,18 +57,21 @@ class Trim:
 
     Selection pads every row to the most a row could get (`W = verify.input_ids.shape[1]` columns), and the forward
     costs by its width; `trimmed` cuts it to the widest row kept, a host read that waits for drafting and selection.
-    The host then launches the forward while the GPU idles (0.45 ms before each verify graph's first kernel on the
-    house model at batch 8; the twenty-second session's A/B: 3600 against 3042 tokens/s without the read). So:
+    The host then launches the forward while the GPU idles. So:
 
     - without CUDA graphs, several rows (or one row not pipelined): the forward runs at the widest row's exact width;
     - one row pipelined or replayed from graphs keeps the width of its budget, what the budget deems nearly free;
     - several rows replayed from graphs: graph widths are buckets (`width_bucket`), so a cut leaves the forward at
       about its padded width or takes a bucket well below it. The host reads the widest row while the latest round
-      it knows of could be cut by a quarter of `W` or more (rows sharing a small budget: at batch 8 and a budget of
-      32, 84% of the oracle drafter's rounds had no row over 16 of the 25 columns); after a round it could not cut
-      that far (the house model's MTP drafts at batch 8 and the fallback budget fill 32 of the 33) the forward
+      it knows of could be cut by a quarter of `W` or more; after a round it could not cut that far the forward
       keeps `W` without the read, and that round's widest row reaches the host through a copy read once it has
       arrived, never waited for.
+
+    The twenty-second session's A/Bs (results/speed_h200/twenty_second_session), against a cut every round: on the
+    9B shape at batch 8 and a budget of 32, where 84% of the oracle drafter's rounds keep no row over 16 of 25
+    columns (`widths.py` there) and the forward is bound by its GPU time, 10% faster; on the house model at batch 8, where the widest row is often
+    16 of 33 and a cut saves it no time, 1% (never cutting was 18% faster there: the width says too little of the
+    time).
 
     Every choice verifies the same nodes: only padding is cut.
     """
