@@ -67,11 +67,11 @@ class Trim:
       keeps `W` without the read, and that round's widest row reaches the host through a copy read once it has
       arrived, never waited for.
 
-    The twenty-second session's A/Bs (results/speed_h200/twenty_second_session), against a cut every round: on the
-    9B shape at batch 8 and a budget of 32, where 84% of the oracle drafter's rounds keep no row over 16 of 25
-    columns (`widths.py` there) and the forward is bound by its GPU time, 10% faster; on the house model at batch 8, where the widest row is often
-    16 of 33 and a cut saves it no time, 1% (never cutting was 18% faster there: the width says too little of the
-    time).
+    The twenty-second session's A/Bs (results/speed_h200/twenty_second_session), against a cut every round:
+    - the 9B shape at batch 8 and a budget of 32, 10% faster. 84% of the oracle drafter's rounds keep no row over 16
+      of 25 columns (`widths.py` there), and the forward is bound by its GPU time;
+    - the house model at batch 8, 1% faster. Its widest row is often 16 of 33, a cut that saves it no time; never
+      cutting was 18% faster there, since the width says too little of the time.
 
     Every choice verifies the same nodes: only padding is cut.
     """
