@@ -631,9 +631,12 @@ class _Rows:
         start = self.generated
         steps = torch.arange(L, device=tokens.device)
         # Write first: stopping criteria read the row's ids. Entries past a row's length go to the spare last
-        # column, never read; entries past a stop are overwritten or padded later.
-        col = torch.where(steps[None, :] < lengths[:, None], self.P + start[:, None] + steps, self.seq.shape[1] - 1)
-        self.seq.scatter_(1, col, tokens)
+        # column as padding: a finished row's count may run past the sequence by the rounds in flight, and the stop
+        # strings' windows over its entries then read that column (their criterion embeds every id: no -1 there).
+        # Entries past a stop are overwritten or padded later.
+        real = steps[None, :] < lengths[:, None]  # [B, L]
+        col = torch.where(real, self.P + start[:, None] + steps, self.seq.shape[1] - 1)
+        self.seq.scatter_(1, col, torch.where(real, tokens, self.pad))
         suffix = self.stopping.suffix_stops(self.seq, self.P + start[:, None] + steps + 1)  # [B, L] or None
         self.generated = start + lengths
         parts = [lengths[:, None], tokens] + ([suffix.long()] if suffix is not None else [])

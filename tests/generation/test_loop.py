@@ -564,6 +564,28 @@ def test_stopping_multi_token_stop_strings(dense, longest):
     assert torch.equal(out, ref)
 
 
+def test_stop_string_windows_past_a_finished_row():
+    """A finished row's count may run past `max_new` by the rounds in flight (pipelined), so the stop strings'
+    windows over its meaningless entries reach the spare last column. That column must hold a token id, not the -1
+    of an accepted path's padding: the criterion embeds every id of its windows (on the CPU an IndexError, which
+    ended eval/run.py's house runs at batch 8, depth 6, budget 32; on CUDA a device-side assert)."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from hf_bole.generation.loop import _Rows, _Stopping
+
+    P, max_new, pad = 4, 6, 0
+    stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
+    seq = torch.full((2, P + max_new + 3), pad, dtype=torch.long)  # 3 spare columns, the last one the padding's
+    rows = _Rows(2, P, max_new, stopping, seq, pad)
+    rows.generated = torch.tensor([max_new + 2, 1])  # row 0 done; row 1 has its first token
+    tokens = torch.tensor([[-1, -1, -1, -1, -1], [3, 1, 2, -1, -1]])  # [B, L]: -1 past each row's path
+    written = rows.write(tokens, torch.tensor([0, 3]))
+    assert seq[:, -1].tolist() == [pad, pad]
+    assert seq[1, P + 1 : P + 4].tolist() == [3, 1, 2]
+    stops = written.host[:, 1 + 5 :]  # [B, L] after the lengths and the tokens
+    assert stops[1, :3].tolist() == [0, 0, 1]  # "bc" ends at row 1's third token
+
+
 def _samples(model, prompt, n, **kwargs):
     out = model.generate(
         torch.tensor([prompt] * n), max_new_tokens=3, do_sample=True, top_k=0, pad_token_id=0, **kwargs
