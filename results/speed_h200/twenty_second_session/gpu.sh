@@ -42,11 +42,11 @@ final)  # the fixed Trim test on CUDA, the house A/B again on warm caches, the G
     STEP_SHOWS="^\||tokens/s" STEP_TAIL=12 step graph_launch 120 python3 $LAST/graph_launch.py \
         --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8
     ;;
-depth_b8)  # whether a shallower tree pays at batch 8: drafting costs by its steps (one MTP forward a level, launch
+depth_b8)  # which depth and budget pay at batch 8: drafting costs by its steps (one MTP forward a level, launch
            # bound), chain's three steps took half of bole's five (call 2), and chain outran bole at batch 8 on MBPP
-    STEP_SHOWS="^\| mbpp|NOT a tie" STEP_TAIL=30 step depth_b8 300 python3 eval/run.py --datasets mbpp \
+    STEP_SHOWS="^\| mbpp|NOT a tie" STEP_TAIL=30 step depth_b8 500 python3 eval/run.py --datasets mbpp \
         --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/depth_b8" \
-        --modes chain bole --depth 3 4 5 --batch-sizes 8
+        --modes chain bole --depth 4 5 6 --budget 32 64 128 --batch-sizes 8
     rm -f "$OUT"/depth_b8/*.png "$OUT"/depth_b8/results.jsonl "$OUT"/depth_b8/run.log
     ;;
 *)
