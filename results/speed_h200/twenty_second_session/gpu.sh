@@ -49,6 +49,12 @@ depth_b8)  # which depth and budget pay at batch 8: drafting costs by its steps 
         --modes chain bole --depth 4 5 6 --budget 32 64 128 --batch-sizes 8
     rm -f "$OUT"/depth_b8/*.png "$OUT"/depth_b8/results.jsonl "$OUT"/depth_b8/run.log
     ;;
+prefill)  # the house prompts (about 900 tokens) prefilled as chains against "auto"'s eager forward, batches 8 and 1
+    STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_prefill_b8 200 python3 results/speed_h200/twenty_second_session/ab_prefill.py \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --repeats 5 --output-dir "$OUT"
+    STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_prefill_b1 150 python3 results/speed_h200/twenty_second_session/ab_prefill.py \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 1 --repeats 5 --output-dir "$OUT"
+    ;;
 *)
     echo "unknown part $PART"
     ;;
