@@ -1,7 +1,7 @@
 # Sourced by the session scripts under results/ (one device command each part): makes $OUT, installs fla-core from
 # .whl/ and this checkout, prints the GPU and versions, and defines `step NAME SECONDS COMMAND...`, which runs
 # COMMAND with a time limit, logs it to $OUT/NAME.log and shows the log's lines matching $STEP_SHOWS (its last
-# $STEP_TAIL). Run from the repository root.
+# $STEP_TAIL), and `house_run` for the house model's tables (eval/run.py). Run from the repository root.
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=/tmp/hf_bole_cache
@@ -20,4 +20,12 @@ step() {  # step NAME SECONDS COMMAND...
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "exit $?, $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
     grep -E "$STEP_SHOWS" "$OUT/$name.log" | tail -"$STEP_TAIL"
+}
+house_run() {  # house_run NAME SECONDS DATASET ARGS...: eval/run.py on the house model, 8 prompts of DATASET, 128 new
+               # tokens, profiled, passes in turns, into $OUT/NAME; its plots, per-prompt records and log dropped
+    local name=$1 limit=$2 dataset=$3
+    shift 3
+    STEP_SHOWS="^\| $dataset|NOT a tie" STEP_TAIL=30 step "$name" "$limit" python3 eval/run.py --datasets "$dataset" \
+        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/$name" "$@"
+    rm -f "$OUT/$name"/*.png "$OUT/$name"/results.jsonl "$OUT/$name"/run.log
 }

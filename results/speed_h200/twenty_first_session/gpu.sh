@@ -7,13 +7,6 @@
 # gzipped, more than can travel beside the 35 MB checkout (64 MiB), so that was dropped.
 set -uo pipefail
 . eval/gpu_preamble.sh
-house() {  # house NAME SECONDS ARGS...: the house model on 8 MBPP prompts, 128 new tokens, passes in turns
-    local name=$1 limit=$2
-    shift 2
-    STEP_SHOWS="^\| mbpp|NOT a tie" STEP_TAIL=30 step "$name" "$limit" python3 eval/run.py --datasets mbpp \
-        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/$name" "$@"
-    rm -f "$OUT/$name"/*.png "$OUT/$name"/results.jsonl "$OUT/$name"/run.log
-}
 ab() {  # ab NAME SECONDS ARGS...: the drafter before and after this session, passes in turns (ab_drafter.py)
     local name=$1 limit=$2
     shift 2
@@ -28,17 +21,17 @@ fixtest)  # the compiled-path fix (315dbd0) on the GPU: inductor over two KV cap
         -k "inductor_graph_with_the_capacity_symbolic or compiled"
     ;;
 house_b1c)  # house, batch 1, compiled ar/chain/bole with the fix: issue 8's bole >= 1.2x chain at batch 1
-    house house_b1_compiled 450 --modes ar chain bole --batch-sizes 1 --compile on
+    house_run house_b1_compiled 450 mbpp --modes ar chain bole --batch-sizes 1 --compile on
     ;;
 house_b8c)  # house, batch 8, compiled chain/tree-serial/bole and ar: issue 8's bole >= 1.3x tree-serial
-    house house_b8_compiled 450 --modes ar chain tree-serial bole --batch-sizes 8 --compile on
+    house_run house_b8_compiled 450 mbpp --modes ar chain tree-serial bole --batch-sizes 8 --compile on
     ;;
 drafter)  # call 4, on e41afd3: the drafter's attention and top-k on the GPU, then the house tables eager
     HF_BOLE_TEST_DEVICE=cuda step mtp_tests 100 python3 -m pytest -q tests/generation/test_mtp.py
     ab ab_b8 100 --batch-sizes 8 --repeats 5
-    house house_b8_eager 130 --modes ar chain tree-serial bole --batch-sizes 8
+    house_run house_b8_eager 130 mbpp --modes ar chain tree-serial bole --batch-sizes 8
     ab ab_b1 70 --batch-sizes 1 --repeats 7
-    house house_b1_eager 100 --modes ar chain tree-serial bole --batch-sizes 1
+    house_run house_b1_eager 100 mbpp --modes ar chain tree-serial bole --batch-sizes 1
     ;;
 next1)  # the next session's first call: the host time of each graph launch (graph_launch.py), then the per-phase
         # table with host time beside kernels and span (profile_round.py as of this session), eager graphs, batch 8
@@ -49,7 +42,7 @@ next1)  # the next session's first call: the host time of each graph launch (gra
     ab ab_b8 250 --batch-sizes 8 --repeats 5
     ;;
 next2)  # the compiled house modes at batch 1 with this session's drafter (851.7 tokens/s and 1.29x chain before it)
-    house house_b1_compiled 570 --modes ar chain bole --batch-sizes 1 --compile on
+    house_run house_b1_compiled 570 mbpp --modes ar chain bole --batch-sizes 1 --compile on
     ;;
 next3)  # the README's 9B batch-8 compiled row with tree attention (2078.6 tokens/s, 2.56x ar-static at 18ff197)
     STEP_SHOWS="^\||tokens/s|exact" STEP_TAIL=12 step speed9b_b8_compiled 570 python3 eval/run.py --shape 9B \

@@ -26,28 +26,20 @@ trim)  # Trim against a cut every round: CUDA tests, house batch 8, the 9B shape
         --shape 9B --depth 6 --budget 32 --max-new-tokens 256 --num-prompts 8 --batch-sizes 8 --repeats 3 --output-dir "$OUT"
     ;;
 house)  # the README's eager house rows (MBPP, batches 1 and 8) with Trim, beside chain and tree-serial
-    STEP_SHOWS="^\| mbpp|NOT a tie" STEP_TAIL=30 step house 250 python3 eval/run.py --datasets mbpp \
-        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/house" \
-        --modes ar chain tree-serial bole --batch-sizes 1 8
-    rm -f "$OUT"/house/*.png "$OUT"/house/results.jsonl "$OUT"/house/run.log
+    house_run house 250 mbpp --modes ar chain tree-serial bole --batch-sizes 1 8
     ;;
 final)  # the fixed Trim test on CUDA, the house A/B again on warm caches, the GSM8K house rows, graph launch times
     HF_BOLE_TEST_DEVICE=cuda step cuda_tests 80 python3 -m pytest -q -x tests/generation/test_graphs.py -k "trim or cuda_graphs_generate"
     STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_trim_house 150 python3 results/speed_h200/twenty_second_session/ab_trim.py \
         --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --repeats 5 --output-dir "$OUT"
-    STEP_SHOWS="^\| gsm8k|NOT a tie" STEP_TAIL=30 step house_gsm8k 230 python3 eval/run.py --datasets gsm8k \
-        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/house_gsm8k" \
-        --modes ar chain tree-serial bole --batch-sizes 1 8
-    rm -f "$OUT"/house_gsm8k/*.png "$OUT"/house_gsm8k/results.jsonl "$OUT"/house_gsm8k/run.log "$OUT"/*.jsonl
+    house_run house_gsm8k 230 gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8
+    rm -f "$OUT"/*.jsonl
     STEP_SHOWS="^\||tokens/s" STEP_TAIL=12 step graph_launch 120 python3 $LAST/graph_launch.py \
         --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8
     ;;
 depth_b8)  # which depth and budget pay at batch 8: drafting costs by its steps (one MTP forward a level, launch
            # bound), chain's three steps took half of bole's five (call 2), and chain outran bole at batch 8 on MBPP
-    STEP_SHOWS="^\| mbpp|NOT a tie" STEP_TAIL=30 step depth_b8 500 python3 eval/run.py --datasets mbpp \
-        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/depth_b8" \
-        --modes chain bole --depth 4 5 6 --budget 32 64 128 --batch-sizes 8
-    rm -f "$OUT"/depth_b8/*.png "$OUT"/depth_b8/results.jsonl "$OUT"/depth_b8/run.log
+    house_run depth_b8 500 mbpp --modes chain bole --depth 4 5 6 --budget 32 64 128 --batch-sizes 8
     ;;
 prefill)  # the house prompts (about 900 tokens) prefilled as chains against "auto"'s eager forward, batches 8 and 1
     STEP_SHOWS="median|turn" STEP_TAIL=12 step ab_prefill_b8 200 python3 results/speed_h200/twenty_second_session/ab_prefill.py \
