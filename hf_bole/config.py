@@ -95,6 +95,13 @@ class BoleConfig:
             at near-ties (the two best logits within a bf16 step) the output can differ from eager greedy, as
             transformers' own compiled decoding does (house model: 5 of 8 prompts equal, every divergence a
             near-tie; the eager path: 8 of 8).
+        compile_drafter (`bool`, *optional*, defaults to `True`):
+            On CUDA, run the MTP drafter's rounds (cache extension and tree expansion) through `torch.compile`, which
+            fuses the head's norms, rotary embedding and the bookkeeping between its steps into fewer kernels; with
+            `cuda_graphs` the compiled code is what the drafter's graphs capture. The output is the same either way:
+            a draft only proposes, the target's verify forward decides. The first rounds compile a few times
+            (seconds). No effect off CUDA, with another drafter, on a model spread over several devices, or with
+            `compile=True` (which compiles the drafter's rounds too).
         fuse_projections (`bool`, *optional*, defaults to `True`):
             Run the projections of a layer that read one input (a GDN layer's four input projections, attention's
             q, k and v, the MLP's gate and up) as one GEMM in the verify forward (`hf_bole/models/fused.py`). The
@@ -104,8 +111,10 @@ class BoleConfig:
             How the prompt enters the cache. `"chains"`: as chains of at most 128 tokens through the verify forward,
             each committed whole (`hf_bole/generation/prefill.py`), replayed from its CUDA graphs where `cuda_graphs`
             applies. `"plain"`: transformers' forward over the prompt, its kernels launched from Python. `"auto"`:
-            chains when the verify forward replays from graphs and the prompt is at most 512 tokens, plain otherwise
-            (9B shape, batch 1, H200: 12 against 94 ms at 128 tokens, 47 against 59 at 512, 96 against 60 at 1024).
+            chains when the verify forward replays from graphs and the chains would re-read at most 72 GB of weights
+            in all (`prefill.chain_limit`: at least 512 tokens; 512 on the 9B shape, where at batch 1 on an H200
+            they took 12 against 94 ms at 128 tokens, 47 against 59 at 512, 96 against 60 at 1024; ~900-token
+            prompts on the house model, +5% tokens/s at batch 8), plain otherwise.
             Plain whenever the call passes position ids other than `generate`'s own (each row's tokens counted from
             0), or with `verify="serial"`. Both compute the same recurrence; their kernels round differently, like
             the verify forward's against plain decoding's. A chain's forward computes logits at every node, kept in
@@ -146,6 +155,7 @@ class BoleConfig:
     ngram_min_size: int = 1
     cuda_graphs: bool = True
     compile: bool = False
+    compile_drafter: bool = True
     fuse_projections: bool = True
     prefill: str = "auto"
     pipeline: bool = True
@@ -162,7 +172,7 @@ class BoleConfig:
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
-        for name in ("cuda_graphs", "compile", "fuse_projections", "pipeline", "profile"):
+        for name in ("cuda_graphs", "compile", "compile_drafter", "fuse_projections", "pipeline", "profile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BoleConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.prefill not in PREFILL_MODES:

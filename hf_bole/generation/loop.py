@@ -218,19 +218,21 @@ def release(model) -> None:
     _MTP_DRAFTERS.pop(model, None)
 
 
-def _make_drafter(model, config: BoleConfig):
+def _make_drafter(model, config: BoleConfig, device: torch.device):
     if config.drafter == "ngram":
         return NgramDrafter(config)
     if config.drafter == "mtp":
         # Loading the head reads the checkpoint: keep one per model (and tree shape) across generate calls.
         from hf_bole.generation.drafters.mtp import MTPDrafter
 
+        # Compiled drafting proposes what eager drafting does up to rounding, and the verify forward decides.
+        compile = config.compile or (config.compile_drafter and device.type == "cuda")
         per_model = _MTP_DRAFTERS.setdefault(model, {})
-        key = (config.depth, config.topk, config.cuda_graphs, config.compile)
+        key = (config.depth, config.topk, config.cuda_graphs, compile)
         if key not in per_model:
             try:
                 per_model[key] = MTPDrafter.from_model(
-                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs, compile=config.compile
+                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs, compile=compile
                 )
             except ValueError as e:
                 raise ValueError(
@@ -355,7 +357,7 @@ def _decode(
     # The budget of each round: fixed, or looked up by active rows and KV length ("auto", generation/budget.py).
     budget_for = BudgetResolver.for_model(model, bole, B)
     per_row = max(1, min(row_cap, budget_for.max_budget))
-    drafter = _make_drafter(model, bole)
+    drafter = _make_drafter(model, bole, device)
     builtin_drafter = isinstance(bole.drafter, str)  # a user's drafter gets its trees checked every round
     max_depth = _max_depth(drafter)
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -372,7 +374,8 @@ def _decode(
     # Committed slots never exceed prompt + max_new + one round's overshoot per round in flight; the tree needs
     # per_row + 1 more.
     capacity = P + max_new + (1 + lag) * step + per_row + 1
-    chains = use_chains(bole.prefill, graphed, P, bole.verify)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # what each prefill chain re-reads
+    chains = use_chains(bole.prefill, graphed, P, bole.verify, weight_bytes)
     if chains:  # one host read: a chain numbers each row's tokens from 0 (as generate's own position ids do), and a
         # row of padding alone has none
         chains = bool((((position_ids == counted) | ~mask).all() & mask.any(-1).all()))
@@ -538,7 +541,8 @@ def _decode(
 
 def _spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
     """`bole` for a model spread over several devices (accelerate's `device_map`): refuses `compile` and turns CUDA
-    graphs off, saying so once (a graph is captured on one device's stream)."""
+    graphs and the drafter's compile off, saying so once (a graph is captured on one device's stream; compiled
+    drafting there, whose embedding and rotary embedding run on other devices, was never run)."""
     if not place.spans_devices:
         return bole
     devices = ", ".join(map(str, place.devices))
@@ -548,12 +552,13 @@ def _spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
             f"over {len(place.devices)} devices ({devices}) by its device_map; drop bole_compile (or load the model on "
             f"one device)"
         )
-    if bole.cuda_graphs and any(d.type == "cuda" for d in place.devices):
+    if (bole.cuda_graphs or bole.compile_drafter) and any(d.type == "cuda" for d in place.devices):
         logger.warning_once(
-            f"hf_bole: CUDA graphs are off: the model spans {len(place.devices)} devices ({devices}); verify forwards "
-            f"and MTP drafting launch their kernels from Python (bole_cuda_graphs=False says the same without this warning)"
+            f"hf_bole: CUDA graphs and the drafter's compile are off: the model spans {len(place.devices)} devices "
+            f"({devices}); verify forwards and MTP drafting launch their kernels from Python (bole_cuda_graphs=False "
+            f"and bole_compile_drafter=False say the same without this warning)"
         )
-    return dataclasses.replace(bole, cuda_graphs=False)
+    return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)
 
 
 def _max_depth(drafter) -> int | None:

@@ -6,7 +6,10 @@ the prompt leaves it (the same recurrence, computed in closed form). What differ
 forward launches its kernels one by one from Python; a chain of a bucketed width replays the verify forward's CUDA
 graph. On the 9B shape at batch 1 on an H200 (results/speed_h200/sixteenth_session/) the eager forward took 94 ms
 over a 128-token prompt and 59 ms over 512 tokens, the chains 12 ms and 47 ms, and 96 ms against 60 ms at 1024: each
-chain reads every weight once more, so past a few chains the one eager forward is faster (`CHAIN_PREFILL_MAX`).
+chain reads every weight once more, so past a few chains the one eager forward is faster. The house model (30 MB of
+weights) is the other end: its ~900-token MBPP prompts, 8 chains, raised bole's tokens/s by 5% at batch 8 and 6% at
+batch 1 over the eager forward (results/speed_h200/twenty_third_session/). So "auto" bounds the weights the chains
+re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`).
 """
 
 from __future__ import annotations
@@ -16,18 +19,25 @@ import torch
 from hf_bole.generation.graphs import width_bucket
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
-# The longest prompt "auto" prefills as chains (4 chains of MAX_NODES; measured above).
-CHAIN_PREFILL_MAX = 4 * MAX_NODES
+# The most weight bytes "auto"'s chains may read in all: 4 chains of the 9B shape's 18 GB (bf16), where 4 chains
+# (512 tokens) beat the eager forward and 8 lost to it (measured above).
+CHAIN_PREFILL_READ_BYTES = 4 * 18 * 10**9
 
 
-def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str) -> bool:
+def chain_limit(weight_bytes: int) -> int:
+    """The longest prompt "auto" prefills as chains for a model of `weight_bytes`: as many chains of `MAX_NODES` as
+    read `CHAIN_PREFILL_READ_BYTES` of weights, and at least 4 (512 tokens, the 9B shape's)."""
+    return MAX_NODES * max(4, CHAIN_PREFILL_READ_BYTES // max(weight_bytes, 1))
+
+
+def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str, weight_bytes: int) -> bool:
     """Whether `generate` may prefill as chains: asked for ("chains"), or "auto" with the verify forward replayed
-    from CUDA graphs and a prompt of at most `CHAIN_PREFILL_MAX` tokens; never with `verify="serial"`, whose forward
-    would keep a state snapshot per prompt token. (The loop also needs position ids that count each row's tokens:
-    a chain takes each token's position from the cache, the tokens before it in its row.)"""
+    from CUDA graphs and a prompt of at most `chain_limit(weight_bytes)` tokens; never with `verify="serial"`, whose
+    forward would keep a state snapshot per prompt token. (The loop also needs position ids that count each row's
+    tokens: a chain takes each token's position from the cache, the tokens before it in its row.)"""
     if mode == "plain" or verify != "closed_form":
         return False
-    return mode == "chains" or (graphed and prompt_length <= CHAIN_PREFILL_MAX)
+    return mode == "chains" or (graphed and prompt_length <= chain_limit(weight_bytes))
 
 
 @torch.no_grad()

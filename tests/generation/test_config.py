@@ -47,6 +47,7 @@ def test_auto_attention_is_the_kernel_on_cuda():
         pytest.param({"attention": "sdpa"}, "BoleConfig.attention must be one of", id="attention"),
         pytest.param({"prefill": "graph"}, "BoleConfig.prefill must be one of", id="prefill"),
         pytest.param({"fuse_projections": 1}, "BoleConfig.fuse_projections must be True or False", id="fuse-int"),
+        pytest.param({"compile_drafter": "yes"}, "BoleConfig.compile_drafter must be True or False", id="drafter-str"),
         pytest.param({"drafter": "eagle"}, "BoleConfig.drafter must be one of", id="drafter-name"),
         pytest.param({"drafter": object()}, "object without one", id="drafter-object"),
         pytest.param({"ngram_min_size": 3, "ngram_max_size": 2}, "ngram_min_size", id="ngram-order"),

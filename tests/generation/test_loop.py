@@ -269,6 +269,23 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
     hf_bole.release(model)
 
 
+def test_drafter_compiles_on_cuda_only(dense_with_mtp):
+    """`compile_drafter` (the default) compiles the MTP drafter's rounds on CUDA only (drafts only propose, so the
+    output cannot change); `compile_drafter=False` or another device keeps them eager, `compile=True` compiles them
+    anywhere. Built here without running: compiling happens on a drafter's first round."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for config, device, compiled in [
+        (BoleConfig(), cuda, True),
+        (BoleConfig(), cpu, False),
+        (BoleConfig(compile_drafter=False), cuda, False),
+        (BoleConfig(compile=True, compile_drafter=False), cpu, True),
+    ]:
+        drafter = loop._make_drafter(dense_with_mtp, config, device)
+        assert drafter.compile is compiled, (config, device)
+        assert loop._MTP_DRAFTERS[dense_with_mtp][config.depth, config.topk, config.cuda_graphs, compiled] is drafter
+    hf_bole.release(dense_with_mtp)
+
+
 def test_greedy_matches_plain_mtp(dense_with_mtp):
     ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
     out = bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
@@ -729,14 +746,14 @@ def test_greedy_matches_plain_mtp_from_pretrained_device_map(dense_with_mtp, tmp
 
 
 def test_spread_model_settings(caplog):
-    """A model over two GPUs: CUDA graphs off, said once in a warning naming the devices; compile refused; a model
-    on one device keeps its settings."""
+    """A model over two GPUs: CUDA graphs and the drafter's compile off, said once in a warning naming the devices;
+    compile refused; a model on one device keeps its settings."""
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     spread = Placement(gpus[0], gpus[1], (gpus[0], gpus[0], gpus[1], gpus[1]))
     with caplog.at_level(logging.WARNING):
         settings = _spread_settings(BoleConfig(), spread)
-    assert not settings.cuda_graphs
-    assert "CUDA graphs are off: the model spans 2 devices (cuda:0, cuda:1)" in caplog.text
+    assert not settings.cuda_graphs and not settings.compile_drafter
+    assert "CUDA graphs and the drafter's compile are off: the model spans 2 devices (cuda:0, cuda:1)" in caplog.text
     with pytest.raises(ValueError, match="bole_compile=True.*spread over 2 devices.*drop bole_compile"):
         _spread_settings(BoleConfig(compile=True), spread)
     one = Placement(gpus[0], gpus[0], (gpus[0],) * 4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_bole.cache import BoleCache
-from hf_bole.generation.prefill import CHAIN_PREFILL_MAX, chain_prefill, use_chains
+from hf_bole.generation.prefill import chain_limit, chain_prefill, use_chains
 from hf_bole.models import tree_forward
 from tests.models import tiny
 
@@ -51,9 +51,14 @@ def test_chains_leave_the_cache_the_plain_forward_does(kind):
 
 
 def test_which_prefill():
-    assert use_chains("chains", graphed=False, prompt_length=5000, verify="closed_form")
-    assert use_chains("auto", graphed=True, prompt_length=CHAIN_PREFILL_MAX, verify="closed_form")
-    assert not use_chains("auto", True, CHAIN_PREFILL_MAX + 1, "closed_form")  # one forward reads the weights once
-    assert not use_chains("auto", False, 8, "closed_form")  # launched from Python either way
-    assert not use_chains("chains", True, 8, "serial")  # a snapshot per prompt token
-    assert not use_chains("plain", True, 8, "closed_form")
+    nine_b, house = 18 * 10**9, 30 * 10**6  # weight bytes
+    assert chain_limit(nine_b) == 512  # 4 chains: they beat one eager forward there, 8 did not
+    assert chain_limit(4 * nine_b) == 512  # at least 4 chains, however large the model
+    assert chain_limit(house) == 2400 * 128  # a small model re-reads little: long prompts as chains too
+    assert use_chains("chains", graphed=False, prompt_length=5000, verify="closed_form", weight_bytes=nine_b)
+    assert use_chains("auto", graphed=True, prompt_length=512, verify="closed_form", weight_bytes=nine_b)
+    assert not use_chains("auto", True, 513, "closed_form", nine_b)  # one forward reads the weights once
+    assert use_chains("auto", True, 1024, "closed_form", house)
+    assert not use_chains("auto", False, 8, "closed_form", house)  # launched from Python either way
+    assert not use_chains("chains", True, 8, "serial", house)  # a snapshot per prompt token
+    assert not use_chains("plain", True, 8, "closed_form", house)
