@@ -105,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Python (bole_cuda_graphs=False; by default they replay verify forwards and MTP drafting from CUDA graphs)",
     )  # fmt: skip
     ap.add_argument(
+        "--no-compile-drafter", dest="compile_drafter", action="store_false", help="hf_bole modes draft eagerly "
+        "(bole_compile_drafter=False; by default the MTP drafter's rounds run through torch.compile on CUDA)",
+    )  # fmt: skip
+    ap.add_argument(
         "--compile", nargs="*", choices=["off", "on"], default=["off"], help="hf_bole modes run the verify forward "
         "through torch.compile (bole_compile); bare: on; `off on`: a sweep, each hf_bole mode both ways",
     )  # fmt: skip
@@ -332,11 +336,13 @@ def warm_up(
         if key not in compiled:
             hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile, attention=key[3])
             compiled.add(key)
-    # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then. Compiled, each batch
-    # too: a longer prompt grows the MTP drafter's cache, and its compiled round compiles again for the new size
-    # (seconds inside a timed pass otherwise, as seen on the CPU).
-    graphed = mode.drafts and args.cuda_graphs and device.type == "cuda" and not args.device_map
-    for k, batch in enumerate(batches if graphed or mode.compile else batches[:1]):
+    # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then. Compiled (or with
+    # compiled drafting, on CUDA), each batch too: a longer prompt grows the MTP drafter's cache, and its compiled
+    # round compiles again for the new size (seconds inside a timed pass otherwise, as seen on the CPU).
+    cuda = device.type == "cuda" and not args.device_map
+    graphed = mode.drafts and args.cuda_graphs and cuda
+    drafting_compiled = mode.compile or (mode.drafts and args.compile_drafter and cuda)
+    for k, batch in enumerate(batches if graphed or drafting_compiled else batches[:1]):
         run_batch(model, tokenizer, prompts, batch, mode, args, generation, reference[k : k + 1])
     warmed.add((mode.label, batch_size))
 
@@ -502,7 +508,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         )  # fmt: skip
 
     profiled = mode.drafts and args.profile
-    graphs = {"bole_cuda_graphs": args.cuda_graphs} if mode.drafts else {}
+    graphs = {"bole_cuda_graphs": args.cuda_graphs, "bole_compile_drafter": args.compile_drafter} if mode.drafts else {}
     if generation["do_sample"]:
         torch.manual_seed(args.seed + batch[0])  # each batch samples the same way in every mode and run
     timer = metrics.FirstTokenTimer()

@@ -276,7 +276,7 @@ def test_warm_up_runs_every_batch_when_compiled_or_graphed(monkeypatch):
     warmed_batches = []
     monkeypatch.setattr(run, "run_batch", lambda model, tokenizer, prompts, batch, *a: warmed_batches.append(batch))
     monkeypatch.setattr(run.hf_bole, "warmup", lambda *a, **k: None)
-    args = argparse.Namespace(cuda_graphs=True, device_map=False)
+    args = argparse.Namespace(cuda_graphs=True, compile_drafter=True, device_map=False)
     batches = [[0], [1], [2]]
     for compiled, expected in ((False, [[0]]), (True, batches)):
         warmed_batches.clear()
@@ -291,9 +291,11 @@ def test_run_sweeps_tree_settings(checkpoint, tmp_path):
         "--shape", str(checkpoint), "--num-prompts", "2", "--prompt-length", "9", "--max-new-tokens", "16",
         "--modes", "bole", "--batch-sizes", "2", "--depth", "1", "6", "--topk", "2", "--budget", "2", "64",
         "--oracle-accept", "1.0", "--output-dir", str(tmp_path), "--device", "cpu", "--no-cuda-graphs",
+        "--no-compile-drafter",
     ])  # fmt: skip
     by_label = {r["mode"]: r for r in rows}
     assert "CUDA graphs off" in (tmp_path / "results.md").read_text()
+    assert "the MTP drafter eager (--no-compile-drafter)" in (tmp_path / "results.md").read_text()
     assert set(by_label) == {"bole d1 b2", "bole d1 b64", "bole d6 b2", "bole d6 b64"}
     assert all(r["exact_share"] == 1.0 for r in rows)
     assert by_label["bole d6 b64"]["tree_depth"] == 6 and by_label["bole d6 b64"]["tree_budget"] == 64
