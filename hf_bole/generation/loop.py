@@ -226,13 +226,13 @@ def _make_drafter(model, config: BoleConfig, device: torch.device):
         from hf_bole.generation.drafters.mtp import MTPDrafter
 
         # Compiled drafting proposes what eager drafting does up to rounding, and the verify forward decides.
-        compile = config.compile or (config.compile_drafter and device.type == "cuda")
+        compiled = config.compile or (config.compile_drafter and device.type == "cuda")
         per_model = _MTP_DRAFTERS.setdefault(model, {})
-        key = (config.depth, config.topk, config.cuda_graphs, compile)
+        key = (config.depth, config.topk, config.cuda_graphs, compiled)
         if key not in per_model:
             try:
                 per_model[key] = MTPDrafter.from_model(
-                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs, compile=compile
+                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs, compile=compiled
                 )
             except ValueError as e:
                 raise ValueError(
