@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,6 +44,12 @@ from eval.shapes import (  # noqa: E402
 )
 from hf_bole import BoleConfig  # noqa: E402
 
+# (tokenizer, stop strings) -> their criterion, built once per process. transformers 5.17's StopStringCriteria
+# keys its cache by the vocabulary in the tokenizer's dict order, which changes from call to call (5.24 sorts it):
+# built inside each generate call it scanned the vocabulary again every time, 35-70 ms a call on the H200 machine
+# (results/speed_h200/twenty_fourth_session/), as much as a whole bole call on the house model. A server builds it
+# once; every mode gets the same criterion, through `stopping_criteria`.
+_STOP_CRITERIA: dict[tuple[int, tuple[str, ...]], StopStringCriteria] = {}
 FEW_SHOT = ("mbpp", "gsm8k")  # the datasets eval.data prompts with exemplars (the others are zero-shot)
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
@@ -498,7 +505,12 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     input_ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows], device=device)  # [B, P]
     attention_mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=device)  # [B, P]
     stops = tuple(dict.fromkeys(s for i in batch for s in prompts[i][0].stop)) if tokenizer is not None else ()
-    extra = dict(stop_strings=list(stops), tokenizer=tokenizer) if stops else {}
+    extra = {}
+    if stops:
+        key = (id(tokenizer), stops)
+        if key not in _STOP_CRITERIA:
+            _STOP_CRITERIA[key] = StopStringCriteria(tokenizer, list(stops))
+        extra = dict(stopping_criteria=StoppingCriteriaList([_STOP_CRITERIA[key]]))
 
     drafter = args.drafter
     if mode.drafts and args.drafter == "oracle":

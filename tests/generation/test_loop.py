@@ -555,6 +555,15 @@ def test_stopping_stop_strings(dense):
     ids, mask = batch(prompts)
     direct = hf_bole.generate(dense, ids, attention_mask=mask, pad_token_id=0, bole_drafter=drafter, bole_budget=64, **kwargs)
     assert torch.equal(direct, ref)
+    # One criterion built once and passed as `stopping_criteria` (eval/run.py does: transformers 5.17 builds its
+    # vocabulary table again in every call) stops the same way, call after call.
+    from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
+
+    criteria = StoppingCriteriaList([StopStringCriteria(tok, stops)])
+    for _ in range(2):
+        out = bole(dense, prompts, bole_drafter=drafter, bole_budget=64, max_new_tokens=NEW, do_sample=False,
+                   stopping_criteria=criteria)  # fmt: skip
+        assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("longest", [3, 9])
