@@ -14,6 +14,7 @@ Writes results.jsonl, results.md and PNG plots to --output-dir and prints the ta
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -44,12 +45,6 @@ from eval.shapes import (  # noqa: E402
 )
 from hf_bole import BoleConfig  # noqa: E402
 
-# (tokenizer, stop strings) -> their criterion, built once per process. transformers 5.17's StopStringCriteria
-# keys its cache by the vocabulary in the tokenizer's dict order, which changes from call to call (5.24 sorts it):
-# built inside each generate call it scanned the vocabulary again every time, 35-70 ms a call on the H200 machine
-# (results/speed_h200/twenty_fourth_session/), as much as a whole bole call on the house model. A server builds it
-# once; every mode gets the same criterion, through `stopping_criteria`.
-_STOP_CRITERIA: dict[tuple[int, tuple[str, ...]], StopStringCriteria] = {}
 FEW_SHOT = ("mbpp", "gsm8k")  # the datasets eval.data prompts with exemplars (the others are zero-shot)
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
@@ -493,6 +488,16 @@ def interleaved_runs(
     return {i: ([], errors[i]) if i in errors else ([median_record(p) for p in passes[i]], None) for i in passes}
 
 
+@functools.cache
+def _stop_criterion(tokenizer, stops: tuple[str, ...]) -> StopStringCriteria:
+    """The criterion of `stops`, built once per process (the cache holds the tokenizer). transformers 5.17's
+    StopStringCriteria keys its own cache by the vocabulary in the tokenizer's dict order, which changes from call to
+    call (5.24 sorts it): built inside each generate call it scanned the vocabulary again every time, 35-70 ms a call
+    on the H200 machine (results/speed_h200/twenty_fourth_session/), as much as a whole bole call on the house model.
+    A server builds it once; every mode gets the same criterion, through `stopping_criteria`."""
+    return StopStringCriteria(tokenizer, list(stops))
+
+
 def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, generation: dict, reference: list[dict]):
     """One timed generate call over `prompts[batch]` (left-padded), measured and checked against `reference`
     (the `ar` record of the same batch, when there is one)."""
@@ -505,12 +510,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     input_ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows], device=device)  # [B, P]
     attention_mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=device)  # [B, P]
     stops = tuple(dict.fromkeys(s for i in batch for s in prompts[i][0].stop)) if tokenizer is not None else ()
-    extra = {}
-    if stops:
-        key = (id(tokenizer), stops)
-        if key not in _STOP_CRITERIA:
-            _STOP_CRITERIA[key] = StopStringCriteria(tokenizer, list(stops))
-        extra = dict(stopping_criteria=StoppingCriteriaList([_STOP_CRITERIA[key]]))
+    extra = dict(stopping_criteria=StoppingCriteriaList([_stop_criterion(tokenizer, stops)])) if stops else {}
 
     drafter = args.drafter
     if mode.drafts and args.drafter == "oracle":
