@@ -109,16 +109,10 @@ def markdown(rows: list[dict], header: dict) -> str:
             _fmt(r["mean_accepted_tokens"], ".2f"), exact, quality, _fmt(peak, ".2f"), _fmt(tree, ".2f"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    profiled = [r for r in rows if r.get("round_phase_ms")]
-    if profiled:
-        phases = list(profiled[0]["round_phase_ms"])
-        lines += ["", "Where a round's time goes (ms per round; CUDA: device timeline, idle gaps included):", "",
-                  "| dataset | mode | batch | " + " | ".join(phases) + " | total |",
-                  "|---|---|---:|" + "---:|" * (len(phases) + 1)]  # fmt: skip
-        for r in profiled:
-            ms = r["round_phase_ms"]
-            cells = " | ".join(f"{ms[p]:.2f}" for p in phases)
-            lines.append(f"| {r['dataset']} | {r['mode']} | {r['batch_size']} | {cells} | {sum(ms.values()):.2f} |")
+    lines += _phase_table(rows, "round_phase_ms", "Where a round's time goes (ms per round; CUDA: device timeline, idle "
+                          "gaps included):")
+    lines += _phase_table(rows, "round_host_phase_ms", "The same phases on the host clock (ms per round in their Python "
+                          "code; where the host's total exceeds the device's, the GPU waited for Python):")
     lines += budget_sweep(rows)
     diverged = [(r, d) for r in rows for d in r["divergences"]]
     if diverged:
@@ -129,6 +123,21 @@ def markdown(rows: list[dict], header: dict) -> str:
                 f"{d['position']}, ar {d['reference_token']} vs {d['output_token']}: {d['explanation']}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
+    """Markdown lines of the per-round phase times `key` of the rows that have them (none: no lines)."""
+    profiled = [r for r in rows if r.get(key)]
+    if not profiled:
+        return []
+    phases = list(profiled[0][key])
+    lines = ["", title, "", "| dataset | mode | batch | " + " | ".join(phases) + " | total |",
+             "|---|---|---:|" + "---:|" * (len(phases) + 1)]  # fmt: skip
+    for r in profiled:
+        ms = r[key]
+        cells = " | ".join(f"{ms[p]:.2f}" for p in phases)
+        lines.append(f"| {r['dataset']} | {r['mode']} | {r['batch_size']} | {cells} | {sum(ms.values()):.2f} |")
+    return lines
 
 
 def plots(rows: list[dict], out_dir: Path) -> list[Path]:

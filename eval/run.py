@@ -563,6 +563,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         "accept_lengths": accept.flatten().tolist() if accept is not None else [],
         "transient_bytes": out.peak_transient_bytes if mode.drafts else None,
         "round_time_ms": out.round_time_ms if profiled else None,
+        "round_host_ms": out.round_host_ms if profiled else None,
         # summed over the model's GPUs (one, or all under --device-map)
         "peak_memory_bytes": sum(torch.cuda.max_memory_allocated(gpu) for gpu in gpus) if gpus else None,
         "divergences": divergences,
@@ -586,7 +587,11 @@ def summarize(
     peaks = [r["peak_memory_bytes"] for r in records if r["peak_memory_bytes"] is not None]
     transient = [r["transient_bytes"] for r in records if r["transient_bytes"]]
     phases = [r["round_time_ms"] for r in records if r["round_time_ms"]]
+    host_phases = [r["round_host_ms"] for r in records if r["round_host_ms"]]
     rounds = sum(p["rounds"] for p in phases)
+    per_round = lambda totals: (  # noqa: E731
+        {k: sum(p[k] for p in totals) / rounds for k in totals[0] if k != "rounds"} if rounds else None
+    )
     quality = None
     if dataset != "random" and records and records[0]["completions"] is not None:
         try:
@@ -619,10 +624,10 @@ def summarize(
         **metrics.acceptance([n for r in records for n in r["accept_lengths"]], mode.depth or 0),
         "peak_memory_bytes": max(peaks) if peaks else None,
         "transient_bytes": max(transient, key=lambda t: sum(t.values())) if transient else None,
-        # ms per round in each phase, over all batches (--profile)
-        "round_phase_ms": (
-            {k: sum(p[k] for p in phases) / rounds for k in phases[0] if k != "rounds"} if rounds else None
-        ),
+        # ms per round in each phase, over all batches (--profile): on the device timeline, and in the phase's code
+        # on the host clock
+        "round_phase_ms": per_round(phases),
+        "round_host_phase_ms": per_round(host_phases),
         "exact_share": sum(d is None for _, d in checked) / len(checked) if checked and mode.name != "ar" else None,
         "divergences": [{"prompt_id": prompts[i][0].id, **d} for i, d in checked if d is not None],
         "quality": quality,

@@ -132,7 +132,8 @@ class BoleConfig:
             several rows the forward is still cut, a host read that then also waits for the round before.
         profile (`bool`, *optional*, defaults to `False`):
             Time every phase of every round (CUDA events, read once at the end; no synchronisation inside a round)
-            and return the totals as `round_time_ms` with `return_dict_in_generate=True`.
+            and return the totals as `round_time_ms` with `return_dict_in_generate=True`, and each phase's time on
+            the host clock, in its Python code, as `round_host_ms`.
 
     Example:
 

@@ -94,12 +94,16 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
             With `bole_profile=True`: milliseconds spent in each phase of the rounds (draft, select, verify, accept,
             commit, host), summed over the rounds, and `rounds` (pipelined, one more than `accept_lengths` holds:
             the round launched before the last one was read); see `hf_bole.generation.phases.PhaseTimer`.
+        round_host_ms (`dict[str, float]`, *optional*):
+            With `bole_profile=True`: the same phases' time on the host clock, in their Python code (on CUDA a phase
+            whose host time exceeds its `round_time_ms` kept the GPU waiting once the host fell behind).
     """
 
     accept_lengths: torch.LongTensor | None = None
     mean_accepted_tokens: float | None = None
     peak_transient_bytes: dict[str, int] | None = None
     round_time_ms: dict[str, float] | None = None
+    round_host_ms: dict[str, float] | None = None
 
 
 def _caller_generate_frame():
@@ -536,6 +540,7 @@ def _decode(
         mean_accepted_tokens=mean,
         peak_transient_bytes=peak_transient,
         round_time_ms=timer.totals_ms(),
+        round_host_ms=timer.host_totals_ms(),
     )
 
 

@@ -180,7 +180,9 @@ def test_run_shape_oracle(checkpoint, tmp_path):
     assert row["pass_spread"] >= 0
     assert "CUDA graphs on" in (tmp_path / "results.md").read_text()  # the default (on a CPU: nothing to capture)
     assert set(row["round_phase_ms"]) == {"draft", "select", "verify", "accept", "commit", "host"}
+    assert set(row["round_host_phase_ms"]) == set(row["round_phase_ms"])
     assert "Where a round's time goes" in (tmp_path / "results.md").read_text()
+    assert "The same phases on the host clock" in (tmp_path / "results.md").read_text()
     assert row["dataset"] == "random" and row["drafter"] == "oracle" and row["quality"] is None
     assert row["exact_share"] == 1.0
     assert row["mean_accepted_tokens"] > 5  # 6 drafted + 1 bonus per round, but the last round is cut short

@@ -147,6 +147,11 @@ def test_profile_times_every_phase(dense):
     assert times["rounds"] == out.accept_lengths.shape[1] + 1  # pipelined: the last round launched is not read
     assert set(times) == {"draft", "select", "verify", "accept", "commit", "host", "rounds"}
     assert all(times[p] > 0 for p in ("draft", "select", "verify", "accept", "commit", "host"))
+    host = out.round_host_ms
+    assert set(host) == set(times) and host["rounds"] == times["rounds"]
+    assert all(host[p] > 0 for p in ("draft", "select", "verify", "accept", "commit", "host"))
+    if not torch.empty(0).is_cuda:  # without CUDA the host clock is the only one: the same marks, the same totals
+        assert host == times
     ranges = {e.key: e.count for e in prof.key_averages() if e.key.startswith("bole::")}
     assert ranges == {f"bole::{p}": times["rounds"] for p in ("draft", "select", "verify", "accept", "commit", "host")}
 

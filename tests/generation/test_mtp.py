@@ -403,7 +403,8 @@ def test_draft_over_the_whole_cache_length():
 def test_replayed_rounds_read_their_static_inputs(monkeypatch):
     """The graphed path's bookkeeping on any device (a recorded call in place of a CUDA graph): every round's
     inputs reach the captured extension and expansion through its static buffers, one capture per (batch size,
-    new entries, tree size), the prompt eagerly."""
+    new entries, tree size); the prompt extends eagerly but for its last depth + 1 entries, drafted from by a
+    replayed round."""
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([60, 40])
@@ -414,14 +415,14 @@ def test_replayed_rounds_read_their_static_inputs(monkeypatch):
     monkeypatch.setattr(graphed, "_replays", lambda device: True)
     for tree, eager in zip(_rounds(graphed, rows, bounds), _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
         _assert_same_trees(tree, eager)
-    # new entries per call: 7 (the prompt: eager), then 3, 2, 3, 2, 3
-    assert sorted(key[1] for key in graphed._graphs) == [2, 3] and len(captured) == 2
+    # new entries per call: 7 (the prompt: 3 eagerly, its last 4 replayed), then 3, 2, 3, 2, 3
+    assert sorted(key[1] for key in graphed._graphs) == [2, 3, 4] and len(captured) == 3
 
 
 @pytest.mark.parametrize("graphed", [False, True])
 def test_compiled_rounds_are_one_graph_and_draft_the_same_trees(graphed, monkeypatch):
     """`compile=True`: dynamo traces a round's drafting (extension, every tree level, node ranking) whole, with no
-    graph break (fullgraph), and the trees equal eager drafting's; the prompt is drafted eagerly. Traced on a
+    graph break (fullgraph), and the trees equal eager drafting's; the prompt extends eagerly. Traced on a
     counting backend that runs the graphs as traced: inductor's code is exercised on the GPU."""
     from torch._dynamo.testing import CompileCounter
 
@@ -439,7 +440,8 @@ def test_compiled_rounds_are_one_graph_and_draft_the_same_trees(graphed, monkeyp
     trees = _rounds(compiled, rows, bounds)
     for tree, eager in zip(trees, _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
         _assert_same_trees(tree, eager)
-    # the prompt (7 entries) eagerly; the rounds compiled: static, then with the sizes that changed symbolic
+    # the prompt's first 3 entries eagerly; its last 4 and the rounds compiled: static, then with the sizes that
+    # changed symbolic
     assert counter.frame_count == 2
 
 

@@ -62,7 +62,8 @@ class MTPDrafter:
         cuda_graphs (`bool`, *optional*, defaults to `False`):
             On CUDA, replay a round's drafting (the cache extension by the accepted entries, then the tree
             expansion) from a CUDA graph per (batch size, new entries, tree size); see `BoleConfig.cuda_graphs`.
-            Calls that bring in more than `depth + 1` entries (the prompt) run eagerly.
+            A call that brings in more than `depth + 1` entries (a prompt) extends the cache by all but each row's
+            last `depth + 1` eagerly, and drafts from those through a round's graph.
         compile (`bool`, *optional*, defaults to `False`):
             Run a round's drafting (the same calls) through `torch.compile`, which fuses the head's norms, rotary
             embedding and the tree bookkeeping between its steps into fewer kernels; with `cuda_graphs` the compiled
@@ -203,17 +204,19 @@ class MTPDrafter:
             positions = committed[:, None] - new_mask.sum(1, keepdim=True) + new_mask.cumsum(1) - 1
         inputs = (hidden, ctx.next_tokens, new_mask, positions, committed)
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
-        is_round = self._is_round(num_new)
         with attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
-            if is_round and self._replays(device):
-                return self._propose_graphed(cache, inputs, num_nodes)
             cache.num_keys = cache.offset + longest  # attend over the slots in use only, not the whole capacity
-            return DraftTree(*self._drafting(is_round)(cache, inputs, num_nodes))
+            if not self._is_round(num_new):
+                # A prompt: every entry but each row's last depth + 1 extends the cache eagerly (its length comes
+                # once), and those last ones go through a round's drafting, replayed (or compiled) as every round's.
+                inputs = self._extend_all_but_last(cache, *inputs)
+            if self._replays(device):
+                return self._propose_graphed(cache, inputs, num_nodes)
+            return DraftTree(*self._drafting()(cache, inputs, num_nodes))
 
-    def _drafting(self, is_round: bool):
-        """`_round`, through `torch.compile` (made once) for a round with `compile` set; a prompt, whose length comes
-        once per call, is drafted eagerly."""
-        if not (is_round and self.compile):
+    def _drafting(self):
+        """`_round`, through `torch.compile` (made once) with `compile` set."""
+        if not self.compile:
             return self._round
         if self._compiled_round is None:
             self._compiled_round = torch.compile(self._round)
@@ -315,6 +318,31 @@ class MTPDrafter:
         rows = torch.arange(batch_size, device=slots.device)
         return out[rows, last], positions[rows, last]
 
+    def _extend_all_but_last(
+        self,
+        cache: _MTPKVCache,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        new_mask: torch.Tensor,
+        positions: torch.Tensor,
+        committed: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Writes each row's new entries `[B, A]` but its last `depth + 1` (`_extend`); returns `_extend`'s inputs
+        for those last ones, `[B, depth + 1]`, right-aligned: a row with fewer new entries is padded on the left."""
+        width = self.depth + 1
+        batch_size, num_new = next_tokens.shape
+        from_end = new_mask.flip(1).cumsum(1).flip(1)  # [B, A] the row's real entries at or after each one
+        last = new_mask & (from_end <= width)
+        self._extend(cache, hidden, next_tokens, new_mask & ~last, positions, committed - last.sum(1))
+        # [B, A] each last entry's column in the tail; the others go to a spare column (width), dropped
+        column = torch.where(last, width - from_end, width)
+        source = torch.zeros(batch_size, width + 1, dtype=torch.long, device=column.device)
+        source.scatter_(1, column, torch.arange(num_new, device=column.device).expand(batch_size, -1))
+        mask = torch.zeros_like(source, dtype=torch.bool).scatter_(1, column, last)[:, :width]
+        source = source[:, :width]  # [B, depth + 1] the columns of the tail's entries
+        tail_hidden = hidden.gather(1, source[..., None].expand(-1, -1, hidden.shape[-1]))
+        return tail_hidden, next_tokens.gather(1, source), mask, positions.gather(1, source), committed
+
     def _propose_graphed(self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...], num_nodes: int) -> DraftTree:
         """`_round` (compiled with `compile`), replayed from a CUDA graph captured once per (batch size, new entries,
         `num_nodes`) and cache buffers; `inputs` are `_extend`'s (hidden, next tokens, mask, positions, committed).
@@ -327,7 +355,7 @@ class MTPDrafter:
         graphed = self._graphs.get(key)
         if graphed is None:
             static = tuple(x.clone() for x in inputs)
-            drafting = self._drafting(is_round=True)
+            drafting = self._drafting()
 
             def run() -> DraftTree:
                 # Writing the same entries again rewrites the same slots with the same values, and `_draft` writes
