@@ -209,7 +209,7 @@ class MTPDrafter:
             if not self._is_round(num_new):
                 # A prompt: every entry but each row's last depth + 1 extends the cache eagerly (its length comes
                 # once), and those last ones go through a round's drafting, replayed (or compiled) as every round's.
-                inputs = self._extend_all_but_last(cache, *inputs)
+                inputs = self._extend_all_but_last(cache, inputs)
             if self._replays(device):
                 return self._propose_graphed(cache, inputs, num_nodes)
             return DraftTree(*self._drafting()(cache, inputs, num_nodes))
@@ -318,17 +318,11 @@ class MTPDrafter:
         rows = torch.arange(batch_size, device=slots.device)
         return out[rows, last], positions[rows, last]
 
-    def _extend_all_but_last(
-        self,
-        cache: _MTPKVCache,
-        hidden: torch.Tensor,
-        next_tokens: torch.Tensor,
-        new_mask: torch.Tensor,
-        positions: torch.Tensor,
-        committed: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """Writes each row's new entries `[B, A]` but its last `depth + 1` (`_extend`); returns `_extend`'s inputs
-        for those last ones, `[B, depth + 1]`, right-aligned: a row with fewer new entries is padded on the left."""
+    def _extend_all_but_last(self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Writes each row's new entries `[B, A]` but its last `depth + 1` (`_extend`, whose inputs `inputs` are:
+        hidden, next tokens, mask, positions, committed); returns `_extend`'s inputs for those last ones,
+        `[B, depth + 1]`, right-aligned: a row with fewer new entries is padded on the left."""
+        hidden, next_tokens, new_mask, positions, committed = inputs
         width = self.depth + 1
         batch_size, num_new = next_tokens.shape
         from_end = new_mask.flip(1).cumsum(1).flip(1)  # [B, A] the row's real entries at or after each one
