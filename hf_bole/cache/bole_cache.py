@@ -673,10 +673,15 @@ class BoleCache(Cache):
         num_accepted = accepted.sum(1)
         self.lengths.add_(num_accepted)
         self.positions.add_(num_accepted)
-        self._length_bound += L
+        self.record_commit(L)
+
+    def record_commit(self, width: int) -> None:
+        """The host-side record of a commit of paths `width` columns wide: `commit` ends with it, and a CUDA-graph
+        replay of a commit (`hf_bole.generation.graphs.TailGraphs`), which runs no Python, is followed by it."""
+        self._length_bound += width
         self._aligned_length = None
         self._gdn_started = dict.fromkeys(self._gdn_started, True)
-        r.ready = False
+        self._round.ready = False
 
     @staticmethod
     def _commit_group(

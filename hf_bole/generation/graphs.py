@@ -7,7 +7,8 @@ graph launches them all at once. Nothing in the forward reads the device on the 
 only on the batch size, the tree width and the cache's capacity, and the cache's state lives in tensors that keep
 their addresses; so a graph captured once per width is valid for every later round of that width. Tree widths
 are padded to a few buckets (padding nodes are children of the committed state and are never accepted). Node
-selection (`SelectGraphs`) replays the same way, one graph per tree shape and budget.
+selection (`SelectGraphs`) replays the same way, one graph per tree shape and budget, and so does a greedy round's
+tail after its verify forward (`TailGraphs`: acceptance, commit, the drafter's next inputs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from hf_bole.cache import BoleCache
 from hf_bole.generation.select_kernel import select_round
+from hf_bole.generation.tail import RoundTail, greedy_tail
 from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, placement, tree_forward
 
@@ -102,16 +104,17 @@ class Trim:
         return verify.narrowed(width_bucket(self.widest, padded))
 
 
-def capture(run, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:
     """Captures `run()` into a CUDA graph drawing on memory `pool`; returns the graph and what the captured call
-    returned (its output buffers, filled by each replay). `run` is called once eagerly on a side stream first, so
-    that autotuning and first-use costs stay out of the capture: it must be safe to run twice. The captured work
-    has not run yet: replay the graph."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream(device).wait_stream(side)
+    returned (its output buffers, filled by each replay). With `warm_up`, `run` is called once eagerly on a side
+    stream first, so that autotuning and first-use costs stay out of the capture: it must be safe to run twice
+    (without, it must have run eagerly before). The captured work has not run yet: replay the graph."""
+    if warm_up:
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = run()
@@ -155,6 +158,8 @@ class VerifyGraphs:
         self.fuse_projections, self.attention = fuse_projections, attention
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
+        # The tails read these graphs' outputs where they are: they go with them.
+        self.tail = TailGraphs(cache)
 
     def __call__(self, input_ids: torch.Tensor, parents: torch.Tensor) -> TreeForwardOutput:
         """The verify forward of trees `[B, W]`; the outputs are the graph's buffers, valid until the next call."""
@@ -223,6 +228,61 @@ class SelectGraphs:
             buffer.copy_(value)
         graph.replay()
         return out
+
+
+class TailGraphs:
+    """`greedy_tail(cache, verify, logits, hidden_states, active, step, width)` replayed from a CUDA graph per
+    (input buffers, step, width): the acceptance kernel, the commit's kernels and the drafter's next inputs, about
+    a dozen launches and their checks in Python (0.6 ms of host time a round), in one replay.
+
+    The graph reads its inputs where they are, so they must be buffers that keep their addresses: the selection
+    graphs' trees (`SelectGraphs`) and the verify graphs' outputs (`VerifyGraphs`) of the cache; a graph is made
+    per combination of them (a few budgets and widths), and `active` is copied in. It writes the cache's state
+    like `commit`; the first call with new buffers runs eagerly, which compiles the kernels (a capture must not),
+    the second captures, and a replay is followed by the host-side record of the commit
+    (`BoleCache.record_commit`). Returns the graph's buffers, valid until the next call: the next round's drafting,
+    selection and token write read them before the next replay.
+    """
+
+    def __init__(self, cache: BoleCache):
+        self.cache = cache
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, RoundTail]] = {}
+        self._seen: set[tuple] = set()  # keys run eagerly once, captured on their next call
+        self._pool = None
+
+    def __call__(
+        self,
+        verify: VerifyTree,
+        out: TreeForwardOutput,
+        active: torch.Tensor,
+        step: int,
+        width: int | None,
+    ) -> RoundTail:
+        inputs = (verify.input_ids, verify.parents, verify.depths, verify.node_mask, out.logits, out.hidden_states)
+        key = (tuple((x.data_ptr(), x.shape, x.stride(), x.dtype) for x in inputs), active.shape, step, width)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return greedy_tail(self.cache, verify, out.logits, out.hidden_states, active, step, width)
+            static_active = active.clone()
+            # Not warmed up: the tail writes the cache. The capture runs the commit's host-side record once, which
+            # the replay below is the commit of.
+            graph, tail = capture(
+                lambda: greedy_tail(self.cache, verify, out.logits, out.hidden_states, static_active, step, width),
+                active.device,
+                self._pool,
+                warm_up=False,
+            )
+            self._pool = graph.pool()
+            self._graphs[key] = (graph, static_active, tail)
+            graph.replay()
+            return tail
+        graph, static_active, tail = entry
+        static_active.copy_(active)
+        graph.replay()
+        self.cache.record_commit(tail.committed_width)
+        return tail
 
 
 # model -> {(batch size, verify, compile, fuse_projections, attention): (cache, graphs)}: one cache per batch size and

@@ -48,6 +48,7 @@ from hf_bole.generation.graphs import Trim, captures, drop_graphs, graphed_cache
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.prefill import chain_prefill, use_chains
 from hf_bole.generation.select_kernel import select_round
+from hf_bole.generation.tail import round_tail
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 from hf_bole.models import (
@@ -93,7 +94,9 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
         round_time_ms (`dict[str, float]`, *optional*):
             With `bole_profile=True`: milliseconds spent in each phase of the rounds (draft, select, verify, accept,
             commit, host), summed over the rounds, and `rounds` (pipelined, one more than `accept_lengths` holds:
-            the round launched before the last one was read); see `hf_bole.generation.phases.PhaseTimer`.
+            the round launched before the last one was read); see `hf_bole.generation.phases.PhaseTimer`. Greedy
+            decoding without logits processors under `bole_cuda_graphs` replays acceptance, commit and the drafter's
+            next inputs from one graph (`graphs.TailGraphs`): "accept" holds all of it and "commit" nothing.
         round_host_ms (`dict[str, float]`, *optional*):
             With `bole_profile=True`: the same phases' time on the host clock, in their Python code (on CUDA a phase
             whose host time exceeds its `round_time_ms` kept the GPU waiting once the host fell behind).
@@ -399,6 +402,8 @@ def _decode(
             model, B, capacity, bole.verify, bole.compile, bole.fuse_projections, bole.attention
         )
         select = graphed_select(model)
+        # Greedy without processors reads nothing but the logits: the round's tail replays from a graph too.
+        tails = verify_forward.tail if not do_sample and not logits_processor else None
     else:
         cache = BoleCache.for_model(model, B, max_cache_len=capacity)
         verify_forward = functools.partial(
@@ -406,6 +411,7 @@ def _decode(
             fuse_projections=bole.fuse_projections, attention=bole.attention,
         )  # fmt: skip
         select = select_round
+        tails = None
     if chains:  # the prompt through the verify forward (generation/prefill.py)
         hidden = chain_prefill(verify_forward, cache, input_ids, mask, pad_token).to(device)  # [B, P, hidden]
     else:
@@ -490,35 +496,32 @@ def _decode(
         out = verify_forward(verify.input_ids, verify.parents.to(cache.device))
         timer.mark("verify")
         peak_transient = max(peak_transient, cache.transient_bytes, key=lambda t: sum(t.values()))
-        contexts = None
-        if not is_context_free(logits_processor):
-            contexts = [seq[b, : P + state.n_gen[b]] for b in range(B)]
-        if do_sample:
-            accepted = accept_sampling(verify, process_logits(logits_processor, out.logits, verify, contexts))
+        # The drafter's next inputs keep one shape from round to round (one CUDA graph) with `max_depth`: `step`
+        # columns.
+        width = step if max_depth is not None else None
+        if tails is not None:  # acceptance, commit and the drafter's next inputs: one replay (`TailGraphs`)
+            tail = tails(verify, out, active_t, step, width)
+            timer.mark("accept")
+            timer.mark("commit")
         else:
-            # Greedy reads only the argmax, which the processors' fp32 copy of the logits would not move: without
-            # processors it is taken on the logits themselves (a [B, T, V] copy saved: 32 MB a round at batch 1 on
-            # the 9B shape's 32 nodes).
-            scores = process_logits(logits_processor, out.logits, verify, contexts) if logits_processor else out.logits
-            accepted = accept_greedy_kernel(verify, scores.argmax(-1))
-        # [B, <= step]: accepted paths are at most `step` long; they come padded to the tree's width.
-        path = torch.where(active_t[:, None], accepted.path[:, :step], -1)
-        timer.mark("accept")
-        positions = cache.positions.to(device, copy=True)
-        cache.commit(path.to(cache.device), check_values=False)  # paths of the acceptance walk: no host read of them
-        timer.mark("commit")
+            contexts = None
+            if not is_context_free(logits_processor):
+                contexts = [seq[b, : P + state.n_gen[b]] for b in range(B)]
+            if do_sample:
+                accepted = accept_sampling(verify, process_logits(logits_processor, out.logits, verify, contexts))
+            else:
+                # Greedy reads only the argmax, which the processors' fp32 copy of the logits would not move: without
+                # processors it is taken on the logits themselves (a [B, T, V] copy saved: 32 MB a round at batch 1
+                # on the 9B shape's 32 nodes).
+                scores = process_logits(logits_processor, out.logits, verify, contexts) if logits_processor else out.logits
+                accepted = accept_greedy_kernel(verify, scores.argmax(-1))
+            timer.mark("accept")
+            tail = round_tail(cache, accepted, out.hidden_states, active_t, step, width)
+            timer.mark("commit")
 
-        queued.append(_Queued(state.write(accepted.tokens, torch.where(active_t, accepted.accept_lengths, 0)), tree_copy))
-        # What the drafter has not seen: the accepted paths, right-padded (path < 0); to `step` columns for a drafter
-        # with `max_depth`, whose inputs then keep one shape from round to round (one CUDA graph).
-        width = step if max_depth is not None else path.shape[1]
-        path = torch.nn.functional.pad(path, (0, width - path.shape[1]), value=-1)  # [B, width]
-        new_hidden = out.hidden_states.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, out.hidden_states.shape[-1]))
-        new_tokens = accepted.tokens[:, :width].clamp(min=0)
-        new_tokens = torch.nn.functional.pad(new_tokens, (0, width - new_tokens.shape[1]))
-        new_mask = path >= 0
-        new_positions = positions[:, None] + torch.arange(width, device=device)
-        root = accepted.bonus
+        queued.append(_Queued(state.write(tail.tokens, tail.lengths), tree_copy))
+        new_hidden, new_tokens, new_mask, new_positions = tail.hidden, tail.next_tokens, tail.mask, tail.positions
+        root = tail.root
         # Read what the host may no longer wait for: every round but the last `lag` ones.
         while len(queued) > lag:
             rounds.append(_finish(state, queued.pop(0), drafter, max_depth, vocab_size))

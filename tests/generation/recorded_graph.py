@@ -5,29 +5,40 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 
 class RecordedGraph:
     """`replay` runs the captured call again and writes its results into the tensors the capture returned (the
     fields of a dataclass), which is what replaying a CUDA graph does."""
 
-    def __init__(self, run, out):
+    def __init__(self, run, out, ran: bool = False):
         self.run, self.out = run, out
+        self.ran = ran  # the capture's own call did the first replay's work (a capture without warm-up)
 
     def replay(self):
+        if self.ran:
+            self.ran = False
+            return
         new = self.run()
         for field in dataclasses.fields(self.out):
-            getattr(self.out, field.name).copy_(getattr(new, field.name))
+            if isinstance(value := getattr(self.out, field.name), torch.Tensor):
+                value.copy_(getattr(new, field.name))
 
     def pool(self):
         return None
 
 
 def recording_capture(captured: list):
-    """A replacement for `capture(run, device, pool)` that appends each capture's outputs to `captured`."""
+    """A replacement for `capture(run, device, pool, warm_up)` that appends each capture's outputs to `captured`.
 
-    def capture(run, device, pool=None):
+    The call that records is a real call, so without `warm_up` (work that must not run twice: the round's tail) it
+    stands for the first replay, which then does nothing. Later replays run the host's side of the call too, which
+    a CUDA graph's do not."""
+
+    def capture(run, device, pool=None, warm_up=True):
         out = run()
         captured.append(out)
-        return RecordedGraph(run, out), out
+        return RecordedGraph(run, out, ran=not warm_up), out
 
     return capture

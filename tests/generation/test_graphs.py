@@ -16,12 +16,14 @@ from hf_bole.generation.graphs import (
     CAPACITY_STEP,
     WIDTH_BUCKETS,
     SelectGraphs,
+    TailGraphs,
     Trim,
     graphed_cache,
     width_bucket,
 )
 from hf_bole.generation.select_kernel import prepared_tree
 from hf_bole.generation.select import select_nodes
+from hf_bole.generation.tail import greedy_tail
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import Placement, graph_unsafe_experts, tree_forward
 from tests.generation.recorded_graph import recording_capture
@@ -148,6 +150,66 @@ def test_resumed_round_commits_its_own_forward():
             getattr(got, name).transpose(2, 3)[:, committed], getattr(want, name).transpose(2, 3)[:, committed],
             rtol=0, atol=0,
         )  # fmt: skip
+
+
+def _cloned(x, device=None):
+    """A dataclass of tensors with every tensor field cloned (to `device`)."""
+    fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+    moved = {k: v.to(device, copy=True) for k, v in fields.items() if isinstance(v, torch.Tensor)}
+    return dataclasses.replace(x, **moved)
+
+
+@pytest.mark.parametrize("mode", ["closed_form", "serial"])
+def test_replayed_tail_commits_as_the_eager_tail(monkeypatch, mode):
+    """A greedy round's tail from graphs (a recorded call in place of a CUDA graph) over rounds whose trees and
+    logits sit in the same buffers: the first call runs eagerly, the second captures, later ones replay with the
+    rows that take part copied in; outputs and the committed state equal the eager tail's every round, and the host
+    keeps a bound of the rows' lengths (`BoleCache.record_commit`)."""
+    captured = []
+    monkeypatch.setattr(graphs_module, "capture", recording_capture(captured))
+    model = build_model()
+    eager, replayed = (BoleCache(model.config, batch_size=3, max_cache_len=96) for _ in range(2))
+    for cache in (eager, replayed):
+        prefill(model, cache, PROMPTS)
+    tails = TailGraphs(replayed)
+    generator = torch.Generator().manual_seed(3)
+    static = None  # the round's tree and logits, in the same buffers every round (the graphs' inputs)
+    for active in ([True, True, True], [True, False, True], [True, False, True], [True, True, False]):
+        active = torch.tensor(active, device=eager.device)
+        tree = synthetic_draft_tree(3, 3, 3, generator)
+        roots = torch.randint(1, 50, (3,), generator=generator, device=generator.device)
+        verify = _cloned(select_nodes(tree, roots, 12, 6), eager.device)
+        # Each node's token the target's choice at its parent where it can be: paths several nodes deep.
+        for _ in range(2):
+            out = tree_forward(model, eager, verify.input_ids, verify.parents, verify=mode)
+            chosen = out.logits.argmax(-1).gather(1, verify.parents.clamp(min=0))
+            verify.input_ids[:, 1:] = torch.where(verify.node_mask, chosen, 0)[:, 1:]
+        out = tree_forward(model, eager, verify.input_ids, verify.parents, verify=mode)
+        want = greedy_tail(eager, verify, out.logits, out.hidden_states, active, 4, 4)
+        got_out = tree_forward(model, replayed, verify.input_ids, verify.parents, verify=mode)
+        if static is None:
+            static = [_cloned(verify), _cloned(got_out)]
+        for buffer, value in zip(static, (verify, got_out)):
+            for field in dataclasses.fields(value):
+                if isinstance(getattr(value, field.name), torch.Tensor):
+                    getattr(buffer, field.name).copy_(getattr(value, field.name))
+        got = tails(*static, active, 4, 4)
+        for field in dataclasses.fields(want):
+            torch.testing.assert_close(getattr(got, field.name), getattr(want, field.name), rtol=0, atol=0)
+        for name in ("lengths", "positions"):
+            torch.testing.assert_close(getattr(replayed, name), getattr(eager, name), rtol=0, atol=0)
+        (got_group,), (want_group,) = replayed._groups, eager._groups
+        for name in ("conv", "recurrent"):
+            torch.testing.assert_close(getattr(got_group, name), getattr(want_group, name), rtol=0, atol=0)
+        committed = torch.arange(eager.capacity) < eager.lengths[:, None]  # [B, C]
+        for name in ("keys", "values"):  # [layers, B, heads, C, dim]
+            torch.testing.assert_close(
+                getattr(got_group, name).transpose(2, 3)[:, committed],
+                getattr(want_group, name).transpose(2, 3)[:, committed], rtol=0, atol=0,
+            )  # fmt: skip
+        assert replayed._length_bound >= int(replayed.lengths.max())
+    assert int(eager.lengths.max()) > 12  # some rounds accepted more than the root
+    assert len(captured) == 1  # one key: the second call captured, the later ones replayed
 
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")

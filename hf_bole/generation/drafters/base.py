@@ -46,6 +46,9 @@ class DraftContext:
             Which of the `A` entries are real: left padding at prefill, right padding afterwards.
         positions (`torch.LongTensor` of shape `(batch_size, A)`, *optional*):
             The position ids of those entries.
+
+    `hidden_states`, `next_tokens`, `new_mask` and `positions` are valid during `propose`: with CUDA graphs they
+    are a graph's buffers, overwritten later in the round. A drafter that keeps them past the call keeps copies.
     """
 
     sequences: list[torch.LongTensor] | None
