@@ -139,16 +139,21 @@ def test_resumed_round_commits_its_own_forward():
     assert resumed.current_round() is kept
     direct.commit(path)
     resumed.commit(path)
+    _assert_same_committed(resumed, direct)
+
+
+def _assert_same_committed(got: BoleCache, want: BoleCache) -> None:
+    """The two caches hold the same committed state, bit for bit (the slots past each row's length are scratch)."""
     for name in ("lengths", "positions"):
-        torch.testing.assert_close(getattr(resumed, name), getattr(direct, name), rtol=0, atol=0)
-    (got,), (want,) = resumed._groups, direct._groups  # one device: one group
-    for name in ("conv", "recurrent"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
-    committed = torch.arange(direct.capacity) < direct.lengths[:, None]  # [B, C]; slots past them hold scratch
+    (got_group,), (want_group,) = got._groups, want._groups  # one device: one group
+    for name in ("conv", "recurrent"):
+        torch.testing.assert_close(getattr(got_group, name), getattr(want_group, name), rtol=0, atol=0)
+    committed = torch.arange(want.capacity) < want.lengths[:, None]  # [B, C]
     for name in ("keys", "values"):  # [layers, B, heads, C, dim]
         torch.testing.assert_close(
-            getattr(got, name).transpose(2, 3)[:, committed], getattr(want, name).transpose(2, 3)[:, committed],
-            rtol=0, atol=0,
+            getattr(got_group, name).transpose(2, 3)[:, committed],
+            getattr(want_group, name).transpose(2, 3)[:, committed], rtol=0, atol=0,
         )  # fmt: skip
 
 
@@ -196,17 +201,7 @@ def test_replayed_tail_commits_as_the_eager_tail(monkeypatch, mode):
         got = tails(*static, active, 4, 4)
         for field in dataclasses.fields(want):
             torch.testing.assert_close(getattr(got, field.name), getattr(want, field.name), rtol=0, atol=0)
-        for name in ("lengths", "positions"):
-            torch.testing.assert_close(getattr(replayed, name), getattr(eager, name), rtol=0, atol=0)
-        (got_group,), (want_group,) = replayed._groups, eager._groups
-        for name in ("conv", "recurrent"):
-            torch.testing.assert_close(getattr(got_group, name), getattr(want_group, name), rtol=0, atol=0)
-        committed = torch.arange(eager.capacity) < eager.lengths[:, None]  # [B, C]
-        for name in ("keys", "values"):  # [layers, B, heads, C, dim]
-            torch.testing.assert_close(
-                getattr(got_group, name).transpose(2, 3)[:, committed],
-                getattr(want_group, name).transpose(2, 3)[:, committed], rtol=0, atol=0,
-            )  # fmt: skip
+        _assert_same_committed(replayed, eager)
         assert replayed._length_bound >= int(replayed.lengths.max())
     assert int(eager.lengths.max()) > 12  # some rounds accepted more than the root
     assert len(captured) == 1  # one key: the second call captured, the later ones replayed
