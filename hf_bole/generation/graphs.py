@@ -233,7 +233,7 @@ class SelectGraphs:
 class TailGraphs:
     """`greedy_tail(cache, verify, logits, hidden_states, active, step, width)` replayed from a CUDA graph per
     (input buffers, step, width): the acceptance kernel, the commit's kernels and the drafter's next inputs, about
-    a dozen launches and their checks in Python (0.6 ms of host time a round), in one replay.
+    twenty launches and their checks in Python (0.6 ms of host time a round), in one replay.
 
     The graph reads its inputs where they are, so they must be buffers that keep their addresses: the selection
     graphs' trees (`SelectGraphs`) and the verify graphs' outputs (`VerifyGraphs`) of the cache; a graph is made
