@@ -38,22 +38,25 @@ class BoleConfig:
             cumulative draft probability. Every request with a draft still keeps its best root child when the
             budget is smaller than the batch. An int is a fixed budget. `"auto"` looks the budget up every round in
             the calibration table of this model, GPU, dtype and verify mode (`python -m hf_bole.calibrate`; see
-            `hf_bole.generation.budget`), at the table's batch-size bucket at or below the number of active
-            requests and its KV-length bucket at or below the longest active request. Without a table, or off
+            `hf_bole.generation.budget`), at the number of active requests (between two batch-size buckets, on the
+            line between their budgets) and the KV-length bucket at or below the longest active request. Without a
+            table, or off
             CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * active requests, FALLBACK_BUDGET_MAX)` (32 per request,
             at most 128) and says so once in a log line. `"goodput"` reads the same table but chooses every round
             the size of most expected tokens per millisecond, weighing the table's verify times against the draft
             probabilities of the rounds before and the measured rest of a round
             (`hf_bole.generation.budget.GoodputRule`); it falls back the same way. On the 9B shape with an oracle
             drafter it reached 0.93-1.02 of the best fixed budget, below "auto" (`results/budget_h200_9b/eleventh/`).
-        epsilon (`float`, *optional*, defaults to 0.25):
+        epsilon (`float`, *optional*, defaults to 0.3):
             The slack of `budget="auto"` (and of `"goodput"`'s first round): the budget is the most nodes whose
             verify forward costs at most `(1 + epsilon)` times a plain one-token decode step,
             `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}` (0 when none does: each request then verifies its best
-            root child). Tables store the raw timings, so any epsilon applies without measuring again. On the 9B
-            shape on an H200 (`results/budget_h200_9b/eleventh/`), 0.25 reached 1.06, 0.98, 0.96 and 0.97 of the
-            best fixed budget's throughput at batch 16, 8, 4 and 1; 0.1 reached 0.76 at batch 16 in an earlier run
-            (1.5 nodes per request).
+            root child). Tables store the raw timings, so any epsilon applies without measuring again. On an H200,
+            0.3 chooses on the 9B shape's table what 0.25 did, which reached 1.06, 0.98, 0.96 and 0.97 of the best
+            fixed budget's throughput at batch 16, 8, 4 and 1 (`results/budget_h200_9b/eleventh/`); on the house
+            model's table 0.25 chose 8 nodes at batch 1, where 16 cost 1.2500 decode steps, and reached 0.92 of the
+            best fixed budget (32 nodes, which 0.3 chooses; `results/speed_h200/twenty_seventh_session/`). 0.1
+            reached 0.76 at batch 16 on the 9B shape in an earlier run (1.5 nodes per request).
         verify (`str`, *optional*, defaults to `"closed_form"`):
             How GDN layers verify the tree: `"closed_form"` (one solve over all nodes, state factors) or
             `"serial"` (node by node with a state snapshot per node, the SGLang-Tree baseline).
@@ -148,7 +151,7 @@ class BoleConfig:
     depth: int = 5
     topk: int = 4
     budget: int | str = AUTO_BUDGET
-    epsilon: float = 0.25
+    epsilon: float = 0.3
     verify: str = "closed_form"
     attention: str = "auto"
     drafter: Any = "mtp"

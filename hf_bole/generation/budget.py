@@ -20,11 +20,14 @@ splits `N` across requests as in the decoding loop.
 A table is keyed by the model's text config (`model_key`), the device name, the dtype, the verify mode and the
 launch ("graphs" or "eager"), and holds one entry per (batch size, KV length) bucket with the raw timings, so a
 different epsilon applies at look-up without measuring again. Tables live in `$HF_BOLE_CACHE/budgets/` (default
-`~/.cache/hf_bole/budgets/`), one JSON file per key (`TableKey.filename`). Look-up takes the batch bucket at or
-below the number of active requests and, within it, the KV bucket at or below the longest active request's
-committed length (the smallest bucket when below all of them): bucket i covers the range up to the next bucket.
-That is optimistic between buckets (a larger batch or a longer context turns compute-bound a little sooner), so
-put buckets where the budget changes fast.
+`~/.cache/hf_bole/budgets/`), one JSON file per key (`TableKey.filename`). Look-up takes, in each batch bucket, the
+KV bucket at or below the longest active request's committed length (the smallest bucket when below all of them):
+KV bucket i covers the range up to the next one, which is optimistic (a longer context turns compute-bound a little
+sooner), so put KV buckets where the budget changes fast. Between two batch buckets the budget follows the line
+between theirs, by the number of active requests (outside them, the nearest bucket's): a batch shrinks bucket by
+bucket as its rows finish, and the budget can rise with the batch as well as fall. On the house model the 1-, 4- and
+8-request budgets were 32, 64 and 384 nodes: with the bucket at or below, a batch of 8 verified 64 nodes once one row
+had finished and 32 once five had (results/speed_h200/twenty_seventh_session).
 
 Example:
 
@@ -364,11 +367,11 @@ class BudgetResolver:
 
     @classmethod
     def from_table(cls, table: BudgetTable, epsilon: float) -> BudgetResolver:
-        """Looks budgets up in `table`, chosen from its timings at `epsilon`."""
-        entry_for = _entry_lookup(table)
-        chosen = {id(e): e.choose(epsilon) for e in table.entries}
-        rule = lambda active_rows, kv_length: chosen[id(entry_for(active_rows, kv_length))]  # noqa: E731
-        return cls(rule, max(chosen.values()), f"table {table.key.filename} at epsilon {epsilon}")
+        """Looks budgets up in `table`, chosen from its timings at `epsilon`, between batch buckets on the line
+        between theirs (`_interpolated_budget`)."""
+        rule = _interpolated_budget(table, epsilon)
+        max_budget = max(e.choose(epsilon) for e in table.entries)
+        return cls(rule, max_budget, f"table {table.key.filename} at epsilon {epsilon}")
 
     @classmethod
     def goodput(cls, table: BudgetTable, epsilon: float) -> BudgetResolver:
@@ -434,6 +437,35 @@ def _entry_lookup(table: BudgetTable) -> Callable[[int, int], BudgetEntry]:
         return entries[_bucket_index(kvs, kv_length)]
 
     return entry_for
+
+
+def _interpolated_budget(table: BudgetTable, epsilon: float) -> Callable[[int, int], int]:
+    """`(active_rows, kv_length) -> budget` under the epsilon rule: at a batch bucket, the budget of its entry at
+    the KV bucket at or below `kv_length`; between two batch buckets, the line between their budgets at the active
+    rows, rounded; below the smallest batch bucket or above the largest, that bucket's budget."""
+    if not table.entries:
+        raise ValueError(f"the budget table for {table.key} has no entries")
+    by_batch: dict[int, tuple[list[int], list[int]]] = {}  # batch bucket -> (kv buckets, their budgets)
+    for entry in sorted(table.entries, key=lambda e: (e.batch_size, e.kv_length)):
+        kvs, budgets = by_batch.setdefault(entry.batch_size, ([], []))
+        kvs.append(entry.kv_length)
+        budgets.append(entry.choose(epsilon))
+    batch_buckets = sorted(by_batch)
+
+    def at(batch_bucket: int, kv_length: int) -> int:
+        kvs, budgets = by_batch[batch_bucket]
+        return budgets[_bucket_index(kvs, kv_length)]
+
+    def budget(active_rows: int, kv_length: int) -> int:
+        i = _bucket_index(batch_buckets, active_rows)
+        low = batch_buckets[i]
+        if active_rows <= low or i + 1 == len(batch_buckets):
+            return at(low, kv_length)
+        high = batch_buckets[i + 1]
+        below, above = at(low, kv_length), at(high, kv_length)
+        return round(below + (above - below) * (active_rows - low) / (high - low))
+
+    return budget
 
 
 class GoodputRule:

@@ -102,7 +102,9 @@ def _table(key: TableKey | None = None) -> BudgetTable:
         pytest.param(1, 2047, 0.1, 32, id="kv-rounds-down"),
         pytest.param(1, 100, 0.1, 32, id="kv-below-all"),
         pytest.param(1, 10**6, 0.1, 16, id="kv-above-all"),
-        pytest.param(3, 600, 0.1, 32, id="batch-rounds-down"),
+        # between batch buckets 1 (32 at KV 512) and 4 (16): two thirds of the way, 32 - 16 * 2 / 3, rounded
+        pytest.param(3, 600, 0.1, 21, id="batch-between-buckets"),
+        pytest.param(2, 2048, 0.3, 27, id="batch-between-buckets-large-kv"),  # 32 - 16 / 3
         pytest.param(4, 512, 0.1, 16, id="batch-bucket"),
         pytest.param(64, 4096, 0.1, 0, id="batch-above-all"),
         pytest.param(1, 512, 0.3, 64, id="epsilon-chooses-again"),
@@ -113,6 +115,18 @@ def test_resolver_looks_up_buckets(active, kv, epsilon, expected):
     resolver = BudgetResolver.from_table(_table(), epsilon)
     assert resolver(active, kv) == expected
     assert resolver.max_budget == (32 if epsilon == 0.1 else 64)
+
+
+def test_resolver_follows_budgets_that_rise_with_the_batch():
+    """As on the house model (budgets 32, 64 and 384 at 1, 4 and 8 requests): a batch of 8 whose rows finish one by
+    one walks down the line between the buckets, not down to the 4-request budget at its first finished row."""
+    nodes = [0, 32, 64, 384, 512]
+    chosen = {1: [1.0, 1.1, 1.4, 2.0, 2.5], 4: [1.0, 1.1, 1.2, 1.5, 2.0], 8: [1.0, 1.0, 1.1, 1.2, 1.5]}
+    entries = [BudgetEntry(b, 1024, 1.0, nodes, ratios, choose_budget(nodes, ratios, 1.0, 0.3)) for b, ratios in chosen.items()]
+    table = BudgetTable(TableKey("m", "NVIDIA H200", "bfloat16", "closed_form", "graphs"), 0.3, entries, meta={})
+    resolver = BudgetResolver.from_table(table, epsilon=0.3)
+    assert [resolver(rows, 1024) for rows in range(1, 11)] == [32, 43, 53, 64, 144, 224, 304, 384, 384, 384]
+    assert resolver.max_budget == 384
 
 
 def test_resolver_fixed_and_fallback(dense):

@@ -17,7 +17,7 @@ class _Drafter:
 def test_defaults_are_valid():
     config = BoleConfig()
     settings = (config.depth, config.topk, config.budget, config.epsilon, config.verify, config.attention)
-    assert settings == (5, 4, "auto", 0.25, "closed_form", "auto") and config.drafter == "mtp"
+    assert settings == (5, 4, "auto", 0.3, "closed_form", "auto") and config.drafter == "mtp"
 
 
 def test_auto_attention_is_the_kernel_on_cuda():
