@@ -37,8 +37,8 @@ sweep)  # issue 5 on the house model: fixed budgets against the table's, passes 
     rm -f "$OUT/sweep"/*.png "$OUT/sweep"/results.jsonl "$OUT/sweep"/run.log
     ;;
 sweep2)  # the same after the look-up's line between batch buckets and epsilon 0.3 (the new defaults)
-    STEP_SHOWS="^\| gsm8k" STEP_TAIL=40 step sweep2 260 python3 eval/run.py --datasets gsm8k --modes bole \
-        --batch-sizes 16 8 4 1 --num-prompts 16 --max-new-tokens 96 --budget 32 64 128 256 auto --repeats 4 \
+    STEP_SHOWS="^\| gsm8k" STEP_TAIL=40 step sweep2 200 python3 eval/run.py --datasets gsm8k --modes bole \
+        --batch-sizes 16 8 4 1 --num-prompts 16 --max-new-tokens 96 --budget 32 128 256 auto --repeats 3 \
         --interleave --output-dir "$OUT/sweep2"
     rm -f "$OUT/sweep2"/*.png "$OUT/sweep2"/results.jsonl "$OUT/sweep2"/run.log
     ;;
