@@ -23,11 +23,12 @@ different epsilon applies at look-up without measuring again. Tables live in `$H
 `~/.cache/hf_bole/budgets/`), one JSON file per key (`TableKey.filename`). Look-up takes, in each batch bucket, the
 KV bucket at or below the longest active request's committed length (the smallest bucket when below all of them):
 KV bucket i covers the range up to the next one, which is optimistic (a longer context turns compute-bound a little
-sooner), so put KV buckets where the budget changes fast. Between two batch buckets the budget follows the line
-between theirs, by the number of active requests (outside them, the nearest bucket's): a batch shrinks bucket by
-bucket as its rows finish, and the budget can rise with the batch as well as fall. On the house model the 1-, 4- and
-8-request budgets were 32, 64 and 384 nodes: with the bucket at or below, a batch of 8 verified 64 nodes once one row
-had finished and 32 once five had (results/speed_h200/twenty_seventh_session).
+sooner), so put KV buckets where the budget changes fast. Between two batch buckets the epsilon rule's budget follows
+the line between theirs, by the number of active requests (outside them, the nearest bucket's; `GoodputRule` reads
+the bucket at or below): a batch shrinks as its rows finish, and the budget can rise with the batch as well as fall.
+On an H200 the house model's 1-, 4- and 8-request budgets at epsilon 0.3 are 32, 64 and 384 nodes: with the bucket at
+or below, a batch of 8 would verify 64 nodes once one row had finished and 32 once five had
+(results/speed_h200/twenty_seventh_session).
 
 Example:
 

@@ -28,7 +28,7 @@ mbpp_b1)  # the README's MBPP house rows, with the tables
     house_run mbpp_b1 150 mbpp --modes ar chain tree-serial bole --batch-sizes 1
     ;;
 mbpp_b8)
-    house_run mbpp_b8 150 mbpp --modes ar chain tree-serial bole --batch-sizes 8
+    house_run mbpp_b8 180 mbpp --modes ar chain tree-serial bole --batch-sizes 8
     ;;
 sweep)  # issue 5 on the house model: fixed budgets against the table's, passes in turns
     STEP_SHOWS="^\| gsm8k" STEP_TAIL=40 step sweep 300 python3 eval/run.py --datasets gsm8k --modes bole \
@@ -37,7 +37,7 @@ sweep)  # issue 5 on the house model: fixed budgets against the table's, passes 
     rm -f "$OUT/sweep"/*.png "$OUT/sweep"/results.jsonl "$OUT/sweep"/run.log
     ;;
 sweep2)  # the same after the look-up's line between batch buckets and epsilon 0.3 (the new defaults)
-    STEP_SHOWS="^\| gsm8k" STEP_TAIL=40 step sweep2 200 python3 eval/run.py --datasets gsm8k --modes bole \
+    STEP_SHOWS="^\| gsm8k" STEP_TAIL=40 step sweep2 300 python3 eval/run.py --datasets gsm8k --modes bole \
         --batch-sizes 16 8 4 1 --num-prompts 16 --max-new-tokens 96 --budget 32 128 256 auto --repeats 3 \
         --interleave --output-dir "$OUT/sweep2"
     rm -f "$OUT/sweep2"/*.png "$OUT/sweep2"/results.jsonl "$OUT/sweep2"/run.log
