@@ -442,20 +442,14 @@ def _entry_lookup(table: BudgetTable) -> Callable[[int, int], BudgetEntry]:
 
 def _interpolated_budget(table: BudgetTable, epsilon: float) -> Callable[[int, int], int]:
     """`(active_rows, kv_length) -> budget` under the epsilon rule: at a batch bucket, the budget of its entry at
-    the KV bucket at or below `kv_length`; between two batch buckets, the line between their budgets at the active
-    rows, rounded; below the smallest batch bucket or above the largest, that bucket's budget."""
-    if not table.entries:
-        raise ValueError(f"the budget table for {table.key} has no entries")
-    by_batch: dict[int, tuple[list[int], list[int]]] = {}  # batch bucket -> (kv buckets, their budgets)
-    for entry in sorted(table.entries, key=lambda e: (e.batch_size, e.kv_length)):
-        kvs, budgets = by_batch.setdefault(entry.batch_size, ([], []))
-        kvs.append(entry.kv_length)
-        budgets.append(entry.choose(epsilon))
-    batch_buckets = sorted(by_batch)
+    the KV bucket at or below `kv_length` (`_entry_lookup`); between two batch buckets, the line between their
+    budgets at the active rows, rounded; below the smallest batch bucket or above the largest, that bucket's."""
+    entry_for = _entry_lookup(table)
+    chosen = {id(e): e.choose(epsilon) for e in table.entries}
+    batch_buckets = sorted({e.batch_size for e in table.entries})
 
     def at(batch_bucket: int, kv_length: int) -> int:
-        kvs, budgets = by_batch[batch_bucket]
-        return budgets[_bucket_index(kvs, kv_length)]
+        return chosen[id(entry_for(batch_bucket, kv_length))]
 
     def budget(active_rows: int, kv_length: int) -> int:
         i = _bucket_index(batch_buckets, active_rows)

@@ -122,7 +122,10 @@ def test_resolver_follows_budgets_that_rise_with_the_batch():
     one walks down the line between the buckets, not down to the 4-request budget at its first finished row."""
     nodes = [0, 32, 64, 384, 512]
     chosen = {1: [1.0, 1.1, 1.4, 2.0, 2.5], 4: [1.0, 1.1, 1.2, 1.5, 2.0], 8: [1.0, 1.0, 1.1, 1.2, 1.5]}
-    entries = [BudgetEntry(b, 1024, 1.0, nodes, ratios, choose_budget(nodes, ratios, 1.0, 0.3)) for b, ratios in chosen.items()]
+    entries = [
+        BudgetEntry(b, 1024, 1.0, nodes, ratios, choose_budget(nodes, ratios, 1.0, 0.3))
+        for b, ratios in chosen.items()
+    ]
     table = BudgetTable(TableKey("m", "NVIDIA H200", "bfloat16", "closed_form", "graphs"), 0.3, entries, meta={})
     resolver = BudgetResolver.from_table(table, epsilon=0.3)
     assert [resolver(rows, 1024) for rows in range(1, 11)] == [32, 43, 53, 64, 144, 224, 304, 384, 384, 384]
