@@ -1,6 +1,6 @@
 """What a run leaves behind: `results.jsonl` (one line per (dataset, mode, batch size), with the machine and every
 setting), `results.md` (the table), and PNG plots (throughput vs batch size, accepted-length histograms, speedup
-over `ar`)."""
+over `ar`, and a budget sweep's throughput against its best fixed budget)."""
 
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
 
 
 def plots(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Throughput vs batch size per mode, accepted-length histograms, speedup over `ar` per dataset."""
+    """Throughput vs batch size per mode, accepted-length histograms, speedup over `ar` per dataset, and where
+    fixed budgets were swept, each batch size's throughput against its best fixed budget (dashed: auto)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -212,6 +213,32 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.set(ylabel="speedup over ar (tokens/s)")
         ax.legend(fontsize="small")
         written.append(_save(fig, out_dir / "speedup.png"))
+
+    swept = _budget_cells(rows)
+    if swept:  # a budget sweep (issue 5): each batch size's tokens/s over its best fixed budget, auto beside them
+        panels = list(dict.fromkeys(key[:3] for key in swept))  # (dataset, mode, depth)
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+        for ax, panel in zip(axes[0], panels):
+            for (*key, batch), tps in swept.items():
+                if tuple(key) != panel:
+                    continue
+                fixed = sorted((b, t) for b, t in tps.items() if isinstance(b, int))
+                best = max(t for _, t in fixed)
+                xs, ys = [b for b, _ in fixed], [t / best for _, t in fixed]
+                (line,) = ax.plot(xs, ys, marker="o", label=f"batch {batch}")
+                for label, t in tps.items():  # auto and goodput: one budget per round, not a point on the x axis
+                    if not isinstance(label, int):
+                        ax.axhline(t / best, color=line.get_color(), linestyle="--", linewidth=1,
+                                   label=f"batch {batch}, {label}: {t / best:.2f}")
+            ax.axhline(0.95, color="gray", linewidth=0.8, linestyle=":")  # issue 5: auto within 5% of the best
+            ax.set(title=f"{panel[0]}, {panel[1]}, depth {panel[2]}", xlabel="fixed budget (nodes a round)",
+                   ylabel="tokens/s ÷ best fixed budget")
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.set_xticks(sorted({b for tps in swept.values() for b in tps if isinstance(b, int)}))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.legend(fontsize="x-small")
+        written.append(_save(fig, out_dir / "budget_sweep.png"))
     return written
 
 
@@ -224,11 +251,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def budget_sweep(rows: list[dict]) -> list[str]:
-    """Markdown lines comparing budgets (issue 5): per (dataset, mode, depth, batch size) with at least two fixed
-    budgets, the best fixed one against each `auto` and `goodput` row; then each fixed budget's largest shortfall from
-    the best over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
-    cells: dict[tuple, dict] = {}  # (dataset, mode, depth, batch) -> {budget label: tokens/s}
+def _budget_cells(rows: list[dict]) -> dict[tuple, dict]:
+    """`{(dataset, mode, depth, batch): {budget label: tokens/s}}` of the hf_bole tree modes' rows, for the
+    (dataset, mode, depth, batch) cells that ran at least two fixed budgets (`--budget 16 32 64 auto`): a fixed
+    budget's label is its node count, "auto"'s and "goodput"'s name their epsilon."""
+    cells: dict[tuple, dict] = {}
     for r in rows:
         mode = r["mode"].split()[0]
         if mode in ("tree-serial", "bole") and r["output_tokens_per_s"]:
@@ -236,7 +263,14 @@ def budget_sweep(rows: list[dict]) -> list[str]:
             budget = r["tree_budget"] if r["tree_budget"] != "auto" else f"auto ε={r['tree_epsilon']}"
             budget = budget if budget != "goodput" else f"goodput (ε={r['tree_epsilon']} first)"
             cells.setdefault((r["dataset"], mode, r["tree_depth"], r["batch_size"]), {})[budget] = r["output_tokens_per_s"]
-    swept = {k: v for k, v in cells.items() if sum(isinstance(b, int) for b in v) >= 2}
+    return {k: v for k, v in cells.items() if sum(isinstance(b, int) for b in v) >= 2}
+
+
+def budget_sweep(rows: list[dict]) -> list[str]:
+    """Markdown lines comparing budgets (issue 5): per (dataset, mode, depth, batch size) with at least two fixed
+    budgets, the best fixed one against each `auto` and `goodput` row; then each fixed budget's largest shortfall from
+    the best over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
+    swept = _budget_cells(rows)
     if not swept:
         return []
     lines = ["", "Budgets (tokens/s; the best fixed budget of each batch size against auto):", "",

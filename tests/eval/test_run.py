@@ -94,6 +94,7 @@ def test_run_end_to_end(checkpoint, tmp_path):
     assert "| mbpp | bole | 2 |" in (out / "results.md").read_text()
     for png in ("throughput_vs_batch.png", "accept_histogram.png", "speedup.png"):
         assert (out / png).stat().st_size > 0
+    assert not (out / "budget_sweep.png").exists()  # no fixed budgets swept
 
 
 def test_run_ar_static(checkpoint, tmp_path):
@@ -482,6 +483,24 @@ def test_budget_sweep_table():
     lines = report.budget_sweep(rows + compiled)
     assert "| mbpp | bole compiled | 5 | 1 | 16 | 200.0 | auto ε=0.1 | 190.0 | 0.95 |" in lines
     assert "| mbpp | bole | 5 | 1 | 64 | 120.0 | auto ε=0.1 | 118.0 | 0.98 |" in lines
+
+
+def test_budget_sweep_plot(tmp_path):
+    """A sweep of fixed budgets adds `budget_sweep.png`: one panel per (dataset, mode, depth), a line per batch size
+    over the fixed budgets, auto dashed at its share of the best."""
+    from eval import report
+
+    def row(batch, budget, tps, mode="bole"):
+        return {"dataset": "mbpp", "mode": f"{mode} b{budget}", "batch_size": batch, "tree_depth": 5,
+                "tree_budget": budget, "tree_epsilon": 0.3, "output_tokens_per_s": tps, "compiled": False,
+                "accept_histogram": {"3": 2}, "speedup_over_ar": None}  # fmt: skip
+
+    rows = [row(1, 16, 100.0), row(1, 64, 120.0), row(1, "auto", 118.0), row(8, 16, 400.0), row(8, 64, 300.0),
+            row(8, 16, 200.0, mode="tree-serial"), row(8, 64, 250.0, mode="tree-serial")]  # fmt: skip
+    written = report.plots(rows, tmp_path)
+    assert tmp_path / "budget_sweep.png" in written and (tmp_path / "budget_sweep.png").stat().st_size > 0
+    assert report._budget_cells(rows).keys() == {("mbpp", "bole", 5, 1), ("mbpp", "bole", 5, 8),
+                                                 ("mbpp", "tree-serial", 5, 8)}  # fmt: skip
 
 
 def test_header_says_graphs_are_off_for_a_spread_model():
