@@ -53,9 +53,9 @@ class BoleConfig:
             root child). Tables store the raw timings, so any epsilon applies without measuring again. On an H200,
             0.3 chooses on the 9B shape's table what 0.25 did, which reached 1.06, 0.98, 0.96 and 0.97 of the best
             fixed budget's throughput at batch 16, 8, 4 and 1 (`results/budget_h200_9b/eleventh/`); on the house
-            model's table 0.25 chose 8 nodes at batch 1, where 16 cost 1.2500 decode steps, and reached 0.92 of the
-            best fixed budget (32 nodes, which 0.3 chooses; `results/speed_h200/twenty_seventh_session/`). 0.1
-            reached 0.76 at batch 16 on the 9B shape in an earlier run (1.5 nodes per request).
+            model 0.3 reached 0.99, 0.99, 0.97 and 0.96 (`results/speed_h200/twenty_eighth_session/`), where 0.25
+            chose 8 nodes at batch 1 (16 cost 1.2500 decode steps) and reached 0.92 there. 0.1 reached 0.76 at
+            batch 16 on the 9B shape in an earlier run (1.5 nodes per request).
         verify (`str`, *optional*, defaults to `"closed_form"`):
             How GDN layers verify the tree: `"closed_form"` (one solve over all nodes, state factors) or
             `"serial"` (node by node with a state snapshot per node, the SGLang-Tree baseline).
