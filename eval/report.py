@@ -219,10 +219,12 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         panels = list(dict.fromkeys(key[:3] for key in swept))  # (dataset, mode, depth)
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
         for ax, panel in zip(axes[0], panels):
+            ticks: set[int] = set()  # the fixed budgets this panel ran
             for (*key, batch), tps in swept.items():
                 if tuple(key) != panel:
                     continue
                 fixed = sorted((b, t) for b, t in tps.items() if isinstance(b, int))
+                ticks.update(b for b, _ in fixed)
                 best = max(t for _, t in fixed)
                 xs, ys = [b for b, _ in fixed], [t / best for _, t in fixed]
                 (line,) = ax.plot(xs, ys, marker="o", label=f"batch {batch}")
@@ -235,7 +237,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
                    ylabel="tokens/s ÷ best fixed budget")
             ax.set_xscale("log", base=2)
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-            ax.set_xticks(sorted({b for tps in swept.values() for b in tps if isinstance(b, int)}))
+            ax.set_xticks(sorted(ticks))
             ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.legend(fontsize="x-small")
         written.append(_save(fig, out_dir / "budget_sweep.png"))

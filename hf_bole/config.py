@@ -41,9 +41,9 @@ class BoleConfig:
             `hf_bole.generation.budget`), at the number of active requests (between two batch-size buckets, on the
             line between their budgets) and the KV-length bucket at or below the longest active request. Without a
             table, or off CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * active requests, FALLBACK_BUDGET_MAX)`
-            (32 per request, at most 128) and says so once in a log line. `"goodput"` reads the same table but chooses every round
-            the size of most expected tokens per millisecond, weighing the table's verify times against the draft
-            probabilities of the rounds before and the measured rest of a round
+            (32 per request, at most 128) and says so once in a log line. `"goodput"` reads the same table but
+            chooses every round the size of most expected tokens per millisecond, weighing the table's verify times
+            against the draft probabilities of the rounds before and the measured rest of a round
             (`hf_bole.generation.budget.GoodputRule`); it falls back the same way. On the 9B shape with an oracle
             drafter it reached 0.93-1.02 of the best fixed budget, below "auto" (`results/budget_h200_9b/eleventh/`).
         epsilon (`float`, *optional*, defaults to 0.3):
