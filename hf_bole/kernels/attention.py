@@ -19,6 +19,12 @@ This kernel reads the keys once per key head, in place in the cache's storage, a
   `valid[b, c]`) or it is the slot of one of `i`'s ancestors or `i` itself (`0 <= c - lengths[b] < N` and
   `ancestors[b, i, c - lengths[b]]`): exactly `BoleCache.tree_mode`'s attention mask, which is never built for it.
 
+`masked_attention` runs the same split and merge with the mask given instead, `[B, Q, L]`, for a few queries a row:
+the MTP drafter's steps, whose tree sits in scratch slots before the committed entries. Its batched matmuls before
+(`torch.baddbmm`, masked softmax, `torch.bmm`) cost 48 us a step over the house model's 1300-slot drafter cache at
+batch 8 on an H200, most of it cuBLAS's `gemmSN` kernel for the second product, which walks every slot in one
+program per (row, key head) (the twenty-ninth session's kernel log): 0.24 ms of a round's 0.91 ms of drafting.
+
 Numerics: scores and sums in float32, the probabilities rounded to the value dtype for the second product (as
 flash attention does); within 1e-5 (float32) and 1e-2 (bf16, fp16) of float64 in tests/kernels/test_attention.py, and
 eval/bench_attention.py reports its error beside SDPA's on the GPU.
@@ -136,7 +142,84 @@ def tree_attention(
             tree_attention_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_M), B * Hkv)](
                 lengths, partial, lse, out, *out.stride()[:3], N,
                 REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=MERGE_BLOCK_M, SPLIT=split,
-                NUM_SPLITS=num_splits, num_warps=4,
+                NUM_SPLITS=num_splits, TREE=True, num_warps=4,
+            )  # fmt: skip
+    return out
+
+
+def naive_masked_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """The specification of `masked_attention`, in the inputs' dtype: q `[B, H, Q, D]`, k and v `[B, Hkv, L, D]`,
+    mask `[B, Q, L]` -> `[B, Q, H, D]`; a query that sees no slot gets zeros."""
+    H, Hkv = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, Q, L]
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    return (probs @ v).transpose(1, 2)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of a few queries a row over a KV storage, each query over the slots its mask row allows.
+
+    Args:
+        q: `[B, H, Q, D]` queries (any strides with the last dim contiguous).
+        k, v: `[B, Hkv, L, D]` keys and values, read in place; `H` a multiple of `Hkv`.
+        mask: `[B, Q, L]` bool, True where a query sees a slot (any strides with the last dim contiguous).
+        scale: defaults to `D ** -0.5`.
+
+    Returns:
+        `[B, Q, H, D]` in q's dtype; zeros for a query that sees no slot.
+
+    Triton on CUDA tensors and under `TRITON_INTERPRET=1`; `naive_masked_attention` on CPU tensors otherwise.
+    """
+    B, H, Q, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    check_dtype("q", q, (torch.float32, torch.float16, torch.bfloat16))
+    for name, x in (("k", k), ("v", v)):
+        check_dtype(name, x, (q.dtype,))
+        check_shape(name, x, (B, Hkv, L, D), "[B, Hkv, L, D]")
+    check_dtype("mask", mask, (torch.bool,))
+    check_shape("mask", mask, (B, Q, L), "[B, Q, L]")
+    check_same_device(q=q, k=k, v=v, mask=mask)
+    if H % Hkv:
+        raise ValueError(f"the query heads ({H}) must be a multiple of the key heads ({Hkv})")
+    if (H // Hkv) * Q > MAX_NODES or D > MAX_HEAD_DIM:
+        raise ValueError(
+            f"masked_attention takes up to {MAX_NODES} query rows a key head and head dims up to {MAX_HEAD_DIM}, "
+            f"got {H // Hkv} x {Q} rows and D = {D}"
+        )
+    scale = D**-0.5 if scale is None else scale
+    if not use_triton(q):
+        return naive_masked_attention(q, k, v, mask, scale).to(q.dtype).contiguous()
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_M, BLOCK_N, num_warps = _tiles(BLOCK_D)
+    M = (H // Hkv) * Q
+    BLOCK_M = min(BLOCK_M, max(16, triton.next_power_of_2(M)))  # a few queries: one small block of rows
+    row_blocks = triton.cdiv(M, BLOCK_M)
+    # The drafter's key length changes with every call outside CUDA graphs: the splits (compile-time constants) do
+    # not follow it but the grid, and a split's length only at powers of two, so a run compiles a handful of
+    # variants. A split past L writes an empty partial (zero output, -inf log-sum-exp), merged as nothing.
+    num_splits = max(1, TARGET_PROGRAMS // (B * Hkv * row_blocks))
+    split = BLOCK_N * triton.next_power_of_2(triton.cdiv(L, num_splits * BLOCK_N))
+    q, k, v, mask = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, mask))
+    out = torch.empty(B, Q, H, D, dtype=q.dtype, device=q.device)
+    partial = torch.empty(B * Hkv, num_splits, M, D, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+    lse = torch.empty(B * Hkv, num_splits, M, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+    dtype_args = dict(DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST_DOT=is_interpreter())
+    with on_device(q):
+        masked_attention_split_kernel[(row_blocks, num_splits, B * Hkv)](
+            q, k, v, mask.view(torch.uint8), out, partial, lse,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask.stride()[:2], *out.stride()[:3],
+            Q, L, scale * 1.4426950408889634,
+            REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
+            NUM_SPLITS=num_splits, **dtype_args, num_warps=num_warps,
+        )  # fmt: skip
+        if num_splits > 1:
+            tree_attention_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_M), B * Hkv)](
+                out, partial, lse, out, *out.stride()[:3], Q,
+                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=MERGE_BLOCK_M, SPLIT=split,
+                NUM_SPLITS=num_splits, TREE=False, num_warps=4,
             )  # fmt: skip
     return out
 
@@ -237,12 +320,101 @@ def tree_attention_split_kernel(
             DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
+    _store_split(
+        out, partial, lse, b_max, b_sum, b_acc, i_b, i_bh, i_s, o_r, m_r, node, head, o_d, m_rd,
+        stride_ob, stride_on, stride_oh, REP * N, D, NUM_SPLITS,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["stride_mb", "stride_mq", "Q", "L"])
+def masked_attention_split_kernel(
+    q,
+    k,
+    v,
+    mask,
+    out,
+    partial,
+    lse,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kc,
+    stride_vb,
+    stride_vh,
+    stride_vc,
+    stride_mb,
+    stride_mq,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    Q,
+    L,
+    scale_log2,
+    REP: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One (query-row block, key split, row x key head) of `masked_attention`: a flash-attention pass over the
+    split's slots below L (none for a split past it), each query row over those its mask row allows."""
+    i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_kh = (i_bh // HKV).to(tl.int64), i_bh % HKV
+    lo = i_s * SPLIT
+    hi = tl.minimum(lo + SPLIT, L)
+
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows of this key head
+    m_r = o_r < REP * Q
+    node = o_r % Q
+    head = i_kh * REP + o_r // Q
+    o_d = tl.arange(0, BLOCK_D)
+    m_rd = m_r[:, None] & (o_d < D)[None, :]
+    b_q = tl.load(
+        q + i_b * stride_qb + (head * stride_qh + node * stride_qn)[:, None] + o_d[None, :], mask=m_rd, other=0
+    )
+    if UPCAST_DOT:
+        b_q = b_q.to(tl.float32)
+    p_k = k + i_b * stride_kb + i_kh * stride_kh
+    p_v = v + i_b * stride_vb + i_kh * stride_vh
+    p_mask = mask + i_b * stride_mb + node[:, None] * stride_mq
+
+    b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        o_c = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key slots
+        m_c = o_c < hi
+        seen = tl.load(p_mask + o_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+        b_max, b_sum, b_acc = _attend(
+            b_q, p_k, p_v, o_c, m_c, o_d, seen, b_max, b_sum, b_acc, stride_kc, stride_vc, scale_log2, D,
+            DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    _store_split(
+        out, partial, lse, b_max, b_sum, b_acc, i_b, i_bh, i_s, o_r, m_r, node, head, o_d, m_rd,
+        stride_ob, stride_on, stride_oh, REP * Q, D, NUM_SPLITS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_split(
+    out, partial, lse, b_max, b_sum, b_acc, i_b, i_bh, i_s, o_r, m_r, node, head, o_d, m_rd,
+    stride_ob, stride_on, stride_oh, M, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """A split program's rows: the output itself when one split covers the storage, else its float32 partial
+    output and log2-sum-exp for the merge (`M` query rows a key head)."""
     b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]  # a split may hold no slot a row sees: its sum is 0
     if NUM_SPLITS == 1:
         p_o = out + i_b * stride_ob + (node * stride_on + head * stride_oh)[:, None] + o_d[None, :]
         tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_rd)
     else:
-        base = (i_bh * NUM_SPLITS + i_s).to(tl.int64) * (REP * N)  # this split's first row
+        base = (i_bh * NUM_SPLITS + i_s).to(tl.int64) * M  # this split's first row
         tl.store(partial + base * D + o_r[:, None] * D + o_d[None, :], b_o, mask=m_rd)
         b_lse = tl.where(b_sum > 0, b_max + tl.log2(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf"))
         tl.store(lse + base + o_r, b_lse, mask=m_r)
@@ -290,12 +462,18 @@ def tree_attention_merge_kernel(
     BLOCK_M: tl.constexpr,
     SPLIT: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    TREE: tl.constexpr,
 ):
-    """One (query-row block, row x key head): the splits' outputs weighted by their sums, in order of the splits."""
+    """One (query-row block, row x key head): the splits' outputs weighted by their sums, in order of the splits.
+    TREE: `tree_attention`'s, whose splits at or above `lengths + N` did not run; else `masked_attention`'s (`N`
+    its queries, `lengths` unread), all of whose splits ran."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = (i_bh // HKV).to(tl.int64), i_bh % HKV
-    length = tl.load(lengths + i_b).to(tl.int32)
-    used = tl.minimum(tl.cdiv(length + N, SPLIT), NUM_SPLITS)  # the splits that ran
+    if TREE:
+        length = tl.load(lengths + i_b).to(tl.int32)
+        used = tl.minimum(tl.cdiv(length + N, SPLIT), NUM_SPLITS)  # the splits that ran
+    else:
+        used = NUM_SPLITS
 
     o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_r = o_r < REP * N

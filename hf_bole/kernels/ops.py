@@ -1,4 +1,5 @@
-"""The tree kernels as `torch.library` custom ops, for a `torch.compile`d verify forward.
+"""The tree kernels (and the drafter's attention and top-k) as `torch.library` custom ops, for a `torch.compile`d verify forward
+(and drafting round).
 
 Dynamo cannot trace a Triton launcher that checks its inputs and picks configs on the host. Left as a
 `torch.compiler.disable`d call, each kernel splits the model's graph: a 32-layer Qwen3.5 compiled into about a hundred
@@ -12,7 +13,9 @@ from typing import Optional  # the op schemas are read from these annotations at
 
 import torch
 
+from hf_bole.kernels.attention import masked_attention as _masked_attention
 from hf_bole.kernels.attention import tree_attention as _tree_attention
+from hf_bole.kernels.topk import row_topk as _row_topk
 from hf_bole.kernels.tree_gdn import tree_causal_conv1d as _tree_causal_conv1d
 from hf_bole.kernels.tree_gdn import tree_gdn_verify as _tree_gdn_verify
 from hf_bole.kernels.tree_gdn import tree_gdn_verify_serial as _tree_gdn_verify_serial
@@ -102,6 +105,30 @@ def _(q, k, v, lengths, valid, ancestors, scale):
     return q.new_empty(B, N, H, D)
 
 
+@torch.library.custom_op("hf_bole::masked_attention", mutates_args=())
+def _masked_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: Optional[float]
+) -> torch.Tensor:
+    return _masked_attention(q, k, v, mask, scale=scale)
+
+
+@_masked_attention_op.register_fake
+def _(q, k, v, mask, scale):
+    B, H, Q, D = q.shape
+    return q.new_empty(B, Q, H, D)
+
+
+@torch.library.custom_op("hf_bole::row_topk", mutates_args=())
+def _topk_op(x: torch.Tensor, k: int, log_softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _row_topk(x, k, log_softmax)
+
+
+@_topk_op.register_fake
+def _(x, k, log_softmax):
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int64)
+
+
 def tree_gdn_verify(
     q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False, ancestors=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,3 +151,13 @@ def tree_causal_conv1d(x, weight, bias, parents, conv_state, activation="silu") 
 def tree_attention(q, k, v, lengths, valid, ancestors, *, scale=None) -> torch.Tensor:
     """`hf_bole.kernels.tree_attention` (default split) as one node of a compiled graph."""
     return _attention_op(q, k, v, lengths, valid, ancestors, scale)
+
+
+def masked_attention(q, k, v, mask, *, scale=None) -> torch.Tensor:
+    """`hf_bole.kernels.attention.masked_attention` as one node of a compiled graph (the MTP drafter's rounds)."""
+    return _masked_attention_op(q, k, v, mask, scale)
+
+
+def row_topk(x, k, log_softmax=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hf_bole.kernels.topk.row_topk` as one node of a compiled graph (the MTP drafter's rounds)."""
+    return _topk_op(x, k, log_softmax)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask
-from hf_bole.kernels.attention import naive_tree_attention, tree_attention
+from hf_bole.kernels.attention import masked_attention, naive_masked_attention, naive_tree_attention, tree_attention
 from hf_bole.kernels.tree_gdn.ancestors import tree_attention_mask
 from tests.kernels.trees import BACKENDS, backend_device, make_parents, path_to, rel_err
 
@@ -117,3 +117,73 @@ def test_tree_attention_bad_input():
         tree_attention(*(torch.zeros(*x.shape[:-1], 512) for x in (q, k, v)), lengths, valid, anc)
     with pytest.raises(ValueError, match="split must be a positive multiple"):
         tree_attention(q, k, v, lengths, valid, anc, split=20)
+
+
+def masked_inputs(B, H, HKV, Q, L, D, dtype=torch.float32, device="cpu", seed=0):
+    """A few queries a row over L slots, each under its own random mask; query 0 of row 0 sees one slot, query 1
+    (where there is one) every slot, the last query of the last row none. The mask is a `[B, 1, Q, L]` tensor's view,
+    as the MTP head's attention gets it."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Q, D, generator=gen)
+    k, v = torch.randn(2, B, HKV, L, D, generator=gen)
+    mask = torch.rand(B, 1, Q, L, generator=gen) < 0.3
+    mask[0, 0, 0] = False
+    mask[0, 0, 0, L // 2] = True
+    if Q > 1:
+        mask[0, 0, 1] = True
+    mask[-1, 0, -1] = False
+    cast = lambda x: x.to(dtype=dtype, device=device)  # noqa: E731
+    return cast(q), cast(k), cast(v), mask.to(device)[:, 0]
+
+
+MASKED_CASES = [
+    pytest.param(2, 4, 2, 4, 40, 16, id="house-drafter-step"),
+    pytest.param(3, 4, 2, 6, 100, 64, id="house-drafter-extension"),
+    pytest.param(1, 16, 4, 4, 300, 256, id="9B-drafter-step"),
+    pytest.param(2, 6, 2, 1, 33, 8, id="one-query-D8"),
+    pytest.param(1, 3, 3, 50, 20, 32, id="many-queries-rep1"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B,H,HKV,Q,L,D", MASKED_CASES)
+def test_masked_attention_fp32(backend, B, H, HKV, Q, L, D):
+    q, k, v, mask = masked_inputs(B, H, HKV, Q, L, D, device=backend_device(backend))
+    out = masked_attention(q, k, v, mask)
+    assert out.shape == (B, Q, H, D) and out.dtype == torch.float32
+    gold_out = naive_masked_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.cpu(), D**-0.5)
+    assert rel_err(out, gold_out) <= 1e-5
+    assert not out[-1, -1].any()  # the query that sees nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masked_attention_half_precision_and_transposed_queries(backend, dtype):
+    q, k, v, mask = masked_inputs(4, 4, 2, 5, 700, 64, dtype=dtype, device=backend_device(backend))
+    transposed = q.transpose(1, 2).contiguous().transpose(1, 2)  # transformers' layout: [B, Q, H, D] transposed
+    out = masked_attention(transposed, k, v, mask, scale=0.1)
+    assert out.dtype == dtype
+    gold_out = naive_masked_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.cpu(), 0.1)
+    assert rel_err(out, gold_out) <= 1e-2
+
+
+def test_masked_attention_equals_sdpa_over_repeated_keys():
+    """The specification is SDPA's attention with a boolean mask, each query head reading key head h // REP."""
+    q, k, v, mask = masked_inputs(2, 6, 2, 3, 11, 8, dtype=torch.float64)
+    mask[-1, -1, 0] = True  # SDPA's softmax over no slot is NaN
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask[:, None], scale=0.3
+    )
+    torch.testing.assert_close(naive_masked_attention(q, k, v, mask, 0.3), expected.transpose(1, 2))
+
+
+def test_masked_attention_bad_input():
+    q, k, v, mask = masked_inputs(1, 4, 2, 3, 16, 8)
+    with pytest.raises(ValueError, match="multiple of the key heads"):
+        masked_attention(q[:, :3], k, v, mask)
+    with pytest.raises(ValueError, match="`mask` must have shape"):
+        masked_attention(q, k, v, mask[:, :2])
+    with pytest.raises(ValueError, match="`mask` must have dtype"):
+        masked_attention(q, k, v, mask.float())
+    with pytest.raises(ValueError, match="up to 128 query rows"):
+        masked_attention(q[:, :, :1].expand(-1, -1, 70, -1), k, v, mask[:, :1].expand(-1, 70, -1))

@@ -8,7 +8,7 @@ import torch
 import hf_bole.kernels.ops  # noqa: F401  (registers the ops)
 import hf_bole.cache.bole_cache  # noqa: F401  (registers write_tree_kv)
 from hf_bole.kernels import tree_ancestor_mask
-from tests.kernels.test_attention import attention_inputs
+from tests.kernels.test_attention import attention_inputs, masked_inputs
 from tests.kernels.trees import BACKENDS, backend_device, gdn_inputs, make_parents
 
 CHECKS = ("test_schema", "test_faketensor")
@@ -53,3 +53,16 @@ def test_tree_attention_op(backend):
     torch.library.opcheck(
         torch.ops.hf_bole.tree_attention.default, (q, k, v, lengths, valid, anc, 0.25), test_utils=CHECKS
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_topk_op(backend):
+    x = torch.randn(2, 3, 2000, device=backend_device(backend))
+    for log_softmax in (False, True):
+        torch.library.opcheck(torch.ops.hf_bole.row_topk.default, (x, 4, log_softmax), test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_attention_op(backend):
+    q, k, v, mask = masked_inputs(2, 4, 2, 3, 50, 16, device=backend_device(backend))
+    torch.library.opcheck(torch.ops.hf_bole.masked_attention.default, (q, k, v, mask, 0.25), test_utils=CHECKS)

@@ -30,6 +30,8 @@ from transformers.utils import logging
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
+from hf_bole.kernels.ops import row_topk
+from hf_bole.kernels.topk import MAX_K
 from hf_bole.models import attention_backends, graph_unsafe_experts
 from hf_bole.models.mtp import Qwen3_5MTP
 
@@ -100,6 +102,11 @@ class MTPDrafter:
             raise ValueError(f"MTPDrafter topk={topk} exceeds the vocabulary size {vocab_size}")
         self.mtp, self.embed_tokens, self.lm_head, self.rotary_emb = mtp, embed_tokens, lm_head, rotary_emb
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
+        if topk > MAX_K:
+            logger.warning_once(
+                f"hf_bole: the MTP drafter picks topk={topk} children with torch.topk, slower on a GPU than "
+                f"hf_bole's kernel, which takes topk <= {MAX_K}"
+            )
         self._cache: _MTPKVCache | None = None
         # Experts run by transformers' "eager" implementation (or grouped_mm outside bf16) route tokens on the host,
         # which a CUDA graph cannot hold (the layer's config is a copy of the target's, made when the drafter was built).
@@ -285,8 +292,18 @@ class MTPDrafter:
         rope = tuple(t.to(device) for t in self.rotary_emb(embeds, positions.expand(3, *positions.shape)))
         return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries)
 
-    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float().log_softmax(-1)
+    def _best(self, x: torch.Tensor, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `topk` largest of every row of `x [..., n]` (of its log-softmax with `log_softmax`): values float32,
+        indices, each `[..., topk]`, descending."""
+        if self.topk > MAX_K:
+            x = x.float()
+            return (x.log_softmax(-1) if log_softmax else x).topk(self.topk, dim=-1)
+        return row_topk(x, self.topk, log_softmax)
+
+    def _children(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `topk` likeliest next tokens after the head's outputs `hidden [..., hidden_size]`: their draft
+        log-probabilities and ids, each `[..., topk]`."""
+        return self._best(self.lm_head(hidden), log_softmax=True)
 
     def _extend(
         self,
@@ -382,7 +399,7 @@ class MTPDrafter:
         committed_keys = ((keys >= cache.offset) & (keys < cache.offset + committed[:, None]))[:, None, :]  # [B, 1, L]
 
         # the drafted nodes, level by level; node ids number them in this order (shallower first)
-        logp, tokens = self._log_probs(root_hidden).topk(K, dim=-1)  # [B, K]
+        logp, tokens = self._children(root_hidden)  # [B, K]
         all_tokens, all_logp, all_cum = [tokens], [logp], [logp]
         all_parents = [torch.full_like(tokens, -1)]
         frontier_hidden = root_hidden[:, None].expand(-1, K, -1)  # [B, K, hidden]
@@ -402,7 +419,7 @@ class MTPDrafter:
                 slots.expand(batch_size, -1),
                 few_queries=True,
             )  # [B, K, hidden]
-            child_logp, child_tokens = self._log_probs(out).topk(K, dim=-1)  # [B, K, K]
+            child_logp, child_tokens = self._children(out)  # [B, K, K]
             child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
             child_tokens = child_tokens.flatten(1)
             all_tokens.append(child_tokens)
@@ -410,7 +427,7 @@ class MTPDrafter:
             all_cum.append(child_cum)
             all_parents.append(frontier_ids.repeat_interleave(K, dim=1))
             if d + 1 < self.depth:
-                frontier_cum, chosen = child_cum.topk(K, dim=-1)  # [B, K] among the level's K*K children
+                frontier_cum, chosen = self._best(child_cum)  # [B, K] among the level's K*K children
                 parent = chosen // K  # index of the parent in the current frontier
                 frontier_tokens = child_tokens.gather(1, chosen)
                 frontier_hidden = out.gather(1, parent[..., None].expand(-1, -1, hidden_size))

@@ -20,6 +20,16 @@ profile)  # every kernel of one batch-8 call of bole at depth 5 and auto: what a
         --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --modes bole --kernel-log "$OUT/kernels"
     gzip -f "$OUT"/kernels/*.tsv
     ;;
+tests)  # the drafter's new kernels on CUDA (row_topk, masked_attention, their ops), then the drafter's tests there
+    step kernel_tests "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+        tests/kernels/test_topk.py tests/kernels/test_attention.py tests/kernels/test_ops.py
+    HF_BOLE_TEST_DEVICE=cuda step mtp_tests "${MTP_S:-150}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+        tests/generation/test_mtp.py
+    ;;
+kernels_b8)  # issue 8 after the drafter's kernels: ar, chain, tree-serial and bole at batch 8, depths 5 and 6
+    house_run kernels_b8 "${B8_S:-330}" mbpp --modes ar chain tree-serial bole --batch-sizes 8 --depth 5 6 \
+        --budget 128 auto
+    ;;
 *)
     echo "unknown part $PART"
     ;;
