@@ -283,17 +283,9 @@ def tree_attention_split_kernel(
     if lo >= hi:
         return
 
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows of this key head
-    m_r = o_r < REP * N
-    node = o_r % N
-    head = i_kh * REP + o_r // N
-    o_d = tl.arange(0, BLOCK_D)
-    m_rd = m_r[:, None] & (o_d < D)[None, :]
-    b_q = tl.load(
-        q + i_b * stride_qb + (head * stride_qh + node * stride_qn)[:, None] + o_d[None, :], mask=m_rd, other=0
+    o_r, m_r, node, head, o_d, m_rd, b_q = _query_block(
+        q, i_m, i_b, i_kh, stride_qb, stride_qh, stride_qn, N, REP, D, BLOCK_D, BLOCK_M, UPCAST_DOT
     )
-    if UPCAST_DOT:
-        b_q = b_q.to(tl.float32)
     p_k = k + i_b * stride_kb + i_kh * stride_kh
     p_v = v + i_b * stride_vb + i_kh * stride_vh
 
@@ -370,17 +362,9 @@ def masked_attention_split_kernel(
     lo = i_s * SPLIT
     hi = tl.minimum(lo + SPLIT, L)
 
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows of this key head
-    m_r = o_r < REP * Q
-    node = o_r % Q
-    head = i_kh * REP + o_r // Q
-    o_d = tl.arange(0, BLOCK_D)
-    m_rd = m_r[:, None] & (o_d < D)[None, :]
-    b_q = tl.load(
-        q + i_b * stride_qb + (head * stride_qh + node * stride_qn)[:, None] + o_d[None, :], mask=m_rd, other=0
+    o_r, m_r, node, head, o_d, m_rd, b_q = _query_block(
+        q, i_m, i_b, i_kh, stride_qb, stride_qh, stride_qn, Q, REP, D, BLOCK_D, BLOCK_M, UPCAST_DOT
     )
-    if UPCAST_DOT:
-        b_q = b_q.to(tl.float32)
     p_k = k + i_b * stride_kb + i_kh * stride_kh
     p_v = v + i_b * stride_vb + i_kh * stride_vh
     p_mask = mask + i_b * stride_mb + node[:, None] * stride_mq
@@ -400,6 +384,28 @@ def masked_attention_split_kernel(
         out, partial, lse, b_max, b_sum, b_acc, i_b, i_bh, i_s, o_r, m_r, node, head, o_d, m_rd,
         stride_ob, stride_on, stride_oh, REP * Q, D, NUM_SPLITS,
     )  # fmt: skip
+
+
+@triton.jit
+def _query_block(
+    q, i_m, i_b, i_kh, stride_qb, stride_qh, stride_qn, N, REP: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """Block `i_m` of the `REP * N` query rows of key head `i_kh` (row `r`: head `i_kh * REP + r // N`, node or
+    query `r % N`): the rows, which are real, their nodes and heads, the head-dim offsets, the rows x dims mask, and
+    the queries `[BLOCK_M, BLOCK_D]`."""
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_r = o_r < REP * N
+    node = o_r % N
+    head = i_kh * REP + o_r // N
+    o_d = tl.arange(0, BLOCK_D)
+    m_rd = m_r[:, None] & (o_d < D)[None, :]
+    b_q = tl.load(
+        q + i_b * stride_qb + (head * stride_qh + node * stride_qn)[:, None] + o_d[None, :], mask=m_rd, other=0
+    )
+    if UPCAST_DOT:
+        b_q = b_q.to(tl.float32)
+    return o_r, m_r, node, head, o_d, m_rd, b_q
 
 
 @triton.jit
