@@ -26,8 +26,8 @@ tests)  # the drafter's new kernels on CUDA (row_topk, masked_attention, their o
     HF_BOLE_TEST_DEVICE=cuda step mtp_tests "${MTP_S:-150}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
         tests/generation/test_mtp.py
     ;;
-kernels_b8)  # issue 8 after the drafter's kernels: ar, chain, tree-serial and bole at batch 8, depths 5 and 6
-    house_run kernels_b8 "${B8_S:-330}" mbpp --modes ar chain tree-serial bole --batch-sizes 8 --depth 5 6 \
+kernels_b8)  # issue 8 after the drafter's kernels: ar, chain, tree-serial and bole at batch 8, depth 6
+    house_run kernels_b8 "${B8_S:-330}" mbpp --modes ar chain tree-serial bole --batch-sizes 8 --depth 6 \
         --budget 128 auto
     ;;
 *)
