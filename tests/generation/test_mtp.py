@@ -14,6 +14,7 @@ from hf_bole.generation.drafters import mtp as mtp_module
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.drafters.mtp import MTPDrafter
 from hf_bole.generation.tree import DraftTree
+from hf_bole.kernels.topk import MAX_K
 from hf_bole.models import mtp as head_module
 from hf_bole.models.mtp import Qwen3_5MTP, mtp_attention, save_pretrained_with_mtp
 from tests.generation.recorded_graph import recording_capture
@@ -495,3 +496,18 @@ def test_cuda_graphs_refused_for_eager_experts(caplog):
             )  # fmt: skip
         assert drafter.cuda_graphs == captured
     assert "experts_implementation='eager'" in caplog.text
+
+def test_wide_topk_drafts_with_torch_topk_and_says_so(caplog):
+    """Above row_topk's MAX_K the drafter picks children with torch.topk (a warning says so) and drafts the same
+    trees as the plain recursion's top-k."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([6])
+    with caplog.at_level(logging.WARNING):
+        drafter = _drafter(model, mtp, depth=2, topk=MAX_K + 1)
+    assert "slower on a GPU" in caplog.text
+    tree = drafter.propose(_ctx(rows, [0], [6]))
+    tree.validate(batch_size=1, vocab_size=VOCAB)
+    ref = _Sequential(model, mtp, *rows[0])
+    roots = set(tree.tokens[0, tree.parents[0] == -1].tolist())
+    assert roots == set(ref.log_probs(()).topk(MAX_K + 1).indices.tolist())

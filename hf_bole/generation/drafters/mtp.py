@@ -31,7 +31,7 @@ from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.ops import row_topk
-from hf_bole.kernels.topk import MAX_K
+from hf_bole.kernels.topk import MAX_K, naive_row_topk
 from hf_bole.models import attention_backends, graph_unsafe_experts
 from hf_bole.models.mtp import Qwen3_5MTP
 
@@ -296,8 +296,7 @@ class MTPDrafter:
         """The `topk` largest of every row of `x [..., n]` (of its log-softmax with `log_softmax`): values float32,
         indices, each `[..., topk]`, descending."""
         if self.topk > MAX_K:
-            x = x.float()
-            return (x.log_softmax(-1) if log_softmax else x).topk(self.topk, dim=-1)
+            return naive_row_topk(x, self.topk, log_softmax)
         return row_topk(x, self.topk, log_softmax)
 
     def _children(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
