@@ -88,10 +88,7 @@ def tree_attention(
     """
     B, H, N, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
-    check_dtype("q", q, (torch.float32, torch.float16, torch.bfloat16))
-    for name, x in (("k", k), ("v", v)):
-        check_dtype(name, x, (q.dtype,))
-        check_shape(name, x, (B, Hkv, C, D), "[B, Hkv, C, D]")
+    _check_qkv(q, k, v, "[B, Hkv, C, D]")
     check_dtype("lengths", lengths, (torch.int64,))
     check_shape("lengths", lengths, (B,), "[B]")
     check_dtype("valid", valid, (torch.bool,))
@@ -99,8 +96,6 @@ def tree_attention(
     check_dtype("ancestors", ancestors, (torch.bool,))
     check_shape("ancestors", ancestors, (B, N, N), "[B, N, N]")
     check_same_device(q=q, k=k, v=v, lengths=lengths, valid=valid, ancestors=ancestors)
-    if H % Hkv:
-        raise ValueError(f"the query heads ({H}) must be a multiple of the key heads ({Hkv})")
     if N > MAX_NODES or N > C:
         raise ValueError(f"tree_attention takes trees of 1 to {min(MAX_NODES, C)} nodes here, got N = {N}")
     if D > MAX_HEAD_DIM:
@@ -122,14 +117,8 @@ def tree_attention(
     q, k, v, valid = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, valid))
     anc = ancestors.contiguous().view(torch.uint8)
     out = torch.empty(B, N, H, D, dtype=q.dtype, device=q.device)
-    # One split writes the output itself; several write float32 partials [B * Hkv, splits, M, D] and their
-    # log2-sum-exp [B * Hkv, splits, M] (only the splits below lengths + N: the merge reads no others).
-    partial = torch.empty(B * Hkv, num_splits, M, D, dtype=torch.float32, device=q.device) if num_splits > 1 else out
-    lse = torch.empty(B * Hkv, num_splits, M, dtype=torch.float32, device=q.device) if num_splits > 1 else out
-    dtype_args = dict(
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=is_interpreter(),  # the interpreter's half-precision dot rounds wrongly
-    )
+    partial, lse = _split_outputs(out, B * Hkv, num_splits, M)  # only the splits below lengths + N are written
+    dtype_args = _dot_args(q)
     with on_device(q):
         tree_attention_split_kernel[(row_blocks, num_splits, B * Hkv)](
             q, k, v, lengths, valid.view(torch.uint8), anc, out, partial, lse,
@@ -175,15 +164,10 @@ def masked_attention(
     """
     B, H, Q, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
-    check_dtype("q", q, (torch.float32, torch.float16, torch.bfloat16))
-    for name, x in (("k", k), ("v", v)):
-        check_dtype(name, x, (q.dtype,))
-        check_shape(name, x, (B, Hkv, L, D), "[B, Hkv, L, D]")
+    _check_qkv(q, k, v, "[B, Hkv, L, D]")
     check_dtype("mask", mask, (torch.bool,))
     check_shape("mask", mask, (B, Q, L), "[B, Q, L]")
     check_same_device(q=q, k=k, v=v, mask=mask)
-    if H % Hkv:
-        raise ValueError(f"the query heads ({H}) must be a multiple of the key heads ({Hkv})")
     if (H // Hkv) * Q > MAX_NODES or D > MAX_HEAD_DIM:
         raise ValueError(
             f"masked_attention takes up to {MAX_NODES} query rows a key head and head dims up to {MAX_HEAD_DIM}, "
@@ -204,9 +188,8 @@ def masked_attention(
     split = BLOCK_N * triton.next_power_of_2(triton.cdiv(L, num_splits * BLOCK_N))
     q, k, v, mask = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, mask))
     out = torch.empty(B, Q, H, D, dtype=q.dtype, device=q.device)
-    partial = torch.empty(B * Hkv, num_splits, M, D, dtype=torch.float32, device=q.device) if num_splits > 1 else out
-    lse = torch.empty(B * Hkv, num_splits, M, dtype=torch.float32, device=q.device) if num_splits > 1 else out
-    dtype_args = dict(DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST_DOT=is_interpreter())
+    partial, lse = _split_outputs(out, B * Hkv, num_splits, M)
+    dtype_args = _dot_args(q)
     with on_device(q):
         masked_attention_split_kernel[(row_blocks, num_splits, B * Hkv)](
             q, k, v, mask.view(torch.uint8), out, partial, lse,
@@ -222,6 +205,38 @@ def masked_attention(
                 NUM_SPLITS=num_splits, TREE=False, num_warps=4,
             )  # fmt: skip
     return out
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str) -> None:
+    """q `[B, H, ..., D]` in a float dtype, k and v `[B, Hkv, slots, D]` in the same, `H` a multiple of `Hkv`."""
+    B, H, D = q.shape[0], q.shape[1], q.shape[-1]
+    Hkv, slots = k.shape[1], k.shape[2]
+    check_dtype("q", q, (torch.float32, torch.float16, torch.bfloat16))
+    for name, x in (("k", k), ("v", v)):
+        check_dtype(name, x, (q.dtype,))
+        check_shape(name, x, (B, Hkv, slots, D), kv_layout)
+    if H % Hkv:
+        raise ValueError(f"the query heads ({H}) must be a multiple of the key heads ({Hkv})")
+
+
+def _split_outputs(out: torch.Tensor, programs: int, num_splits: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a split kernel writes besides `out [B, rows, H, D]`: one split writes the output itself; several write
+    float32 partials `[programs, splits, M, D]` (programs: B * Hkv) and their log2-sum-exp `[programs, splits, M]`
+    for the merge."""
+    if num_splits == 1:
+        return out, out
+    D = out.shape[-1]
+    return (
+        torch.empty(programs, num_splits, M, D, dtype=torch.float32, device=out.device),
+        torch.empty(programs, num_splits, M, dtype=torch.float32, device=out.device),
+    )
+
+
+def _dot_args(q: torch.Tensor) -> dict:
+    return dict(
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=is_interpreter(),  # the interpreter's half-precision dot rounds wrongly
+    )
 
 
 def _tiles(block_d: int) -> tuple[int, int, int]:

@@ -1,5 +1,5 @@
-"""The tree kernels (and the drafter's attention and top-k) as `torch.library` custom ops, for a `torch.compile`d verify forward
-(and drafting round).
+"""The tree kernels (and the drafter's attention and top-k) as `torch.library` custom ops, for a `torch.compile`d
+verify forward (and drafting round).
 
 Dynamo cannot trace a Triton launcher that checks its inputs and picks configs on the host. Left as a
 `torch.compiler.disable`d call, each kernel splits the model's graph: a 32-layer Qwen3.5 compiled into about a hundred

@@ -9,7 +9,8 @@ picks its `k` best by `k` max-reductions; a merge program per row combines the s
 and picks the row's `k` best among the splits' `splits * k`. A row that fits one block is done in one launch.
 
 Order: values descending; equal values by ascending index (`torch.topk` leaves ties unordered). NaN entries are
-never picked (`torch.topk` ranks them first): a row with fewer than `k` other entries gets index -1 for the rest. Values are float32 whatever the input's dtype, as `x.float().log_softmax(-1).topk(k)` gives them.
+never picked (`torch.topk` ranks them first): a row with fewer than `k` other entries gets index -1 for the rest.
+Values are float32 whatever the input's dtype, as `x.float().log_softmax(-1).topk(k)` gives them.
 """
 
 from __future__ import annotations
