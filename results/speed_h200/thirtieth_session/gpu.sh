@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The thirtieth session's GPU runs (README.md beside this file says what each measured).
+# Usage, from the repository root, with fla-core's wheel in .whl/:
+#   OUT=... bash results/speed_h200/thirtieth_session/gpu.sh PART...   (parts in turn, on one machine)
+# Every part reads the house model's tables that the twenty-seventh session calibrated (installed first).
+set -uo pipefail
+. eval/gpu_preamble.sh
+mkdir -p "$HF_BOLE_CACHE/budgets"
+cp results/speed_h200/twenty_seventh_session/tables/*.json "$HF_BOLE_CACHE/budgets/"
+for PART in "$@"; do
+case $PART in
+tests)  # the RMSNorm kernels and the verify forward's swapped norms on CUDA
+    HF_BOLE_TEST_DEVICE=cuda step tests "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+        tests/kernels/test_rmsnorm.py tests/models/test_norms.py
+    ;;
+ab)  # this checkout against the library at earlier commits (each commit's hf_bole/ unpacked by the caller into
+     # .old_src/COMMIT/, run with this checkout's eval/ copied beside it, as eval/run.py puts its parent first on
+     # sys.path): tree-serial and bole at batch 8, depth 6, 128 nodes; one process each, in the order of $AB (the
+     # first with more time: on a fresh machine it compiles the kernels and the drafter's rounds first)
+    LIMIT=${AB_FIRST_S:-220}
+    for V in ${AB:-new}; do
+        RUN=eval/run.py
+        if [ "$V" != new ]; then cp -r eval ".old_src/$V/"; RUN=".old_src/$V/eval/run.py"; fi
+        STEP_SHOWS="^\| mbpp|NOT a tie|^ran " STEP_TAIL=30 step "ab_$V" "$LIMIT" python3 -c "
+import runpy, sys
+sys.argv = ['$RUN'] + sys.argv[1:]
+try:
+    runpy.run_path('$RUN', run_name='__main__')
+finally:
+    print('ran', sys.modules['hf_bole'].__file__)" --datasets mbpp --num-prompts 8 --max-new-tokens 128 --profile --interleave \
+            --output-dir "$OUT/ab_$V" --modes tree-serial bole --batch-sizes 8 --depth 6 --budget 128
+        rm -f "$OUT/ab_$V"/*.png "$OUT/ab_$V"/results.jsonl "$OUT/ab_$V"/run.log
+        LIMIT=${AB_S:-150}
+    done
+    ;;
+*)
+    echo "unknown part $PART"
+    ;;
+esac
+done

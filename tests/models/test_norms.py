@@ -1,0 +1,104 @@
+"""Each RMSNorm of an eager verify forward as one kernel; the model's own modules outside tree mode."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+
+from hf_bole.cache import BoleCache
+from hf_bole.models import norms, tree_forward
+from hf_bole.models import qwen3_5 as adapter
+from tests.models.tiny import VOCAB, batch_trees, build_model, prefill, random_tree
+
+pytestmark = pytest.mark.usefixtures("torch_gdn")
+
+PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
+
+
+def _model(kind: str = "dense"):
+    """A tiny model whose norm weights are not their initial zeros and ones, so that a weight read wrong shows."""
+    model = build_model(kind)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) in norms.ZERO_CENTRED + norms.GATED:
+                module.weight.add_(torch.randn_like(module.weight) * 0.3)
+    return model
+
+
+def _tree_logits(model, seed: int = 3) -> torch.Tensor:
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    parents = batch_trees([random_tree(n, max_depth=4, gen=gen) for n in (9, 6, 12)])
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    cache = BoleCache(model.config, batch_size=3)
+    tokens[:, 0] = prefill(model, cache, PROMPTS)
+    return tree_forward(model, cache, tokens, parents).logits
+
+
+class _Count:
+    """Counts calls of a function of `hf_bole.models.norms` and passes them on."""
+
+    def __init__(self, monkeypatch, name: str):
+        self.calls, original = 0, getattr(norms, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(norms, name, counted)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tree_forward_runs_every_norm_through_the_kernels(monkeypatch, kind):
+    """Every layer's two norms, the attention's q and k norms, the final norm (zero-centred) and each GDN layer's
+    gated norm go through `rms_norm` / `gated_rms_norm`; afterwards the model holds its own modules again and its
+    state dict is as it was."""
+    model = _model(kind)
+    keys = list(model.state_dict())
+    modules = dict(model.named_modules())
+    plain, gated = _Count(monkeypatch, "rms_norm"), _Count(monkeypatch, "gated_rms_norm")
+    _tree_logits(model)
+    config = model.config
+    gdn = config.layer_types.count("linear_attention")
+    full = config.num_hidden_layers - gdn
+    assert (plain.calls, gated.calls) == (2 * config.num_hidden_layers + 2 * full + 1, gdn)
+    assert dict(model.named_modules()) == modules and list(model.state_dict()) == keys
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_kernels_give_the_model_norms_logits(monkeypatch, kind):
+    """Through the Triton kernels (the interpreter on the CPU), the tree's logits are the ones transformers' own
+    norm modules give."""
+    model = _model(kind)
+    fused = _tree_logits(model)
+    monkeypatch.setattr(adapter, "norms_fused", lambda decoder: contextlib.nullcontext())
+    torch.testing.assert_close(fused, _tree_logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_module_that_is_hooked_keeps_its_forward_and_says_so(monkeypatch, caplog):
+    """A norm that accelerate hooks keeps transformers' forward, named once in a warning; the others still swap."""
+    model = _model()
+    layer_norm = model.get_decoder().layers[1].input_layernorm
+    layer_norm._hf_hook = object()  # what accelerate's add_hook_to_module leaves on a module
+    plain = _Count(monkeypatch, "rms_norm")
+    with caplog.at_level(logging.WARNING):
+        _tree_logits(model)
+        _tree_logits(model)
+    config = model.config
+    full = config.layer_types.count("full_attention")
+    assert plain.calls == 2 * (2 * config.num_hidden_layers + 2 * full + 1 - 1)
+    assert caplog.text.count("layers.1.input_layernorm (accelerate hooks it)") == 1
+
+
+def test_norm_replaced_since_is_swapped_next_time():
+    """A norm module replaced after a tree forward is the one the next tree forward swaps, not the old one."""
+    model = _model()
+    _tree_logits(model)
+    decoder = model.get_decoder()
+    old = decoder.norm
+    decoder.norm = type(old)(old.weight.shape[0], eps=old.eps)
+    swapped = {id(norm) for _, _, norm, _ in norms._swaps(decoder)}
+    assert id(decoder.norm) in swapped and id(old) not in swapped
