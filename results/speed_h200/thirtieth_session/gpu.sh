@@ -9,9 +9,27 @@ mkdir -p "$HF_BOLE_CACHE/budgets"
 cp results/speed_h200/twenty_seventh_session/tables/*.json "$HF_BOLE_CACHE/budgets/"
 for PART in "$@"; do
 case $PART in
-tests)  # the RMSNorm kernels and the verify forward's swapped norms on CUDA
-    HF_BOLE_TEST_DEVICE=cuda step tests "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
-        tests/kernels/test_rmsnorm.py tests/models/test_norms.py
+tests)  # the RMSNorm kernels on CUDA (the kernel tests pick their device), then the verify forward's swapped norms
+        # and fused projections with every model on the GPU
+    step kernel_tests "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+        tests/kernels/test_rmsnorm.py
+    HF_BOLE_TEST_DEVICE=cuda step model_tests "${MODEL_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -rf \
+        --tb=short tests/models/test_norms.py tests/models/test_fused.py
+    ;;
+profile)  # every kernel of one batch-8 call of tree-serial and bole at depth 6, 128 nodes, and each call's GPU-busy
+          # share of its wall time
+    STEP_SHOWS="tree-serial|bole|draft|verify|busy" STEP_TAIL=60 step profile "${PROFILE_S:-150}" \
+        python3 eval/profile_round.py --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 \
+        --modes tree-serial bole --depth 6 --budget 128 --kernel-log "$OUT/kernels"
+    gzip -f "$OUT"/kernels/*.tsv
+    ;;
+sweep)  # tree-serial and bole at batch 8 over depths 6 and 7 and budgets 128 and 256: each at its own best
+    house_run sweep "${SWEEP_S:-300}" mbpp --modes tree-serial bole --batch-sizes 8 --depth 6 7 --budget 128 256
+    ;;
+sweep_small)  # the same over depths 5 and 6 and budgets 64, 128 and 256 (smaller trees, where tree-serial's verify
+              # costs less)
+    house_run sweep_small "${SWEEP_S:-300}" mbpp --modes tree-serial bole --batch-sizes 8 --depth 5 6 \
+        --budget 64 128 256
     ;;
 ab)  # this checkout against the library at earlier commits (each commit's hf_bole/ unpacked by the caller into
      # .old_src/COMMIT/, run with this checkout's eval/ copied beside it, as eval/run.py puts its parent first on
@@ -27,8 +45,8 @@ sys.argv = ['$RUN'] + sys.argv[1:]
 try:
     runpy.run_path('$RUN', run_name='__main__')
 finally:
-    print('ran', sys.modules['hf_bole'].__file__)" --datasets mbpp --num-prompts 8 --max-new-tokens 128 --profile --interleave \
-            --output-dir "$OUT/ab_$V" --modes tree-serial bole --batch-sizes 8 --depth 6 --budget 128
+    print('ran', sys.modules['hf_bole'].__file__)" --datasets mbpp --num-prompts 8 --max-new-tokens 128 --profile \
+            --interleave --output-dir "$OUT/ab_$V" --modes tree-serial bole --batch-sizes 8 --depth 6 --budget 128
         rm -f "$OUT/ab_$V"/*.png "$OUT/ab_$V"/results.jsonl "$OUT/ab_$V"/run.log
         LIMIT=${AB_S:-150}
     done
