@@ -51,6 +51,10 @@ finally:
         LIMIT=${AB_S:-150}
     done
     ;;
+confirm)  # not run this session: issue 8's ratio once more, with `ar` beside it for equality with plain greedy
+    house_run confirm "${CONFIRM_S:-450}" mbpp --modes ar tree-serial bole --batch-sizes 8 --depth 6 7 \
+        --budget 64 128 256
+    ;;
 *)
     echo "unknown part $PART"
     ;;
