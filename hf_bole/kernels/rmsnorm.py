@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_shape, on_device, use_triton
+from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, on_device, use_triton
 
 ROW_ELEMENTS = 4096  # a program's rows times the padded row length: 4 warps, 32 float32 a thread
 
@@ -46,7 +46,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     copied) with `weight [D]`: `naive_rms_norm` in one launch. Returns a contiguous tensor of x's shape and dtype.
 
     Triton on CUDA tensors and under `TRITON_INTERPRET=1`; `naive_rms_norm` on CPU tensors otherwise."""
-    _check(x, weight)
+    _check(x, weight, None)
     if not use_triton(x):
         return naive_rms_norm(x, weight, eps)
     return _launch(x, None, weight, eps, round_product=False)
@@ -55,8 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The RMSNorm of every row of `x [..., D]` times SiLU of `gate` (x's shape, any float dtype): as `rms_norm`,
     for `naive_gated_rms_norm`."""
-    _check(x, weight)
-    check_shape("gate", gate, tuple(x.shape), "x's shape")
+    _check(x, weight, gate)
     if not use_triton(x):
         return naive_gated_rms_norm(x, gate, weight, eps)
     # `weight * normalised` rounds to x's dtype where that is their common dtype (bf16 weights and activations)
@@ -64,11 +63,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return _launch(x, gate, weight, eps, round_product)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None) -> None:
     check_dtype("x", x, (torch.float32, torch.float16, torch.bfloat16))
     if x.dim() == 0:
         raise ValueError("x must have at least one dim, the one normalised")
     check_shape("weight", weight, (x.shape[-1],), "[D], x's last dim")
+    if gate is not None:
+        check_shape("gate", gate, tuple(x.shape), "x's shape")
+    check_same_device(x=x, weight=weight, gate=gate)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

@@ -122,3 +122,5 @@ def test_bad_input_says_what():
         gated_rms_norm(x, torch.ones(3, 4), torch.ones(8), EPS)
     with pytest.raises(ValueError, match="`x` must have dtype in"):
         rms_norm(x.long(), torch.ones(8), EPS)
+    with pytest.raises(ValueError, match="all inputs must be on one device, got x on cpu, weight on meta"):
+        rms_norm(x, torch.ones(8, device="meta"), EPS)
