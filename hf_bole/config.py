@@ -48,14 +48,13 @@ class BoleConfig:
             drafter it reached 0.93-1.02 of the best fixed budget, below "auto" (`results/budget_h200_9b/eleventh/`).
         epsilon (`float`, *optional*, defaults to 0.3):
             The slack of `budget="auto"` (and of `"goodput"`'s first round): the budget is the most nodes whose
-            verify forward costs at most `(1 + epsilon)` times a plain one-token decode step,
-            `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}` (0 when none does: each request then verifies its best
-            root child). Tables store the raw timings, so any epsilon applies without measuring again. On an H200,
-            0.3 chooses on the 9B shape's table what 0.25 did, which reached 1.06, 0.98, 0.96 and 0.97 of the best
-            fixed budget's throughput at batch 16, 8, 4 and 1 (`results/budget_h200_9b/eleventh/`); on the house
-            model 0.3 reached 0.99, 0.99, 0.97 and 0.96 (`results/speed_h200/twenty_eighth_session/`), where 0.25
-            chose 8 nodes at batch 1 (16 cost 1.2500 decode steps) and reached 0.92 there. 0.1 reached 0.76 at
-            batch 16 on the 9B shape in an earlier run (1.5 nodes per request).
+            verify forward costs at most `(1 + epsilon)` times the least forward a round runs, that of selection's
+            floor (one node per request), `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}`
+            (`hf_bole.generation.budget` says why not the roots-only step). Tables store the raw timings, so any
+            epsilon applies without measuring again. Measured against the roots-only step, on an H200, 0.3 reached
+            0.97-1.06 of the best fixed budget's throughput on the 9B shape at batch 1, 4, 8 and 16
+            (`results/budget_h200_9b/eleventh/`, as 0.25 there) and 0.96-0.99 on the house model
+            (`results/speed_h200/twenty_eighth_session/`); against the floor it has not been swept yet.
         verify (`str`, *optional*, defaults to `"closed_form"`):
             How GDN layers verify the tree: `"closed_form"` (one solve over all nodes, state factors) or
             `"serial"` (node by node with a state snapshot per node, the SGLang-Tree baseline).

@@ -1,5 +1,5 @@
 """The verification budget (DESIGN.md §5): how many draft nodes one verify forward takes while it still costs about
-a plain decode step. Calibrated once per (model, GPU, dtype, verify mode, launch), stored as a table, looked up
+the least forward a round runs. Calibrated once per (model, GPU, dtype, verify mode, launch), stored as a table, looked up
 every round.
 
     B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}
@@ -9,13 +9,18 @@ draft trees holding `N` draft nodes in all, plus one root per request, from a ca
 bucket, at the width of the widest row kept (or that width's CUDA-graph bucket): what `generate` runs where it cuts
 the forward (`graphs.Trim`); it keeps the padded width only after a round whose cut saved under a quarter. Forwards are
 timed as `generate` launches them: replayed from CUDA graphs (`bole_cuda_graphs`, the default on CUDA for dense
-models), where `T_dec` is the roots-only forward replayed the same way, one token per row; or launched from Python,
-where `T_dec` is plain `generate`'s one-token decode step (a `DynamicCache`) of the same batch and KV length. All
-run with hf_bole's SDPA backends (`hf_bole.models.attention_backends`). `N = 0` (roots only, the tree forward's
-fixed cost) is measured too: when no tree fits in `(1 + epsilon) T_dec` the budget is 0, and selection's floor
-then verifies each request's best root child only. The trees are MTP/EAGLE-2-shaped (`topk` children of the `topk`
-best nodes per level, random draft probabilities, confidence differing by request) and the batch-shared selection
-splits `N` across requests as in the decoding loop.
+models) or launched from Python. All run with hf_bole's SDPA backends (`hf_bole.models.attention_backends`). The
+trees are MTP/EAGLE-2-shaped (`topk` children of the `topk` best nodes per level, random draft probabilities,
+confidence differing by request) and the batch-shared selection splits `N` across requests as in the decoding loop.
+
+`T_dec` is `T_ver(batch size)`: the forward of selection's floor, each request's best root child, the least a round
+verifies (`select_nodes`), timed the same way. DESIGN.md's decode step, the roots-only forward, is cheaper than any
+forward a round runs, by a cost that comes with the tree's width, not with its nodes. On the house model at batch 1 on
+an H200 (results/speed_h200/thirty_first_session) the roots-only forward took 0.44 ms and 8 nodes 0.57, and a round
+that verified the floor spent 0.56 ms in its forward. Against the roots-only step no tree fit in 1.3 steps, the
+budget fell to the floor, and bole decoded 987 tokens/s where the chain drafter did 1617. Against 0.56 ms, 32 nodes
+(0.64 ms) fit and 64 (0.76) did not, and 32 is the batch-1 budget that ran fastest in the twenty-seventh session's
+sweep. Every budget is thus at least the batch size; `N = 0` (roots only) is measured for the plot, not chosen.
 
 A table is keyed by the model's text config (`model_key`), the device name, the dtype, the verify mode and the
 launch ("graphs" or "eager"), and holds one entry per (batch size, KV length) bucket with the raw timings, so a
@@ -26,9 +31,9 @@ KV bucket i covers the range up to the next one, which is optimistic (a longer c
 sooner), so put KV buckets where the budget changes fast. Between two batch buckets the epsilon rule's budget follows
 the line between theirs, by the number of active requests (outside them, the nearest bucket's; `GoodputRule` reads
 the bucket at or below): a batch shrinks as its rows finish, and the budget can rise with the batch as well as fall.
-On an H200 the house model's 1-, 4- and 8-request budgets at epsilon 0.3 are 32, 64 and 384 nodes: with the bucket at
-or below, a batch of 8 would verify 64 nodes once one row had finished and 32 once five had
-(results/speed_h200/twenty_seventh_session).
+On an H200 the house model's 1-, 4- and 8-request budgets at epsilon 0.3 were 32, 64 and 384 nodes (against the
+roots-only step, results/speed_h200/twenty_seventh_session): with the bucket at or below, a batch of 8 would verify 64
+nodes once one row had finished and 32 once five had.
 
 Example:
 
@@ -75,7 +80,7 @@ from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: keyed by how forwards launch (CUDA graphs or eager) too
+FORMAT_VERSION = 3  # 2: keyed by how forwards launch (CUDA graphs or eager) too; 3: T_dec is the floor's forward
 # Total draft nodes per verify forward: powers of two and the points halfway between them (in log scale, about).
 DEFAULT_NODES = (0, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_BATCH_SIZES = (1, 4, 8, 16)
@@ -106,7 +111,7 @@ def choose_budget(nodes: Sequence[int], t_ver: Sequence[float], t_dec: float, ep
     Args:
         nodes (`Sequence[int]`): total draft nodes per forward, one per timing.
         t_ver (`Sequence[float]`): the verify forward's time at each of them.
-        t_dec (`float`): a plain one-token decode step, in the unit of `t_ver`.
+        t_dec (`float`): the least forward a round runs (the floor's, `T_ver(batch size)`), in the unit of `t_ver`.
         epsilon (`float`): the slack, >= 0.
 
     Returns:
@@ -405,15 +410,23 @@ class BudgetResolver:
             )
             return cls.fallback(batch_size)
         key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile, config.attention)
-        table = find_table(key)
+        eager = " --no-cuda-graphs" if not key.replayed and captures(model, True) else ""
+        # calibrate's --attention is "auto" too, which on a GPU is the kernel
+        eager += " --compile" * config.compile + " --attention model" * ("triton-attention-" not in key.launch)
+        measure = f"`python -m hf_bole.calibrate --model <checkpoint> --dtype {key.dtype} --verify {key.verify}{eager}`"
+        try:
+            table = find_table(key)
+        except ValueError as unreadable:  # an older format (its T_dec meant another forward), or not a table
+            _warn_once(
+                f"hf_bole: the verification budget table {cache_dir() / key.filename} cannot be used ({unreadable}); "
+                f"{fallback}. Measure it again with {measure}."
+            )
+            return cls.fallback(batch_size)
         if table is None:
-            eager = " --no-cuda-graphs" if not key.replayed and captures(model, True) else ""
-            # calibrate's --attention is "auto" too, which on a GPU is the kernel
-            eager += " --compile" * config.compile + " --attention model" * ("triton-attention-" not in key.launch)
             _warn_once(
                 f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
                 f"({key.device}), dtype, verify mode and launch ({key.launch}); {fallback}. Measure one with "
-                f"`python -m hf_bole.calibrate --model <checkpoint> --dtype {key.dtype} --verify {key.verify}{eager}`."
+                f"{measure}."
             )
             return cls.fallback(batch_size)
         if config.budget == GOODPUT_BUDGET:
@@ -617,14 +630,14 @@ def calibrate(
     compile: bool = False,
     attention: str = "auto",
 ) -> BudgetTable:
-    """Measures `T_dec` and `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
+    """Measures `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
-    For each bucket a `DynamicCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`)
-    and a plain one-token decode step is timed; then a `BoleCache` with the same tokens, and the verify forward
-    of synthetic draft trees (`synthetic_draft_tree` with `topk`/`depth`, split across the batch by `select_nodes`)
-    for every `N` in `nodes` that the batch can hold:
-    `N = 0` (roots only) and `batch_size <= N <= batch_size * min(127, tree size)`. Each timing is the median of
-    `reps` after `warmup` calls. A bucket that runs out of GPU memory keeps what it measured and is logged.
+    For each bucket a `BoleCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`),
+    and the verify forward of synthetic draft trees (`synthetic_draft_tree` with `topk`/`depth`, split across the
+    batch by `select_nodes`) is timed for every `N` in `nodes` that the batch can hold, `N = 0` (roots only) and
+    `batch_size <= N <= batch_size * min(127, tree size)`, and for `N = batch_size`, the floor of selection, whose
+    time is the entry's `T_dec`. Each timing is the median of `reps` after `warmup` calls. A bucket that runs out of
+    GPU memory before its floor was timed is left out, and logged; one that runs out later keeps what it measured.
 
     Args:
         model: a Qwen3.5 model hf_bole supports, on its device, in the dtype to calibrate.
@@ -639,8 +652,7 @@ def calibrate(
         progress (`bool`): show a tqdm bar.
         cuda_graphs (`bool`): time the forwards as `generate` with `bole_cuda_graphs=cuda_graphs` runs them:
             replayed from CUDA graphs where `hf_bole.generation.graphs.captures` allows, launched from Python
-            otherwise. Replayed, `T_dec` is the roots-only verify forward replayed the same way (a one-token step
-            of every row; a plain `DynamicCache` step launched from Python would mostly time the host).
+            otherwise.
         compile (`bool`): time the `torch.compile`d verify forward (`bole_compile`); it compiles on its first call.
         attention (`str`): how the verify forward's full-attention layers attend (`bole_attention`; "auto" is
             settled by `resolve_attention` here).
@@ -670,18 +682,18 @@ def calibrate(
         )
     device = model.device
     tree_nodes = min(ROW_CAP, topk + (depth - 1) * topk**2)
-    grid = {b: [n for n in nodes if n == 0 or b <= n <= b * tree_nodes] for b in batch_sizes}
+    grid = {b: sorted({b}.union(n for n in nodes if n == 0 or b <= n <= b * tree_nodes)) for b in batch_sizes}
     timer = _Timer(device, warmup, reps)
     generator = torch.Generator().manual_seed(seed)
     key = TableKey.for_model(model, verify, cuda_graphs, compile, attention)
 
-    total = sum(len(kv_lengths) * (1 + len(grid[b])) for b in batch_sizes)
+    total = sum(len(kv_lengths) * len(grid[b]) for b in batch_sizes)
     bar = _progress(total, progress)
     entries = []
     for b in batch_sizes:
         for kv in kv_lengths:
             bar.set_description(f"batch {b}, KV {kv}")
-            timings: dict[int | None, float] = {}  # None: the decode step; N: the verify forward
+            timings: dict[int, float] = {}  # N -> the verify forward of N draft nodes
             try:
                 _measure_bucket(
                     model, b, kv, grid[b], timings, timer, topk, depth, verify, key.replayed,
@@ -689,23 +701,14 @@ def calibrate(
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 logger.warning(f"hf_bole calibrate: out of memory at batch {b}, KV {kv}; kept {len(timings)} timings")
-                bar.update(1 + len(grid[b]) - len(timings))
+                bar.update(len(grid[b]) - len(timings))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            t_dec = timings.pop(None, None)
-            if t_dec is None or not timings:
+            if b not in timings:
                 continue
             ns = sorted(timings)
             t_ver = [timings[n] for n in ns]
-            entry = BudgetEntry(b, kv, t_dec, ns, t_ver, choose_budget(ns, t_ver, t_dec, epsilon))
-            if entry.budget == 0:
-                logger.warning(
-                    f"hf_bole calibrate: at batch {b}, KV {kv} no tree verifies within (1 + {epsilon}) x a decode step "
-                    f"({t_dec:.2f} ms; N={ns[0]}: {t_ver[0] / t_dec:.2f}x, N={ns[-1]}: {t_ver[-1] / t_dec:.2f}x): "
-                    f"budget 0 (each request verifies its best root child); a larger epsilon chooses from the same "
-                    f"timings"
-                )
-            entries.append(entry)
+            entries.append(BudgetEntry(b, kv, timings[b], ns, t_ver, choose_budget(ns, t_ver, timings[b], epsilon)))
     bar.close()
     meta = {
         "model_class": type(model).__name__,
@@ -716,7 +719,7 @@ def calibrate(
         "reps": reps,
         "seed": seed,
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-        "t_dec": "roots-only verify forward, replayed" if key.replayed else "plain DynamicCache step",
+        "t_dec": "floor verify forward (N = batch size), " + ("replayed" if key.replayed else "launched from Python"),
         "unit": "ms",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": _versions(),
@@ -728,49 +731,31 @@ def _measure_bucket(
     model, b: int, kv: int, grid: list[int], timings: dict, timer: _Timer, topk: int, depth: int, verify: str,
     graphed: bool, compile: bool, attention: str, prefill_chunk: int, generator: torch.Generator, bar,
 ) -> None:  # fmt: skip
-    """Fills `timings[None]` (decode step) and `timings[N]` (verify forward) for one bucket, as they come.
+    """Fills `timings[N]` (the verify forward of `N` draft nodes) for one bucket, as they come.
 
-    Verify forwards run at the widest row's width (`trimmed`), replayed from CUDA graphs when `graphed`.
-    The decode step is then the roots-only forward replayed the same way; otherwise plain `generate`'s step (a
-    `DynamicCache`). All run with hf_bole's SDPA backends (`attention_backends`: cuDNN's per-shape planning would
-    make any of them look several times slower)."""
-    from transformers import DynamicCache
-
+    Forwards run at the widest row's width (`trimmed`), replayed from CUDA graphs when `graphed`, with hf_bole's
+    SDPA backends (`attention_backends`: cuDNN's per-shape planning would make any of them look several times
+    slower). Tree forwards write their KV past the committed tokens and commit nothing, so every one starts from the
+    same prefilled cache."""
     from hf_bole.cache import BoleCache
     from hf_bole.models import attention_backends, cache_argument, tree_forward
 
     device, vocab = model.device, model.get_output_embeddings().weight.shape[0]
     decoder = model.get_decoder()
-    steps = timer.warmup + timer.reps  # every timed decode step appends a token
     prompt = torch.randint(0, vocab, (b, kv), generator=generator, device=generator.device).to(device)
-
-    def prefilled(cache):
-        for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
-            chunk = prompt[:, start : start + prefill_chunk]
-            decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
-        return cache
-
     roots = prompt[:, -1:]
     no_parents = torch.full((b, 1), -1, dtype=torch.long, device=device)
     with attention_backends():
-        if not graphed:  # plain decoding's step, its cache freed before the tree cache is filled
-            plain = prefilled(DynamicCache(config=model.config))
-            step = functools.partial(
-                model, input_ids=roots, use_cache=True, **{cache_argument(type(model).forward): plain}
-            )
-            timings[None] = timer(step)
-            del plain, step
-        cache = prefilled(
-            BoleCache(model.config, b, max_cache_len=kv + steps + ROW_CAP + 2, device=device, dtype=model.dtype)
-        )
+        cache = BoleCache(model.config, b, max_cache_len=kv + ROW_CAP + 2, device=device, dtype=model.dtype)
+        for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
+            chunk = prompt[:, start : start + prefill_chunk]
+            decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
         if graphed:
             forward = VerifyGraphs(model, cache, verify, compile, attention=attention)
-            timings[None] = timer(functools.partial(forward, roots, no_parents))
         else:
             forward = functools.partial(
                 tree_forward, model, cache, verify=verify, compile=compile, attention=attention
             )
-        bar.update(1)
         for n in grid:
             if n == 0:
                 ids, parents = roots, no_parents
@@ -798,16 +783,16 @@ def plot_table(table: BudgetTable, path: str | Path, epsilon: float | None = Non
     for ax, b in zip(axes[0], batches):
         for e in (e for e in table.entries if e.batch_size == b):
             ratio = [t / e.t_dec for t in e.t_ver]
-            x = [max(n, 1) for n in e.nodes]  # N = 0 (roots only) drawn at 1 on the log axis
+            x = [n or 0.5 for n in e.nodes]  # N = 0 (roots only) drawn at 0.5 on the log axis, below the floor's 1
             (line,) = ax.plot(x, ratio, marker=".", label=f"KV {e.kv_length}")
             chosen = e.choose(epsilon)
             i = e.nodes.index(chosen) if chosen in e.nodes else None
-            if i is not None and ratio[i] <= 1 + epsilon:  # budget 0 is also the answer when nothing qualifies
+            if i is not None:
                 ax.plot([x[i]], [ratio[i]], "o", ms=11, mfc="none", color=line.get_color())
         ax.axhline(1 + epsilon, ls="--", color="grey", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_title(f"batch {b}")
-        ax.set_xlabel("draft nodes N per forward (1 = roots only)")
+        ax.set_xlabel("draft nodes N per forward (0.5 = roots only)")
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("T_ver(N) / T_dec")
     fig.suptitle(f"{table.key.model}, {table.key.device}, {table.key.dtype}, {table.key.verify}: circled = "

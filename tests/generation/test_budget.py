@@ -247,7 +247,7 @@ def test_table_round_trip(budget_cache):
     assert path == budget_cache / "qwen3_5_text-h64-l4-0123456789__NVIDIA-H200__bfloat16__closed_form__graphs.json"
     assert cache_dir() == budget_cache
     data = json.loads(path.read_text())
-    assert data["format"] == 2 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
+    assert data["format"] == 3 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
     key = {"model": table.key.model, "device": "NVIDIA H200", "dtype": "bfloat16", "verify": "closed_form",
            "launch": "graphs"}  # fmt: skip
     assert data["key"] == key
@@ -260,7 +260,7 @@ def test_table_round_trip(budget_cache):
     assert find_table(TableKey(table.key.model, "NVIDIA H200", "bfloat16", "closed_form", "eager")) is None
     data["format"] = 0
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="format 0 is not 2: calibrate again"):
+    with pytest.raises(ValueError, match="format 0 is not 3: calibrate again"):
         find_table(table.key)  # a rewritten file is read again
 
 
@@ -353,6 +353,23 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
     assert not caplog.records
     assert resolver(1, 512) == 64 and resolver(4, 4096) == 16  # chosen again at epsilon 0.3
+
+
+def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
+    """A table of format 2 timed T_dec as the roots-only step, which left the house model's batch-1 budget at the
+    floor: generate does not read it, says which file, why, and how to measure it again."""
+    model = _fake_gpu_model(monkeypatch)
+    table = _table(TableKey.for_model(model))
+    path = table.save(table.default_path())
+    data = json.loads(path.read_text())
+    data["format"] = 2
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=4)
+    assert resolver.source == "fallback" and resolver(2, 1000) == 64
+    message = caplog.records[-1].getMessage()
+    assert str(path) in message and "format 2 is not 3" in message
+    assert "Measure it again with `python -m hf_bole.calibrate --model <checkpoint>" in message
 
 
 def test_auto_on_cpu_uses_fallback(caplog):
@@ -450,9 +467,12 @@ def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
     table = budget_module.calibrate(
         dense, [4], [8], [0, 8], warmup=1, reps=1, progress=False, cuda_graphs=False
     )  # fmt: skip
-    assert table.key.launch == "eager" and table.meta["t_dec"] == "plain DynamicCache step"
+    assert table.key.launch == "eager" and table.meta["t_dec"] == "floor verify forward (N = batch size), launched from Python"
     assert widths[:2] == [1, 1]  # roots only, warm-up and timed call
-    assert 2 <= max(widths[2:]) < 1 + 8
+    assert widths[2:4] == [2, 2]  # the floor (N = 4): each row's best root child, whose time is T_dec
+    assert 2 <= max(widths[4:]) < 1 + 8
+    (entry,) = table.entries
+    assert entry.nodes == [0, 4, 8] and entry.t_dec == entry.t_ver[1]
 
 
 def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
@@ -475,8 +495,9 @@ def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
 def test_calibrate_replays_graphs(dense):
     table = budget_module.calibrate(dense, [1, 2], [16], [0, 2, 8], warmup=2, reps=3, progress=False)
-    assert table.key.launch == "graphs" and table.meta["t_dec"] == "roots-only verify forward, replayed"
+    assert table.key.launch == "graphs" and table.meta["t_dec"] == "floor verify forward (N = batch size), replayed"
     assert all(e.t_dec > 0 and len(e.t_ver) == len(e.nodes) for e in table.entries)
+    assert [e.nodes for e in table.entries] == [[0, 1, 2, 8], [0, 2, 8]]  # the floor N = batch size added at batch 1
 
 
 @pytest.mark.usefixtures("torch_gdn")  # a CPU model: fla-core's kernels, where importable, take GPU tensors only
@@ -490,9 +511,10 @@ def test_cli_on_tiny_checkpoint(dense, tmp_path, budget_cache, capsys):
     key = TableKey(model_key(dense.config), "cpu", "float32", "closed_form", "eager")  # save/load keeps the key
     table = BudgetTable.load(out)
     assert table.key == key and table.epsilon == BoleConfig().epsilon
-    assert [(e.batch_size, e.kv_length, e.nodes) for e in table.entries] == [(1, 8, [0, 4]), (2, 8, [0, 4])]
-    assert all(e.t_dec > 0 and all(t > 0 for t in e.t_ver) for e in table.entries)
-    assert all(e.budget == choose_budget(e.nodes, e.t_ver, e.t_dec, table.epsilon) for e in table.entries)
+    assert [(e.batch_size, e.kv_length, e.nodes) for e in table.entries] == [(1, 8, [0, 1, 4]), (2, 8, [0, 2, 4])]
+    assert all(e.t_dec == e.t_ver[1] and all(t > 0 for t in e.t_ver) for e in table.entries)
+    # the floor always fits, so every budget covers one node per request
+    assert all(e.batch_size <= e.budget == choose_budget(e.nodes, e.t_ver, e.t_dec, table.epsilon) for e in table.entries)
     assert table.meta["timer"] == "perf_counter" and table.meta["topk"] == BoleConfig().topk
     assert find_table(key) == table  # also in the cache folder, where "auto" looks
     assert out.with_suffix(".png").stat().st_size > 0
