@@ -1,6 +1,6 @@
 """The verification budget (DESIGN.md §5): how many draft nodes one verify forward takes while it still costs about
-the least forward a round runs. Calibrated once per (model, GPU, dtype, verify mode, launch), stored as a table, looked up
-every round.
+the least forward a round runs. Calibrated once per (model, GPU, dtype, verify mode, launch), stored as a table,
+looked up every round.
 
     B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}
 
