@@ -410,28 +410,32 @@ class BudgetResolver:
             )
             return cls.fallback(batch_size)
         key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile, config.attention)
-        eager = " --no-cuda-graphs" if not key.replayed and captures(model, True) else ""
-        # calibrate's --attention is "auto" too, which on a GPU is the kernel
-        eager += " --compile" * config.compile + " --attention model" * ("triton-attention-" not in key.launch)
-        measure = f"`python -m hf_bole.calibrate --model <checkpoint> --dtype {key.dtype} --verify {key.verify}{eager}`"
         try:
             table = find_table(key)
         except ValueError as unreadable:  # an older format (its T_dec meant another forward), or not a table
             _warn_once(
                 f"hf_bole: the verification budget table {cache_dir() / key.filename} cannot be used ({unreadable}); "
-                f"{fallback}. Measure it again with {measure}."
+                f"{fallback}. Measure it again with {_calibrate_command(model, key, config)}."
             )
             return cls.fallback(batch_size)
         if table is None:
             _warn_once(
                 f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
                 f"({key.device}), dtype, verify mode and launch ({key.launch}); {fallback}. Measure one with "
-                f"{measure}."
+                f"{_calibrate_command(model, key, config)}."
             )
             return cls.fallback(batch_size)
         if config.budget == GOODPUT_BUDGET:
             return cls.goodput(table, config.epsilon)
         return cls.from_table(table, config.epsilon)
+
+
+def _calibrate_command(model, key: TableKey, config: BoleConfig) -> str:
+    """The `python -m hf_bole.calibrate` command that measures `key`'s table (for the log lines of a missing one)."""
+    flags = " --no-cuda-graphs" if not key.replayed and captures(model, True) else ""
+    # calibrate's --attention is "auto" too, which on a GPU is the kernel
+    flags += " --compile" * config.compile + " --attention model" * ("triton-attention-" not in key.launch)
+    return f"`python -m hf_bole.calibrate --model <checkpoint> --dtype {key.dtype} --verify {key.verify}{flags}`"
 
 
 def _entry_lookup(table: BudgetTable) -> Callable[[int, int], BudgetEntry]:
