@@ -45,6 +45,7 @@ from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
 from hf_bole.models.fused import projections_fused
 from hf_bole.models.norms import norms_fused
+from hf_bole.models.rotary import rotary_fused
 
 logger = logging.get_logger(__name__)
 
@@ -224,7 +225,8 @@ def tree_forward(
             state snapshot per node: the SGLang-Tree baseline).
         compile: run the decoder through `torch.compile` (compiled once per decoder, into one graph: hf_bole's
             tree kernels are opaque ops in it, the norms, gates and projections around them are fused). Eager,
-            the model's RMSNorms run as one kernel each instead (`models/norms.py`).
+            the model's RMSNorms and rotary embeddings run as one kernel each instead (`models/norms.py`,
+            `models/rotary.py`).
         fuse_projections: run the projections of a layer that read one input as one GEMM (`models/fused.py`):
             its first call makes their weights views of one buffer per layer, which the plain forward computes
             with exactly as before.
@@ -269,10 +271,12 @@ def tree_forward(
         input_ids, parents = input_ids.contiguous(), parents.contiguous()
     forward = _compiled(decoder) if compile else decoder
     fused = projections_fused(decoder) if fuse_projections else contextlib.nullcontext()
-    # Compiled, inductor fuses each norm with its neighbours; eager, each runs as one kernel (`models/norms.py`).
+    # Compiled, inductor fuses each norm and rotary embedding with its neighbours; eager, each runs as one kernel
+    # (`models/norms.py`, `models/rotary.py`).
     norms = contextlib.nullcontext() if compile else norms_fused(decoder)
+    rotary = contextlib.nullcontext() if compile else rotary_fused()
     # One ancestor mask for every layer: the attention mask, the positions and the tree kernels share it.
-    with fused, norms, cache.tree_mode(parents, verify) as (mask, position_ids, ancestors):
+    with fused, norms, rotary, cache.tree_mode(parents, verify) as (mask, position_ids, ancestors):
         if config._attn_implementation == "eager" and attention == "model":  # eager attention adds its mask
             dtype = decoder.get_input_embeddings().weight.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
