@@ -5,9 +5,10 @@
     python -m hf_bole.calibrate --shape 9B --batch-sizes 1 4 8 16 --kv-lengths 512 2048 8192 --out budget_9b.json
 
 Writes the table to `$HF_BOLE_CACHE/budgets/<key>.json` (default `~/.cache/hf_bole/budgets/`), where "auto" looks,
-and to `--out` if given, plus a PNG of T_ver(N) / T_dec against N (`--plot`, default: beside the JSON; needs
-matplotlib). `--shape` builds a random-weight model of a published shape with the repository's `eval/shapes.py`
-(run from the repository root): timings do not depend on the weights.
+and to `--out` if given, after every (batch size, KV length) bucket it finishes and once more at the end, plus a
+PNG of T_ver(N) / T_dec against N (`--plot`, default: beside the JSON; needs matplotlib). `--shape` builds a
+random-weight model of a published shape with the repository's `eval/shapes.py` (run from the repository root):
+timings do not depend on the weights.
 """
 
 from __future__ import annotations
@@ -100,14 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = load_model(args)
+
+    def save(table) -> list[Path]:
+        return ([] if args.no_save else [table.save(table.default_path())]) + (
+            [table.save(args.out)] if args.out is not None else []
+        )
+
+    # Saved after every bucket too: a run stopped by a time limit keeps the buckets it finished.
     table = calibrate(
         model, args.batch_sizes, args.kv_lengths, args.nodes, epsilon=args.epsilon, verify=args.verify,
         topk=args.topk, depth=args.depth, warmup=args.warmup, reps=args.reps, prefill_chunk=args.prefill_chunk,
-        seed=args.seed, cuda_graphs=args.cuda_graphs, compile=args.compile, attention=args.attention,
+        seed=args.seed, cuda_graphs=args.cuda_graphs, compile=args.compile, attention=args.attention, on_bucket=save,
     )  # fmt: skip
-    written = [] if args.no_save else [table.save(table.default_path())]
-    if args.out is not None:
-        written.append(table.save(args.out))
+    written = save(table)
     key = table.key
     print(f"{key.model} on {key.device}, {key.dtype}, {key.verify}, {key.launch}, epsilon {table.epsilon}:")
     print(f"{'batch':>6} {'KV':>7} {'T_dec ms':>9} {'B_ver':>6}  T_ver(N)/T_dec")

@@ -633,6 +633,7 @@ def calibrate(
     cuda_graphs: bool = True,
     compile: bool = False,
     attention: str = "auto",
+    on_bucket: Callable[[BudgetTable], None] | None = None,
 ) -> BudgetTable:
     """Measures `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
 
@@ -660,6 +661,8 @@ def calibrate(
         compile (`bool`): time the `torch.compile`d verify forward (`bole_compile`); it compiles on its first call.
         attention (`str`): how the verify forward's full-attention layers attend (`bole_attention`; "auto" is
             settled by `resolve_attention` here).
+        on_bucket (`Callable[[BudgetTable], None]`, *optional*): called after each bucket with the table of the
+            buckets measured so far (the CLI saves it there: a run cut short keeps what it measured).
 
     Returns:
         `BudgetTable` keyed by `TableKey.for_model(model, verify, cuda_graphs, compile, attention)`.
@@ -691,9 +694,23 @@ def calibrate(
     generator = torch.Generator().manual_seed(seed)
     key = TableKey.for_model(model, verify, cuda_graphs, compile, attention)
 
+    meta = {
+        "model_class": type(model).__name__,
+        "attn_implementation": model.config.get_text_config(decoder=True)._attn_implementation,
+        "topk": topk,
+        "depth": depth,
+        "warmup": warmup,
+        "reps": reps,
+        "seed": seed,
+        "timer": "cuda events" if device.type == "cuda" else "perf_counter",
+        "t_dec": "floor verify forward (N = batch size), " + ("replayed" if key.replayed else "launched from Python"),
+        "unit": "ms",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": _versions(),
+    }
     total = sum(len(kv_lengths) * len(grid[b]) for b in batch_sizes)
     bar = _progress(total, progress)
-    entries = []
+    entries: list[BudgetEntry] = []
     for b in batch_sizes:
         for kv in kv_lengths:
             bar.set_description(f"batch {b}, KV {kv}")
@@ -713,21 +730,9 @@ def calibrate(
             ns = sorted(timings)
             t_ver = [timings[n] for n in ns]
             entries.append(BudgetEntry(b, kv, timings[b], ns, t_ver, choose_budget(ns, t_ver, timings[b], epsilon)))
+            if on_bucket is not None:
+                on_bucket(BudgetTable(key, epsilon, list(entries), meta))
     bar.close()
-    meta = {
-        "model_class": type(model).__name__,
-        "attn_implementation": model.config.get_text_config(decoder=True)._attn_implementation,
-        "topk": topk,
-        "depth": depth,
-        "warmup": warmup,
-        "reps": reps,
-        "seed": seed,
-        "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-        "t_dec": "floor verify forward (N = batch size), " + ("replayed" if key.replayed else "launched from Python"),
-        "unit": "ms",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": _versions(),
-    }
     return BudgetTable(key, epsilon, entries, meta)
 
 

@@ -524,6 +524,31 @@ def test_cli_on_tiny_checkpoint(dense, tmp_path, budget_cache, capsys):
     assert f"wrote {out}" in printed and f"wrote {budget_cache / key.filename}" in printed
 
 
+@pytest.mark.usefixtures("torch_gdn")
+def test_cli_saves_after_every_bucket(dense, tmp_path, budget_cache, monkeypatch):
+    """A run cut short keeps the buckets it finished: the table is written after each one."""
+    folder = tmp_path / "tiny"
+    dense.save_pretrained(folder)
+    out = tmp_path / "table.json"
+    measure, measured = budget_module._measure_bucket, []
+
+    def stop_at_the_second_batch_size(model, b, *args):
+        if measured:
+            assert [e.batch_size for e in BudgetTable.load(out).entries] == measured  # on disk before the next
+            raise KeyboardInterrupt  # the run ends inside a bucket, as a time limit ends it
+        measure(model, b, *args)
+        measured.append(b)
+
+    monkeypatch.setattr(budget_module, "_measure_bucket", stop_at_the_second_batch_size)
+    argv = ["--model", str(folder), "--device", "cpu", "--dtype", "fp32", "--batch-sizes", "1", "2",
+            "--kv-lengths", "8", "--nodes", "0", "4", "--warmup", "1", "--reps", "1", "--out", str(out)]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        calibrate_main(argv)
+    key = TableKey(model_key(dense.config), "cpu", "float32", "closed_form", "eager")
+    for table in (BudgetTable.load(out), find_table(key)):
+        assert [(e.batch_size, e.nodes) for e in table.entries] == [(1, [0, 1, 4])]
+
+
 def test_cli_rejects(capsys):
     with pytest.raises(SystemExit):
         calibrate_main(["--model", "x", "--shape", "9B"])
