@@ -8,14 +8,11 @@ import logging
 import pytest
 import torch
 
-from hf_bole.cache import BoleCache
-from hf_bole.models import norms, tree_forward
+from hf_bole.models import norms
 from hf_bole.models import qwen3_5 as adapter
-from tests.models.tiny import VOCAB, batch_trees, build_model, prefill, random_tree
+from tests.models.tiny import build_model, random_tree_logits
 
 pytestmark = pytest.mark.usefixtures("torch_gdn")
-
-PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
 
 
 def _model(kind: str = "dense"):
@@ -26,15 +23,6 @@ def _model(kind: str = "dense"):
             if type(module) in norms.ZERO_CENTRED + norms.GATED:
                 module.weight.add_(torch.randn_like(module.weight) * 0.3)
     return model
-
-
-def _tree_logits(model, seed: int = 3) -> torch.Tensor:
-    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
-    parents = batch_trees([random_tree(n, max_depth=4, gen=gen) for n in (9, 6, 12)])
-    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
-    cache = BoleCache(model.config, batch_size=3)
-    tokens[:, 0] = prefill(model, cache, PROMPTS)
-    return tree_forward(model, cache, tokens, parents).logits
 
 
 class _Count:
@@ -59,7 +47,7 @@ def test_tree_forward_runs_every_norm_through_the_kernels(monkeypatch, kind):
     keys = list(model.state_dict())
     modules = dict(model.named_modules())
     plain, gated = _Count(monkeypatch, "rms_norm"), _Count(monkeypatch, "gated_rms_norm")
-    _tree_logits(model)
+    random_tree_logits(model)
     config = model.config
     gdn = config.layer_types.count("linear_attention")
     full = config.num_hidden_layers - gdn
@@ -73,9 +61,9 @@ def test_kernels_give_the_model_norms_logits(monkeypatch, kind):
     """Through the Triton kernels (the interpreter on the CPU), the tree's logits are the ones transformers' own
     norm modules give."""
     model = _model(kind)
-    fused = _tree_logits(model)
+    fused = random_tree_logits(model)
     monkeypatch.setattr(adapter, "norms_fused", lambda decoder: contextlib.nullcontext())
-    torch.testing.assert_close(fused, _tree_logits(model), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, random_tree_logits(model), rtol=1e-5, atol=1e-5)
 
 
 def test_module_that_is_hooked_keeps_its_forward_and_says_so(monkeypatch, caplog):
@@ -85,8 +73,8 @@ def test_module_that_is_hooked_keeps_its_forward_and_says_so(monkeypatch, caplog
     layer_norm._hf_hook = object()  # what accelerate's add_hook_to_module leaves on a module
     plain = _Count(monkeypatch, "rms_norm")
     with caplog.at_level(logging.WARNING):
-        _tree_logits(model)
-        _tree_logits(model)
+        random_tree_logits(model)
+        random_tree_logits(model)
     config = model.config
     full = config.layer_types.count("full_attention")
     assert plain.calls == 2 * (2 * config.num_hidden_layers + 2 * full + 1 - 1)
@@ -96,7 +84,7 @@ def test_module_that_is_hooked_keeps_its_forward_and_says_so(monkeypatch, caplog
 def test_norm_replaced_since_is_swapped_next_time():
     """A norm module replaced after a tree forward is the one the next tree forward swaps, not the old one."""
     model = _model()
-    _tree_logits(model)
+    random_tree_logits(model)
     decoder = model.get_decoder()
     old = decoder.norm
     decoder.norm = type(old)(old.weight.shape[0], eps=old.eps)

@@ -15,20 +15,9 @@ from hf_bole.cache import BoleCache
 from hf_bole.models import qwen3_5 as adapter
 from hf_bole.models import rotary as rotary_module
 from hf_bole.models import tree_forward
-from tests.models.tiny import VOCAB, batch_trees, build_model, prefill, random_tree
+from tests.models.tiny import build_model, prefill, random_tree_logits
 
 pytestmark = pytest.mark.usefixtures("torch_gdn")
-
-PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
-
-
-def _tree_logits(model, seed: int = 3) -> torch.Tensor:
-    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
-    parents = batch_trees([random_tree(n, max_depth=4, gen=gen) for n in (9, 6, 12)])
-    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
-    cache = BoleCache(model.config, batch_size=3)
-    tokens[:, 0] = prefill(model, cache, PROMPTS)
-    return tree_forward(model, cache, tokens, parents).logits
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:
@@ -50,7 +39,7 @@ def test_tree_forward_runs_every_rotary_embedding_through_the_kernel(monkeypatch
     originals = (modeling_qwen3_5.apply_rotary_pos_emb, modeling_qwen3_5_moe.apply_rotary_pos_emb)
     model = build_model(kind)
     calls = _count_kernel_calls(monkeypatch)
-    _tree_logits(model)
+    random_tree_logits(model)
     assert calls[0] == model.config.layer_types.count("full_attention")
     assert (modeling_qwen3_5.apply_rotary_pos_emb, modeling_qwen3_5_moe.apply_rotary_pos_emb) == originals
 
@@ -62,7 +51,7 @@ def test_compiled_forward_does_not_swap(monkeypatch):
     monkeypatch.setattr(adapter, "_compiled", lambda decoder: decoder.forward)  # the same forward, not compiled
     model = build_model("dense")
     cache = BoleCache(model.config, batch_size=1)
-    tokens = torch.tensor([[prefill(model, cache, PROMPTS[:1])[0], 7, 8]])
+    tokens = torch.tensor([[prefill(model, cache, [[5, 17, 33]])[0], 7, 8]])
     tree_forward(model, cache, tokens, torch.tensor([[-1, 0, 0]]), compile=True)
     assert not entered
 
@@ -73,9 +62,9 @@ def test_kernel_gives_the_model_rotary_logits(monkeypatch, kind):
     """Through the Triton kernel (the interpreter on the CPU), the tree's logits are the ones transformers' own
     rotary embedding gives (float32: bit for bit per op, so the logits agree to float32 rounding)."""
     model = build_model(kind)
-    fused = _tree_logits(model)
+    fused = random_tree_logits(model)
     monkeypatch.setattr(adapter, "rotary_fused", contextlib.nullcontext)
-    torch.testing.assert_close(fused, _tree_logits(model), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused, random_tree_logits(model), rtol=1e-6, atol=1e-6)
 
 
 def test_call_the_kernel_does_not_cover_goes_to_transformers_and_says_so(caplog):

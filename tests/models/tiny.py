@@ -101,6 +101,20 @@ def batch_trees(trees: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t + [-1] * (N - len(t)) for t in trees])
 
 
+def random_tree_logits(model, seed: int = 3) -> torch.Tensor:
+    """The logits of one `tree_forward` over three random trees (9, 6 and 12 nodes, depth <= 4) after three
+    left-padded prompts: what the tests of the modules a tree forward swaps compare with and without the swap."""
+    from hf_bole.cache import BoleCache
+    from hf_bole.models import tree_forward
+
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    parents = batch_trees([random_tree(n, max_depth=4, gen=gen) for n in (9, 6, 12)])
+    tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
+    cache = BoleCache(model.config, batch_size=3)
+    tokens[:, 0] = prefill(model, cache, [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]])
+    return tree_forward(model, cache, tokens, parents).logits
+
+
 def path_to(parents: list[int], i: int) -> list[int]:
     path = []
     while i >= 0:
