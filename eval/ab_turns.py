@@ -70,7 +70,9 @@ def main(name: str, variants: dict[str, Callable[[object], dict]], argv: list[st
             record = one(variant)
             exact = all(d is None for d in record["divergences"] or [None])
             n = sum(len(t) for t in record["tokens"])
-            results[variant].append({"tokens_per_s": n / record["seconds"], "exact": exact, **record["round_time_ms"]})
+            played = [a for a in record["accept_lengths"] if a > 0]
+            results[variant].append({"tokens_per_s": n / record["seconds"], "exact": exact,
+                                     "accepted": sum(played) / max(len(played), 1), **record["round_time_ms"]})  # fmt: skip
         stage(f"turn {turn}: " + ", ".join(f"{k} {v[-1]['tokens_per_s']:.1f}" for k, v in results.items()))
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"\n{label}, {dataset}, batch {B}, {args.max_new_tokens} new tokens, {gpu}")
@@ -79,15 +81,17 @@ def main(name: str, variants: dict[str, Callable[[object], dict]], argv: list[st
     for variant, passes in results.items():
         tps = [p["tokens_per_s"] for p in passes]
         rounds = sum(p["rounds"] for p in passes)  # phases: ms summed over a pass's rounds; here per round
-        kept = [k for k in passes[0] if k not in ("tokens_per_s", "exact", "rounds")]
+        kept = [k for k in passes[0] if k not in ("tokens_per_s", "exact", "accepted", "rounds")]
         phases = {k: sum(p[k] for p in passes) / rounds for k in kept}
         exact = all(p["exact"] for p in passes)
+        accepted = statistics.mean(p["accepted"] for p in passes)  # tokens a round, mean over passes
         row = {"variant": variant, "batch_size": B, "median_tokens_per_s": statistics.median(tps), "passes": tps,
-               "exact": exact, "phase_ms": phases}  # fmt: skip
+               "exact": exact, "accepted": accepted, "phase_ms": phases}  # fmt: skip
         rows.append(row)
         cells = " ".join(f"{k} {v:.3f}" for k, v in phases.items())
         print(f"{variant:{width}s} median {statistics.median(tps):8.1f} tok/s  min {min(tps):8.1f} "
-              f"max {max(tps):8.1f}  exact {exact}  {cells}  phases {sum(phases.values()):.2f} ms")  # fmt: skip
+              f"max {max(tps):8.1f}  exact {exact}  accepted {accepted:.2f}  {cells}  "
+              f"phases {sum(phases.values()):.2f} ms")  # fmt: skip
     out = Path(args.output_dir) / f"ab_{name}_{dataset}_b{B}{'_compiled' if args.compile[0] else ''}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -6,12 +6,13 @@ looked up every round.
 
 `T_ver(N)` is the complete verify forward (`tree_forward`: every layer, the LM head over every node) of a batch of
 draft trees holding `N` draft nodes in all, plus one root per request, from a cache prefilled to the KV-length
-bucket, at the width of the widest row kept (or that width's CUDA-graph bucket): what `generate` runs where it cuts
-the forward (`graphs.Trim`); it keeps the padded width only after a round whose cut saved under a quarter. Forwards are
-timed as `generate` launches them: replayed from CUDA graphs (`bole_cuda_graphs`, the default on CUDA for dense
-models) or launched from Python. All run with hf_bole's SDPA backends (`hf_bole.models.attention_backends`). The
-trees are MTP/EAGLE-2-shaped (`topk` children of the `topk` best nodes per level, random draft probabilities,
-confidence differing by request) and the batch-shared selection splits `N` across requests as in the decoding loop.
+bucket, at the width `generate` gives it: selection caps every request at the CUDA-graph bucket that holds `N` split
+evenly over the requests (`graphs.row_width`), and a forward launched from Python is cut to the widest request's
+exact width. Forwards are timed as `generate` launches them: replayed from CUDA graphs (`bole_cuda_graphs`, the
+default on CUDA for dense models) or launched from Python. All run with hf_bole's SDPA backends
+(`hf_bole.models.attention_backends`). The trees are MTP/EAGLE-2-shaped (`topk` children of the `topk` best nodes per
+level, random draft probabilities, confidence differing by request) and the batch-shared selection splits `N` across
+requests as in the decoding loop.
 
 `T_dec` is `T_ver(batch size)`: the forward of selection's floor, each request's best root child, the least a round
 verifies (`select_nodes`), timed the same way. DESIGN.md's decode step, the roots-only forward, is cheaper than any
@@ -72,7 +73,7 @@ from hf_bole.config import (
     BoleConfig,
     resolve_attention,
 )
-from hf_bole.generation.graphs import VerifyGraphs, captures, trimmed
+from hf_bole.generation.graphs import VerifyGraphs, captures, row_width, trimmed
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.models.placement import placement
@@ -80,7 +81,9 @@ from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: keyed by how forwards launch (CUDA graphs or eager) too; 3: T_dec is the floor's forward
+# 2: keyed by how forwards launch (CUDA graphs or eager) too; 3: T_dec is the floor's forward; 4: replayed forwards
+# timed at `row_width`'s bucket, no longer at the widest row's
+FORMAT_VERSION = 4
 # Total draft nodes per verify forward: powers of two and the points halfway between them (in log scale, about).
 DEFAULT_NODES = (0, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_BATCH_SIZES = (1, 4, 8, 16)
@@ -742,7 +745,8 @@ def _measure_bucket(
 ) -> None:  # fmt: skip
     """Fills `timings[N]` (the verify forward of `N` draft nodes) for one bucket, as they come.
 
-    Forwards run at the widest row's width (`trimmed`), replayed from CUDA graphs when `graphed`, with hf_bole's
+    Forwards run at the width the decoding loop gives them: replayed from CUDA graphs when `graphed`, at the bucket
+    `row_width` picks (selection capped there), else at the widest row's exact width (`trimmed`); with hf_bole's
     SDPA backends (`attention_backends`: cuDNN's per-shape planning would make any of them look several times
     slower). Tree forwards write their KV past the committed tokens and commit nothing, so every one starts from the
     same prefilled cache."""
@@ -770,7 +774,8 @@ def _measure_bucket(
                 ids, parents = roots, no_parents
             else:
                 tree = synthetic_draft_tree(b, topk, depth, generator, device)
-                vt = trimmed(select_nodes(tree, roots[:, 0], n, ROW_CAP), graphed)
+                vt = select_nodes(tree, roots[:, 0], n, row_width(n, b, ROW_CAP + 1) - 1)
+                vt = vt if graphed else trimmed(vt)
                 ids, parents = vt.input_ids, vt.parents
             timings[n] = timer(functools.partial(forward, ids, parents))
             bar.update(1)

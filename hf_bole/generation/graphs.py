@@ -46,62 +46,25 @@ def width_bucket(width: int, max_width: int) -> int:
     return min(next((b for b in WIDTH_BUCKETS if b >= width), max_width), max_width)
 
 
-def trimmed(verify: VerifyTree, graphed: bool) -> VerifyTree:
-    """`verify` cut to the width its forward runs at. Selection pads every row to the most a row could get; the
-    forward costs by its width, so it runs at the widest row actually kept (a host read: it waits for drafting
-    and selection, not for a forward), or at the bucket of that width that has a CUDA graph."""
-    width = int(verify.num_nodes.max())
-    return verify.narrowed(width_bucket(width, verify.input_ids.shape[1]) if graphed else width)
+def row_width(budget: int, rows: int, max_width: int) -> int:
+    """The width (root included) each row's tree is selected into and verified at, from the round's budget alone:
+    the smallest bucket (`width_bucket`) whose `rows` rows hold the whole budget, at most `max_width`.
 
-
-class Trim:
-    """The width each round's verify forward runs at, read from the device only where the read pays.
-
-    Selection pads every row to the most a row could get (`W = verify.input_ids.shape[1]` columns), and the forward
-    costs by its width; `trimmed` cuts it to the widest row kept, a host read that waits for drafting and selection.
-    The host then launches the forward while the GPU idles. So:
-
-    - without CUDA graphs, several rows (or one row not pipelined): the forward runs at the widest row's exact width;
-    - one row pipelined or replayed from graphs keeps the width of its budget, what the budget deems nearly free;
-    - several rows replayed from graphs: graph widths are buckets (`width_bucket`), so a cut leaves the forward at
-      about its padded width or takes a bucket well below it. The host reads the widest row while the latest round
-      it knows of could be cut by a quarter of `W` or more; after a round it could not cut that far the forward
-      keeps `W` without the read, and that round's widest row reaches the host through a copy read once it has
-      arrived, never waited for.
-
-    The twenty-second session's A/Bs (results/speed_h200/twenty_second_session), against a cut every round:
-    - the 9B shape at batch 8 and a budget of 32, 10% faster. 84% of the oracle drafter's rounds keep no row over 16
-      of 25 columns (`widths.py` there), and the forward is bound by its GPU time;
-    - the house model at batch 8, 1% faster. Its widest row is often 16 of 33, a cut that saves it no time; never
-      cutting was 18% faster there, since the width says too little of the time.
-
-    Every choice verifies the same nodes: only padding is cut.
+    Decided on the host before selection, so no round waits for the device to learn how wide its trees came out (the
+    cut to the widest row kept that it replaces was such a read); selection caps every row there, and the forward
+    runs at that width, a CUDA graph's. A cap costs a row nodes only where the batch-shared budget would pile more than
+    its even share onto it. On the house model at batch 8 under a budget of 192 (MBPP, H200, bf16), capping rows at 31
+    nodes left 5.85 tokens a round against 5.94, took the verify forward from 64 columns (the widest row passes 32 in
+    92% of rounds) to 32 and from 0.93 to 0.78 ms; tree-serial at 64 nodes, capped at 15, ran 9.9% faster without its
+    read (results/speed_h200/thirty_third_session).
     """
+    return width_bucket(-(-budget // max(rows, 1)) + 1, max_width)
 
-    def __init__(self, graphed: bool, pipelined: bool):
-        self.graphed, self.pipelined = graphed, pipelined
-        self.widest: int | None = None  # the widest row kept (root included) of the latest round the host knows of
-        self._arriving: tuple[torch.Tensor, object] | None = None  # ([1] widest on the host, event after its copy)
 
-    def __call__(self, verify: VerifyTree, active_rows: int) -> VerifyTree:
-        if active_rows == 1 and (self.pipelined or self.graphed):
-            return verify
-        if not self.graphed:
-            return trimmed(verify, graphed=False)
-        padded = verify.input_ids.shape[1]
-        if self._arriving is not None and (self._arriving[1] is None or self._arriving[1].query()):
-            self.widest, self._arriving = int(self._arriving[0]), None
-        if self.widest is not None and 4 * width_bucket(self.widest, padded) > 3 * padded:
-            if self._arriving is None:
-                widest = verify.num_nodes.amax().reshape(1).to("cpu", non_blocking=True)  # pinned, from CUDA
-                event = None
-                if verify.num_nodes.is_cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-                self._arriving = (widest, event)
-            return verify
-        self.widest = int(verify.num_nodes.max())
-        return verify.narrowed(width_bucket(self.widest, padded))
+def trimmed(verify: VerifyTree) -> VerifyTree:
+    """`verify` cut to its widest row kept: a host read, which waits for drafting and selection. Forwards launched
+    from Python cost by their width; a replayed one runs at its bucket (`row_width`) without the read."""
+    return verify.narrowed(int(verify.num_nodes.max()))
 
 
 def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -44,7 +44,7 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
-from hf_bole.generation.graphs import Trim, captures, drop_graphs, graphed_cache, graphed_select
+from hf_bole.generation.graphs import captures, drop_graphs, graphed_cache, graphed_select, row_width, trimmed
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.prefill import chain_prefill, use_chains
 from hf_bole.generation.select_kernel import select_round
@@ -447,7 +447,6 @@ def _decode(
     rounds: list[list[int]] = []  # per round, the tokens each row accepted (0: it sat the round out)
     peak_transient = dict.fromkeys(cache.transient_bytes, 0)  # the rounds' tree state (prefill chains not counted)
     timer = PhaseTimer(device, enabled=bole.profile)
-    trim = Trim(graphed, pipelined)
     queued: list[_Queued] = []  # rounds on the GPU whose tokens the host has not read, oldest first
     uploaded = None  # the `active` list `active_t` [B] holds on the device
     while True:
@@ -488,10 +487,15 @@ def _decode(
         tree = DraftTree(*(x.to(device) for x in (tree.tokens, tree.parents, tree.draft_logprobs)))
         # Rows that are done verify their root only (their draft gets no budget, `active_t`) and commit nothing. The
         # committed KV of the longest active row (left padding included), from host-side counts: no device read.
-        verify = select(tree, root, budget_for(sum(active), P - 1 + longest), per_row, active_t, safe)
+        rows = sum(active)
+        budget = budget_for(rows, P - 1 + longest)
+        # Each row keeps at most what its forward's width holds, chosen from the budget (`row_width`), not read back.
+        verify = select(tree, root, budget, row_width(budget, rows, per_row + 1) - 1, active_t, safe)
         budget_for.observe(verify)  # the goodput rule's draft probabilities (selection ranked them), read next round
-        # The forward cut to the widest row kept where that pays for the host read it takes (`Trim`).
-        verify = trim(verify, sum(active))
+        if not graphed and (rows > 1 or not pipelined):
+            # Launched from Python, the forward may run at the widest row's exact width; the read that takes waits for
+            # drafting and selection, which a pipelined round of one row skips.
+            verify = trimmed(verify)
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents.to(cache.device))
         timer.mark("verify")

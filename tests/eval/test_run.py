@@ -240,6 +240,7 @@ def test_ab_turns_swaps_variants_in_one_process(checkpoint, tmp_path):
     assert [name for name, _ in calls] == ["on", "off", "on", "off", "off", "on"]  # warm-ups, then turns
     assert [r["variant"] for r in rows] == ["on", "off"]
     assert all(r["exact"] and len(r["passes"]) == 2 and r["phase_ms"]["verify"] > 0 for r in rows)
+    assert all(1 <= r["accepted"] <= 3 for r in rows)  # tokens a round: the bonus plus at most depth 2
     written = [json.loads(line) for line in (tmp_path / "ab_pipeline_gsm8k_b1.jsonl").read_text().splitlines()]
     assert written == rows
     with pytest.raises(ValueError, match="BoleConfig.pipeline must be True or False"):  # the kwargs reach generate

@@ -247,7 +247,7 @@ def test_table_round_trip(budget_cache):
     assert path == budget_cache / "qwen3_5_text-h64-l4-0123456789__NVIDIA-H200__bfloat16__closed_form__graphs.json"
     assert cache_dir() == budget_cache
     data = json.loads(path.read_text())
-    assert data["format"] == 3 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
+    assert data["format"] == 4 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
     key = {"model": table.key.model, "device": "NVIDIA H200", "dtype": "bfloat16", "verify": "closed_form",
            "launch": "graphs"}  # fmt: skip
     assert data["key"] == key
@@ -260,7 +260,7 @@ def test_table_round_trip(budget_cache):
     assert find_table(TableKey(table.key.model, "NVIDIA H200", "bfloat16", "closed_form", "eager")) is None
     data["format"] = 0
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="format 0 is not 3: calibrate again"):
+    with pytest.raises(ValueError, match="format 0 is not 4: calibrate again"):
         find_table(table.key)  # a rewritten file is read again
 
 
@@ -356,19 +356,19 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
 
 
 def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
-    """A table of format 2 timed T_dec as the roots-only step, which left the house model's batch-1 budget at the
-    floor: generate does not read it, says which file, why, and how to measure it again."""
+    """A table of format 3 timed replayed forwards at the widest row's bucket, which generate no longer runs (it
+    caps rows at `graphs.row_width`): generate does not read it, says which file, why, and how to measure it again."""
     model = _fake_gpu_model(monkeypatch)
     table = _table(TableKey.for_model(model))
     path = table.save(table.default_path())
     data = json.loads(path.read_text())
-    data["format"] = 2
+    data["format"] = 3
     path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=4)
     assert resolver.source == "fallback" and resolver(2, 1000) == 64
     message = caplog.records[-1].getMessage()
-    assert str(path) in message and "format 2 is not 3" in message
+    assert str(path) in message and "format 3 is not 4" in message
     assert "Measure it again with `python -m hf_bole.calibrate --model <checkpoint>" in message
 
 

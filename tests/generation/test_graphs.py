@@ -17,8 +17,9 @@ from hf_bole.generation.graphs import (
     WIDTH_BUCKETS,
     SelectGraphs,
     TailGraphs,
-    Trim,
     graphed_cache,
+    row_width,
+    trimmed,
     width_bucket,
 )
 from hf_bole.generation.select_kernel import prepared_tree
@@ -67,41 +68,27 @@ def test_width_bucket():
     assert WIDTH_BUCKETS[-1] == hf_bole.kernels.tree_gdn.closed_form.MAX_NODES  # the kernels' largest tree
 
 
-def _padded_rows(widths: list[int], W: int) -> VerifyTree:
-    """Chains of `widths` nodes (root included) padded to `W` columns, as selection pads them."""
-    parents = torch.full((len(widths), W), -1)
+def test_row_width_holds_the_budget_in_a_bucket():
+    """The smallest bucket whose rows hold the whole budget (root included), never wider than selection pads."""
+    assert row_width(192, 8, 64) == 32  # 8 x 31 nodes hold 192
+    assert row_width(248, 8, 64) == 32 and row_width(249, 8, 64) == 64
+    assert row_width(64, 8, 64) == 16 and row_width(32, 8, 64) == 8
+    assert row_width(32, 1, 64) == 64 and row_width(8, 1, 64) == 16  # one row: its budget's bucket
+    assert row_width(500, 2, 64) == 64 and row_width(40, 1, 21) == 21  # at most the padded width
+    assert row_width(0, 3, 64) == 4 and row_width(5, 0, 64) == 8  # roots only; no active row
+
+
+def test_trimmed_cuts_to_the_widest_row():
+    parents = torch.full((3, 9), -1)
+    widths = [3, 6, 1]
     for b, n in enumerate(widths):
         parents[b, 1:n] = torch.arange(n - 1)
-    node_mask = torch.arange(W) < torch.tensor(widths)[:, None]
-    depths = torch.where(node_mask, torch.arange(W), 0)
-    tokens = torch.where(node_mask, 7, 0)
-    return VerifyTree(tokens, parents, depths, torch.where(node_mask, torch.arange(W) - 1, -1), node_mask,
-                      torch.tensor(widths))  # fmt: skip
-
-
-def test_trim_reads_the_widest_row_only_where_the_cut_pays(monkeypatch):
-    """Several rows replayed from graphs: the forward is cut (a host read) while the latest round known could lose
-    a quarter of its width; after a round that could not, it keeps its padded width without reading, and learns
-    that round's width from a copy read once it has arrived. Eager forwards always run at the exact width, one
-    row pipelined or graphed at its budget's."""
-    reads = []  # with a default CUDA device torch's device mode sees the patched method too: a read counts twice
-    max_ = torch.Tensor.max
-    monkeypatch.setattr(torch.Tensor, "max", lambda self, *a, **k: reads.append("max") or max_(self, *a, **k))
-    trim = Trim(graphed=True, pipelined=True)
-    narrow, wide = _padded_rows([3, 9, 5], 33), _padded_rows([30, 2, 5], 33)
-    assert trim(narrow, 3).input_ids.shape[1] == 16 and reads  # nothing known yet: read, cut to 16
-    assert trim(wide, 3).input_ids.shape[1] == 32 and trim.widest == 30  # the latest round was narrow: read
-    reads.clear()
-    assert trim(narrow, 3).input_ids.shape[1] == 33 and reads == []  # the latest was wide: padded, no read
-    if narrow.num_nodes.is_cuda:
-        torch.cuda.synchronize()  # the copy of this round's widest row (9) arrives
-    assert trim.widest == 30
-    assert trim(narrow, 3).input_ids.shape[1] == 16 and trim.widest == 9  # it arrived: this round is cut
-    assert reads
-    assert trim(wide, 1) is wide  # one row keeps its budget's width
-    eager = Trim(graphed=False, pipelined=True)
-    assert eager(wide, 3).input_ids.shape[1] == 30 and eager(narrow, 3).input_ids.shape[1] == 9
-    assert eager(wide, 1) is wide and Trim(graphed=False, pipelined=False)(wide, 1).input_ids.shape[1] == 30
+    node_mask = torch.arange(9) < torch.tensor(widths)[:, None]
+    depths = torch.where(node_mask, torch.arange(9), 0)
+    verify = VerifyTree(torch.where(node_mask, 7, 0), parents, depths, torch.where(node_mask, torch.arange(9) - 1, -1),
+                        node_mask, torch.tensor(widths))  # fmt: skip
+    cut = trimmed(verify)
+    assert cut.input_ids.shape == (3, 6) and torch.equal(cut.parents, parents[:, :6])
 
 
 def test_graphed_cache_is_kept_and_grown():
@@ -226,7 +213,7 @@ def test_cuda_graphs_generate_matches_plain(verify, kind):
             ids, custom_generate="hf_bole", bole_drafter="ngram", bole_cuda_graphs=True, bole_verify=verify, **kwargs
         )
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    # One row: its forward keeps the width of its budget, without reading the widest row kept.
+    # One row: its forward keeps its budget's width, without reading the widest row kept.
     one = {**kwargs, "attention_mask": mask[1:2]}
     single = model.generate(ids[1:2], custom_generate="hf_bole", bole_drafter="ngram", bole_verify=verify, **one)
     torch.testing.assert_close(single, model.generate(ids[1:2], **one), rtol=0, atol=0)

@@ -135,6 +135,31 @@ def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
     assert len(launches) == out.accept_lengths.shape[1] + 1 > 2
 
 
+def test_rows_are_capped_at_the_width_of_their_budget(dense, monkeypatch):
+    """Every round selects into `graphs.row_width` of its budget and active rows, decided without reading the trees:
+    three rows share a budget of 6 at 3 nodes each (width 4); once one row is left it may keep all 6."""
+    rounds = []
+    select_nodes = loop.select_round
+
+    def select_round(tree, root_tokens, budget, max_nodes_per_row, active=None, safe=None):
+        verify = select_nodes(tree, root_tokens, budget, max_nodes_per_row, active, safe)
+        rounds.append((budget, int(active.sum()), max_nodes_per_row, int(verify.num_nodes.max())))
+        return verify
+
+    monkeypatch.setattr(loop, "select_round", select_round)
+    prompts = [PROMPTS[r] for r in (0, 1, 2)]
+    lengths = {"max_new_tokens": NEW, "min_new_tokens": NEW}
+    ref = plain(dense, prompts, do_sample=False, **lengths)
+    out = bole(
+        dense, prompts, do_sample=False, bole_drafter=oracle_for(dense, prompts, depth=6), bole_budget=6,
+        bole_cuda_graphs=False, **lengths,
+    )  # fmt: skip
+    assert torch.equal(out, ref)
+    assert rounds and all(cap + 1 == graphs.row_width(6, rows, 7) for _, rows, cap, _ in rounds)
+    assert {cap for _, rows, cap, _ in rounds if rows == 3} == {3}
+    assert all(widest <= cap + 1 for *_, cap, widest in rounds)
+
+
 def test_profile_times_every_phase(dense):
     """CUDA events or the host clock per phase, and a profiler range per phase (what eval/profile_round.py reads)."""
     drafter = oracle_for(dense, PROMPTS)
@@ -451,9 +476,9 @@ def _synchronizing_calls(model, prompts, **kwargs) -> list[str]:
 
 @pytest.mark.parametrize("rows", [[0], [0, 1, 2]], ids=["B1", "B3"])
 def test_pipelined_rounds_do_not_wait_for_the_gpu(dense_with_mtp, rows):
-    """A pipelined round launches everything without waiting for the GPU (one row: not at all; several: the cut of
-    the forward to the rows' widest tree, once a round): a longer call adds no synchronising calls (one row) or one
-    a round (several), only the rounds' event waits."""
+    """A pipelined round launches everything without waiting for the GPU, with one row or several (the forward's
+    width comes from the budget, `graphs.row_width`, not from the trees): a longer call adds no synchronising calls,
+    only the rounds' event waits and, with several rows, the active rows' upload when a row finishes."""
     if dense_with_mtp.device.type != "cuda":
         pytest.skip("CUDA streams only: run with HF_BOLE_TEST_DEVICE=cuda")
     prompts = [PROMPTS[r] for r in rows]
@@ -462,10 +487,7 @@ def test_pipelined_rounds_do_not_wait_for_the_gpu(dense_with_mtp, rows):
     short = _synchronizing_calls(dense_with_mtp, prompts, max_new_tokens=NEW, **kwargs)
     long = _synchronizing_calls(dense_with_mtp, prompts, max_new_tokens=4 * NEW, **kwargs)
     extra = {c for c in long if long.count(c) > short.count(c)}
-    # Several rows: the cut to the widest tree, and the active rows' upload each time a row finishes.
-    allowed = set()
-    if len(rows) > 1:
-        allowed = {_line_of(graphs, "int(verify.num_nodes.max())"), _line_of(loop, "active_t = ")}
+    allowed = {_line_of(loop, "active_t = ")} if len(rows) > 1 else set()
     assert extra <= allowed, f"calls that wait for the GPU every round: {sorted(extra - allowed)}"
 
 
