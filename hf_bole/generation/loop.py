@@ -301,19 +301,26 @@ class _Stopping:
         if not self.suffix:
             return None
         B, L = ends.shape
-        columns = ends[..., None] - self.window + torch.arange(self.window, device=seq.device)  # [B, L, W]
-        windows = seq.gather(1, columns.clamp(0, seq.shape[1] - 1).view(B, -1)).view(B * L, self.window)
-        stops = torch.zeros(B * L, dtype=torch.bool, device=seq.device)
-        for criterion in self.suffix:
-            stops |= criterion(windows, None)
+        # A round's host time is mostly launches like these (results/speed_h200/thirty_third_session): one add
+        # for the columns, one criterion call per criterion (a single one holds every stop string of a request).
+        offsets = _cached_arange(self.window, seq.device, -self.window)  # [W]
+        columns = (ends[..., None] + offsets).clamp_(max=seq.shape[1] - 1)  # [B, L, W], ends >= window
+        windows = seq.gather(1, columns.view(B, -1)).view(B * L, self.window)
+        stops = functools.reduce(torch.logical_or, (criterion(windows, None) for criterion in self.suffix))
         return stops.view(B, L)
 
-    def __call__(self, token: int, length: int, row_ids, suffix_stop: bool) -> bool:
-        """Whether the row stops after `token`, its sequence now `length` long; `row_ids()` gives it as [1, length];
-        `suffix_stop`: what `suffix_stops` said of this token."""
-        if suffix_stop or token in self.eos or any(length >= m for m in self.max_lengths):
-            return True
-        return bool(self.others) and bool(self.others(row_ids(), None).any())
+    def first_stop(self, tokens: list[int], length: int, suffix: list[int] | None, row_ids) -> int | None:
+        """The index of the first of a row's new `tokens` after which it stops, or None: its sequence is `length`
+        long before them, `row_ids(n)` gives its first `n` ids as [1, n], and `suffix[j]` is what `suffix_stops`
+        said of token j (None without stop strings). Other criteria are called token by token with the row's ids, as
+        plain decoding calls them, up to the stop."""
+        reach = min((m - length - 1 for m in self.max_lengths), default=len(tokens))  # the token reaching a length
+        for j, token in enumerate(tokens):
+            if j >= reach or token in self.eos or (suffix is not None and suffix[j]):
+                return j
+            if self.others and bool(self.others(row_ids(length + j + 1), None).any()):
+                return j
+        return None
 
 
 @torch.no_grad()
@@ -646,15 +653,15 @@ class _Rows:
         there. Reads nothing on the host."""
         B, L = tokens.shape
         start = self.generated
-        steps = torch.arange(L, device=tokens.device)
+        steps = _cached_arange(L, tokens.device)  # [L]
         # Write first: stopping criteria read the row's ids. Entries past a row's length go to the spare last
         # column as padding: a finished row's count may run past the sequence by the rounds in flight, and the stop
         # strings' windows over its entries then read that column (their criterion embeds every id: no -1 there).
         # Entries past a stop are overwritten or padded later.
-        real = steps[None, :] < lengths[:, None]  # [B, L]
-        col = torch.where(real, self.P + start[:, None] + steps, self.seq.shape[1] - 1)
-        self.seq.scatter_(1, col, torch.where(real, tokens, self.pad))
-        suffix = self.stopping.suffix_stops(self.seq, self.P + start[:, None] + steps + 1)  # [B, L] or None
+        real = steps < lengths[:, None]  # [B, L]
+        columns = start[:, None] + _cached_arange(L, tokens.device, self.P)  # [B, L] where each token goes
+        self.seq.scatter_(1, torch.where(real, columns, self.seq.shape[1] - 1), torch.where(real, tokens, self.pad))
+        suffix = self.stopping.suffix_stops(self.seq, columns + 1)  # [B, L] or None
         self.generated = start + lengths
         parts = [lengths[:, None], tokens] + ([suffix.long()] if suffix is not None else [])
         host = torch.cat(parts, dim=1).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
@@ -668,24 +675,26 @@ class _Rows:
         written.ready.synchronize()
         host, L = written.host.tolist(), written.width
         counted = []
-        for b in range(self.B):
-            done = self.frozen[b] or self.n_gen[b] >= self.limit()
-            counted.append(0 if done else host[b][0])
-            for j in range(host[b][0]):
-                if self.frozen[b] or self.n_gen[b] >= self.limit():
-                    break
-                token = host[b][1 + j]
-                self.tokens[b].append(token)
-                self.n_gen[b] += 1
-                length = self.P + self.n_gen[b]
-                if self.finished_at[b] is None and self.stopping(
-                    token,
-                    length,
-                    lambda b=b, length=length: self.seq[b : b + 1, :length],
-                    suffix_stop=written.suffix and bool(host[b][1 + L + j]),
-                ):
-                    self.finished_at[b] = self.n_gen[b]
+        for b, row in enumerate(host):
+            limit = self.limit()
+            if self.frozen[b] or self.n_gen[b] >= limit:
+                counted.append(0)
+                continue
+            counted.append(row[0])
+            tokens = row[1 : 1 + min(row[0], limit - self.n_gen[b])]  # a row takes no tokens past the limit
+            if self.finished_at[b] is None:
+                suffix = row[1 + L : 1 + L + len(tokens)] if written.suffix else None
+                stop = self.stopping.first_stop(
+                    tokens, self.P + self.n_gen[b], suffix, lambda n, b=b: self.seq[b : b + 1, :n]
+                )
+                if stop is not None:
+                    self.finished_at[b] = self.n_gen[b] + stop + 1
                     self.frozen[b] = self.stopping.pads_finished
+                    # Padded from there on; or, once every row has finished, the limit falls to the last to finish.
+                    kept = stop + 1 if self.frozen[b] else self.limit() - self.n_gen[b]
+                    tokens = tokens[:kept]
+            self.tokens[b].extend(tokens)
+            self.n_gen[b] += len(tokens)
         return counted
 
     def output_length(self) -> int:
@@ -698,6 +707,13 @@ class _Rows:
             if self.n_gen[b] < T_out:
                 out[b, self.P + self.n_gen[b] :] = self.pad
         return out
+
+
+@functools.lru_cache(maxsize=64)  # keyed by prompt lengths too: bounded
+def _cached_arange(n: int, device: torch.device, start: int = 0) -> torch.Tensor:
+    """`[n]`: `start, ..., start + n - 1` on `device`, made once per call's arguments (read-only: index arithmetic
+    of every round, one launch fewer each)."""
+    return torch.arange(start, start + n, device=device)
 
 
 @dataclass

@@ -639,6 +639,77 @@ def test_stop_string_windows_past_a_finished_row():
     assert stops[1, :3].tolist() == [0, 0, 1]  # "bc" ends at row 1's third token
 
 
+def _read_token_by_token(rows, written) -> list[int]:
+    """`_Rows.read` as plain decoding's rules read literally: every token in turn, the limit and each criterion asked
+    again before it (the loop's form before it read a row at a time)."""
+    stopping, host, L = rows.stopping, written.host.tolist(), written.width
+    counted = []
+    for b in range(rows.B):
+        counted.append(0 if rows.frozen[b] or rows.n_gen[b] >= rows.limit() else host[b][0])
+        for j in range(host[b][0]):
+            if rows.frozen[b] or rows.n_gen[b] >= rows.limit():
+                break
+            token = host[b][1 + j]
+            rows.tokens[b].append(token)
+            rows.n_gen[b] += 1
+            length = rows.P + rows.n_gen[b]
+            stop = (written.suffix and bool(host[b][1 + L + j])) or token in stopping.eos
+            stop = stop or any(length >= m for m in stopping.max_lengths)
+            if rows.finished_at[b] is None and (
+                stop or (bool(stopping.others) and bool(stopping.others(rows.seq[b : b + 1, :length], None).any()))
+            ):
+                rows.finished_at[b] = rows.n_gen[b]
+                rows.frozen[b] = stopping.pads_finished
+    return counted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
+    """`_Rows.read` emits, counts and stops rows exactly as reading token by token does, and calls a user criterion
+    with the same ids in the same order: random rounds of EOS, stop-string hits, a max length, a user criterion
+    that stops on one token id, with and without padding of finished rows."""
+    from transformers.generation.stopping_criteria import (
+        EosTokenCriteria,
+        MaxLengthCriteria,
+        StoppingCriteria,
+        StoppingCriteriaList,
+    )
+
+    from hf_bole.generation.loop import _Rows, _Stopping, _Written
+
+    class StopsOn(StoppingCriteria):
+        def __init__(self, token):
+            self.token, self.calls = token, []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls.append(input_ids.tolist())
+            return input_ids[:, -1] == self.token
+
+    B, P, L, max_new = 4, 3, 5, 14
+    for pads in (True, False):
+        states = []
+        for read in (_Rows.read, _read_token_by_token):
+            user = StopsOn(7)
+            criteria = [MaxLengthCriteria(P + max_new), user] + ([EosTokenCriteria(5)] if pads else [])
+            stopping = _Stopping(StoppingCriteriaList(criteria), P)
+            seq = torch.zeros(B, P + max_new + 3 * L, dtype=torch.long)
+            rows = _Rows(B, P, max_new, stopping, seq, 0)
+            draws = torch.Generator().manual_seed(seed + 100 * pads)
+            counted = []
+            while any(rows.active()):
+                lengths = torch.randint(1, L + 1, (B,), generator=draws)
+                tokens = torch.randint(3, 12, (B, L), generator=draws)
+                hits = torch.rand(B, L, generator=draws) < 0.05  # what the stop strings would say
+                for b in range(B):  # the criteria read the row's ids, which `write` puts in `seq`
+                    n = min(rows.n_gen[b], seq.shape[1] - P - L)
+                    seq[b, P + n : P + n + L] = tokens[b]
+                host = torch.cat([lengths[:, None], tokens, hits.long()], dim=1)
+                counted.append(read(rows, _Written(host, loop._Done(), L, True)))
+            states.append((counted, rows.tokens, rows.n_gen, rows.finished_at, rows.frozen, user.calls))
+        assert states[0] == states[1]
+        assert any(f is not None for f in states[0][3])  # some row stopped inside a round
+
+
 def _samples(model, prompt, n, **kwargs):
     out = model.generate(
         torch.tensor([prompt] * n), max_new_tokens=3, do_sample=True, top_k=0, pad_token_id=0, **kwargs

@@ -48,8 +48,9 @@ def main() -> None:
             )  # fmt: skip
             over = collections.Counter((w > 16) + (w > 32) + (w > 48) for w in widths)
             shares = [sum(n for k, n in over.items() if k >= j) / len(widths) for j in (1, 2, 3)]
+            over = " / ".join(f"{s:.0%}" for s in shares)
             print(f"{verify} budget {budget} cap {cap - 1}: {out.mean_accepted_tokens:.3f} tokens a round, "
-                  f"widest row > 16 / 32 / 48 in {' / '.join(f'{s:.0%}' for s in shares)} of rounds", flush=True)  # fmt: skip
+                  f"widest row > 16 / 32 / 48 in {over} of rounds", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

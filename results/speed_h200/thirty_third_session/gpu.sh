@@ -41,11 +41,19 @@ calibrate)  # the house tables, closed form (batches 1, 4, 8, 16) and serial ver
     done
     mkdir -p "$OUT/tables" && cp "$HF_BOLE_CACHE"/budgets/*.json "$OUT/tables/"
     ;;
-floor1)  # every mode at the tables' budgets ("auto"), batch 1, depth 6, five passes in turns
+floor1)  # every mode at the tables' budgets ("auto"), batch 1, depth 6, five passes in turns (needs ~220 s)
     house_run floor1 "${FLOOR_S:-240}" mbpp --modes ar chain tree-serial bole --batch-sizes 1 --repeats 5 --depth 6
     ;;
 floor8)  # the same at batch 8, ten passes
     house_run floor8 "${FLOOR_S:-240}" mbpp --modes ar chain tree-serial bole --batch-sizes 8 --repeats 10 --depth 6
+    ;;
+abhost8)  # not run yet: the token bookkeeping's fewer launches and per-row read against the forms before,
+          # house model, batch 8, the tables' budgets, ten passes in turns (a warm machine: see README.md)
+    STEP_SHOWS="median|Error|error" STEP_TAIL=8 step abhost8 "${ABH_S:-300}" python3 "$HERE/ab_host.py" \
+        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --depth 6 --repeats 10 --output-dir "$OUT"
+    ;;
+depths8)  # not run yet: tree-serial and bole at their tables ("auto"), depths 6, 7 and 8, batch 8, ten passes in turns
+    house_run depths8 "${DEPTHS_S:-420}" mbpp --modes tree-serial bole --batch-sizes 8 --depth 6 7 8 --repeats 10
     ;;
 host)  # cProfile of bole's and tree-serial's generate calls, house model, batch 8, the tables' budgets
     STEP_SHOWS="====" STEP_TAIL=4 step host "${HOST_S:-180}" python3 "$HERE/host_profile.py" --calls 10

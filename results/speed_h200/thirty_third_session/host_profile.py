@@ -50,8 +50,8 @@ def main() -> None:
         torch.cuda.synchronize()
         profiler.disable()
         wall = time.perf_counter() - start
-        print(f"\n==== {verify}: {ours.calls} calls, {rounds} rounds, {1e3 * wall / rounds:.3f} ms a round under cProfile, "
-              f"{out.mean_accepted_tokens:.2f} tokens a round")  # fmt: skip
+        print(f"\n==== {verify}: {ours.calls} calls, {rounds} rounds, {1e3 * wall / rounds:.3f} ms a round under "
+              f"cProfile, {out.mean_accepted_tokens:.2f} tokens a round")  # fmt: skip
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(ours.top)
         stats.sort_stats("cumulative").print_stats(45)
