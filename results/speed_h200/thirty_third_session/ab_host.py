@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from eval import ab_turns  # noqa: E402
 from hf_bole.generation import loop  # noqa: E402
+from tests.generation.test_loop import _read_token_by_token  # noqa: E402  (the token-by-token form, tested against)
 
 NOW = (loop._Rows.write, loop._Rows.read, loop._Stopping.suffix_stops)
 
@@ -52,25 +53,7 @@ def write(self, tokens, lengths):
 
 def read(self, written):
     written.ready.synchronize()
-    stopping, host, L = self.stopping, written.host.tolist(), written.width
-    counted = []
-    for b in range(self.B):
-        counted.append(0 if self.frozen[b] or self.n_gen[b] >= self.limit() else host[b][0])
-        for j in range(host[b][0]):
-            if self.frozen[b] or self.n_gen[b] >= self.limit():
-                break
-            token = host[b][1 + j]
-            self.tokens[b].append(token)
-            self.n_gen[b] += 1
-            length = self.P + self.n_gen[b]
-            stop = (written.suffix and bool(host[b][1 + L + j])) or token in stopping.eos
-            stop = stop or any(length >= m for m in stopping.max_lengths)
-            if self.finished_at[b] is None and (
-                stop or (bool(stopping.others) and bool(stopping.others(self.seq[b : b + 1, :length], None).any()))
-            ):
-                self.finished_at[b] = self.n_gen[b]
-                self.frozen[b] = stopping.pads_finished
-    return counted
+    return _read_token_by_token(self, written)
 
 
 def variant(methods, settings: dict):
