@@ -34,10 +34,14 @@ def stage(what: str) -> None:
     print(f"[{time.perf_counter() - START:6.1f} s] {what}", flush=True)
 
 
-def main(name: str, variants: dict[str, Callable[[object], dict]], argv: list[str] | None = None) -> list[dict]:
-    """Runs `variants` (name -> function of the model returning generate kwargs) in turns; returns one row each."""
+def main(
+    name: str, variants: dict[str, Callable[[object], dict]], argv: list[str] | None = None, profile: bool = True
+) -> list[dict]:
+    """Runs `variants` (name -> function of the model returning generate kwargs) in turns; returns one row each.
+    With `profile=False` the passes run without the phase timer (its events and ranges are host work of their own,
+    in rounds that may be bound by the host) and rows carry no phases."""
     args = run.parse_args(sys.argv[1:] if argv is None else argv)
-    args.profile = True
+    args.profile = profile
     cuda = torch.cuda.is_available()  # on a CPU: a check of the script
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     run.set_backends(args)
@@ -72,7 +76,8 @@ def main(name: str, variants: dict[str, Callable[[object], dict]], argv: list[st
             n = sum(len(t) for t in record["tokens"])
             played = [a for a in record["accept_lengths"] if a > 0]
             results[variant].append({"tokens_per_s": n / record["seconds"], "exact": exact,
-                                     "accepted": sum(played) / max(len(played), 1), **record["round_time_ms"]})  # fmt: skip
+                                     "accepted": sum(played) / max(len(played), 1),
+                                     **(record["round_time_ms"] or {})})  # fmt: skip
         stage(f"turn {turn}: " + ", ".join(f"{k} {v[-1]['tokens_per_s']:.1f}" for k, v in results.items()))
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"\n{label}, {dataset}, batch {B}, {args.max_new_tokens} new tokens, {gpu}")
@@ -80,9 +85,9 @@ def main(name: str, variants: dict[str, Callable[[object], dict]], argv: list[st
     rows = []
     for variant, passes in results.items():
         tps = [p["tokens_per_s"] for p in passes]
-        rounds = sum(p["rounds"] for p in passes)  # phases: ms summed over a pass's rounds; here per round
+        rounds = sum(p.get("rounds", 0) for p in passes)  # phases: ms summed over a pass's rounds; here per round
         kept = [k for k in passes[0] if k not in ("tokens_per_s", "exact", "accepted", "rounds")]
-        phases = {k: sum(p[k] for p in passes) / rounds for k in kept}
+        phases = {k: sum(p[k] for p in passes) / rounds for k in kept} if rounds else {}
         exact = all(p["exact"] for p in passes)
         accepted = statistics.mean(p["accepted"] for p in passes)  # tokens a round, mean over passes
         row = {"variant": variant, "batch_size": B, "median_tokens_per_s": statistics.median(tps), "passes": tps,
@@ -91,7 +96,7 @@ def main(name: str, variants: dict[str, Callable[[object], dict]], argv: list[st
         cells = " ".join(f"{k} {v:.3f}" for k, v in phases.items())
         print(f"{variant:{width}s} median {statistics.median(tps):8.1f} tok/s  min {min(tps):8.1f} "
               f"max {max(tps):8.1f}  exact {exact}  accepted {accepted:.2f}  {cells}  "
-              f"phases {sum(phases.values()):.2f} ms")  # fmt: skip
+              + (f"phases {sum(phases.values()):.2f} ms" if phases else ""))  # fmt: skip
     out = Path(args.output_dir) / f"ab_{name}_{dataset}_b{B}{'_compiled' if args.compile[0] else ''}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -393,6 +393,8 @@ def _decode(
     if chains:  # one host read: a chain numbers each row's tokens from 0 (as generate's own position ids do), and a
         # row of padding alone has none
         chains = bool((((position_ids == counted) | ~mask).all() & mask.any(-1).all()))
+    # Read before the prefill is queued, not after: a read then would wait for it.
+    left_pad = (P - mask.sum(-1)).tolist()
     if chains:
         capacity += MAX_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens before it
     if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
@@ -439,12 +441,14 @@ def _decode(
     # the end takes the writes of padding entries.
     seq = torch.full((B, P + max_new + lag * step + per_row + 3), pad_token, dtype=torch.long, device=device)
     seq[:, :P] = input_ids
-    left_pad = (P - mask.sum(-1)).tolist()
     prompt_lengths = mask.sum(-1)  # [B] on the device
     state = _Rows(B, P, max_new, stopping, seq, pad_token)
-    state.read(state.write(first[:, None], torch.ones(B, dtype=torch.long, device=device)))
+    # The first token is read like a round's tokens: pipelined, after the first round is queued (behind the prefill).
+    queued = [_Queued(state.write(first[:, None], torch.ones(B, dtype=torch.long, device=device)), None, round=False)]
     streamed = _Streamer(streamer, state)
-    streamed.flush()
+    while len(queued) > lag:
+        _finish(state, queued.pop(0), drafter, max_depth, vocab_size)
+        streamed.flush()
 
     # What the drafter has not seen yet: the prompt's hidden states, each followed by its next token.
     new_hidden = hidden
@@ -454,7 +458,6 @@ def _decode(
     rounds: list[list[int]] = []  # per round, the tokens each row accepted (0: it sat the round out)
     peak_transient = dict.fromkeys(cache.transient_bytes, 0)  # the rounds' tree state (prefill chains not counted)
     timer = PhaseTimer(device, enabled=bole.profile)
-    queued: list[_Queued] = []  # rounds on the GPU whose tokens the host has not read, oldest first
     uploaded = None  # the `active` list `active_t` [B] holds on the device
     while True:
         active = state.active()
@@ -467,8 +470,8 @@ def _decode(
             queued.clear()
             continue
         timer.round_start()
-        if active != uploaded:  # a copy from pageable memory waits for the GPU: made again only when a row finishes
-            uploaded, active_t = active, torch.tensor(active, device=device)
+        if active != uploaded:  # made again only when a row finishes
+            uploaded, active_t = active, _upload(active, device)
         # Upper bounds from the host's counts, which lag the device by the rounds still queued.
         longest = max(n for n, a in zip(state.n_gen, active) if a) + step * len(queued)
         ctx = DraftContext(
@@ -535,7 +538,10 @@ def _decode(
         root = tail.root
         # Read what the host may no longer wait for: every round but the last `lag` ones.
         while len(queued) > lag:
-            rounds.append(_finish(state, queued.pop(0), drafter, max_depth, vocab_size))
+            q = queued.pop(0)
+            accepted_counts = _finish(state, q, drafter, max_depth, vocab_size)
+            if q.round:
+                rounds.append(accepted_counts)
             streamed.flush()
         timer.mark("host")
 
@@ -607,11 +613,12 @@ def _check_custom_tree(tree, batch_size: int, vocab_size: int, drafter, max_dept
 
 @dataclass
 class _Queued:
-    """A round queued on the GPU: its tokens on their way to the host (`_Rows.write`), and with a pipelined custom
-    drafter a host copy of the tree it proposed, checked when the round is read."""
+    """A round (or the prefill's first token) queued on the GPU: its tokens on their way to the host (`_Rows.write`),
+    and with a pipelined custom drafter a host copy of the tree it proposed, checked when the round is read."""
 
     tokens: _Written
     tree: DraftTree | None
+    round: bool = True  # False for the first token, which the prefill gives
 
 
 def _finish(state: _Rows, queued: _Queued, drafter, max_depth: int | None, vocab_size: int) -> list[int]:
@@ -707,6 +714,16 @@ class _Rows:
             if self.n_gen[b] < T_out:
                 out[b, self.P + self.n_gen[b] :] = self.pad
         return out
+
+
+def _upload(flags: list[bool], device: torch.device) -> torch.Tensor:
+    """`[B]` bool on `device`, without waiting for the GPU: a copy from pageable memory would wait for every launch
+    queued before it (a whole round in flight, each time a row finishes). The pinned block is not reused before its
+    copy has run (torch's caching host allocator records the copy)."""
+    host = torch.tensor(flags, device="cpu")  # not the default device, which may be CUDA
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=64)  # keyed by prompt lengths too: bounded
