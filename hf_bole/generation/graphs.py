@@ -84,6 +84,58 @@ def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple
     return graph, out
 
 
+# device -> the memory of the graphs `capture_queued` makes there, held across calls: a pool per graph would stay
+# reserved after its graph is gone, until the allocator's cache is emptied.
+_QUEUED_POOLS: dict[torch.device, torch.cuda.MemPool] = {}
+
+
+def capture_queued(run, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Captures `run()` like `capture` without warming up, while earlier work may still be queued: on a side stream,
+    with no wait for the GPU and no emptying of the allocator's cache, which `torch.cuda.graph` does on entry (a
+    round in flight drained, memory handed back to the driver, in the middle of a call). `run` must have run eagerly
+    before; only this thread's calls are held to the capture's rules. The captured work has not run yet: replay
+    the graph."""
+    if device not in _QUEUED_POOLS:
+        with torch.cuda.device(device):
+            _QUEUED_POOLS[device] = torch.cuda.MemPool()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream(device=device)):
+        graph.capture_begin(pool=_QUEUED_POOLS[device].id, capture_error_mode="thread_local")
+        try:
+            out = run()
+        finally:
+            graph.capture_end()
+    return graph, out
+
+
+class ShapeGraphs:
+    """`run(*inputs)` replayed from a CUDA graph per input shape, for work made anew by each `generate` call (whose
+    graphs go with it): the first call of a shape runs eagerly, which pays first-use costs such as cached index
+    ranges, the second captures (`capture_queued`, no wait for the GPU), later ones copy their inputs in and replay.
+    Returns `run`'s outputs, the graph's buffers from the second call on: valid until the next call."""
+
+    def __init__(self, run):
+        self.run = run
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], object]] = {}
+        self._seen: set[tuple] = set()
+
+    def __call__(self, *inputs: torch.Tensor):
+        key = tuple((x.shape, x.dtype) for x in inputs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return self.run(*inputs)
+            static = tuple(x.clone() for x in inputs)
+            graph, out = capture_queued(lambda: self.run(*static), inputs[0].device)
+            entry = self._graphs[key] = (graph, static, out)
+        else:
+            for buffer, value in zip(entry[1], inputs):
+                buffer.copy_(value)
+        entry[0].replay()
+        return entry[2]
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph

@@ -44,7 +44,15 @@ from hf_bole.generation.acceptance import (
 )
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
-from hf_bole.generation.graphs import captures, drop_graphs, graphed_cache, graphed_select, row_width, trimmed
+from hf_bole.generation.graphs import (
+    ShapeGraphs,
+    captures,
+    drop_graphs,
+    graphed_cache,
+    graphed_select,
+    row_width,
+    trimmed,
+)
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.prefill import chain_prefill, use_chains
 from hf_bole.generation.select_kernel import select_round
@@ -442,7 +450,7 @@ def _decode(
     seq = torch.full((B, P + max_new + lag * step + per_row + 3), pad_token, dtype=torch.long, device=device)
     seq[:, :P] = input_ids
     prompt_lengths = mask.sum(-1)  # [B] on the device
-    state = _Rows(B, P, max_new, stopping, seq, pad_token)
+    state = _Rows(B, P, max_new, stopping, seq, pad_token, graphed=graphed and device.type == "cuda")
     # The first token is read like a round's tokens: pipelined, after the first round is queued (behind the prefill).
     queued = [_Queued(state.write(first[:, None], torch.ones(B, dtype=torch.long, device=device)), None, round=False)]
     streamed = _Streamer(streamer, state)
@@ -633,12 +641,18 @@ def _finish(state: _Rows, queued: _Queued, drafter, max_depth: int | None, vocab
 class _Rows:
     """Host-side bookkeeping of every row: tokens generated, where it finished, whether it still decodes."""
 
-    def __init__(self, B: int, P: int, max_new: int, stopping: _Stopping, seq: torch.Tensor, pad: int):
+    def __init__(
+        self, B: int, P: int, max_new: int, stopping: _Stopping, seq: torch.Tensor, pad: int, graphed: bool = False
+    ):
         self.B, self.P, self.max_new, self.stopping, self.seq, self.pad = B, P, max_new, stopping, seq, pad
         self.n_gen = [0] * B
-        # [B] on the device: tokens written per row. It runs ahead of `n_gen` by the rounds the host has not read,
-        # and past it in a row that stopped inside a round's path (the row is done then).
+        # [B] on the device, updated in place: tokens written per row. It runs ahead of `n_gen` by the rounds the
+        # host has not read, and past it in a row that stopped inside a round's path (the row is done then).
         self.generated = torch.zeros(B, dtype=torch.long, device=seq.device)
+        # The writes' device work, about 35 launches (most of them the stop strings'), replays from a CUDA graph per
+        # width with `graphed`; the graphs go with this call.
+        append = functools.partial(_append, seq, self.generated, stopping, P, pad)
+        self._append = ShapeGraphs(append) if graphed else append
         self.tokens: list[list[int]] = [[] for _ in range(B)]
         self.finished_at: list[int | None] = [None] * B  # generated length when a stopping criterion fired
         self.frozen = [False] * B  # finished and padded from then on, as plain decoding does with an EOS criterion
@@ -658,23 +672,10 @@ class _Rows:
         """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row of `seq` on the device
         and starts copying them, with what the stop strings say of them, to the host; `read` takes them from
         there. Reads nothing on the host."""
-        B, L = tokens.shape
-        start = self.generated
-        steps = _cached_arange(L, tokens.device)  # [L]
-        # Write first: stopping criteria read the row's ids. Entries past a row's length go to the spare last
-        # column as padding: a finished row's count may run past the sequence by the rounds in flight, and the stop
-        # strings' windows over its entries then read that column (their criterion embeds every id: no -1 there).
-        # Entries past a stop are overwritten or padded later.
-        real = steps < lengths[:, None]  # [B, L]
-        columns = start[:, None] + _cached_arange(L, tokens.device, self.P)  # [B, L] where each token goes
-        self.seq.scatter_(1, torch.where(real, columns, self.seq.shape[1] - 1), torch.where(real, tokens, self.pad))
-        suffix = self.stopping.suffix_stops(self.seq, columns + 1)  # [B, L] or None
-        self.generated = start + lengths
-        parts = [lengths[:, None], tokens] + ([suffix.long()] if suffix is not None else [])
-        host = torch.cat(parts, dim=1).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
+        host = self._append(tokens, lengths).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
         ready = torch.cuda.Event() if tokens.is_cuda else _Done()
         ready.record()
-        return _Written(host, ready, L, suffix is not None)
+        return _Written(host, ready, tokens.shape[1], bool(self.stopping.suffix))
 
     def read(self, written: _Written) -> list[int]:
         """Emits a round `write` started, token by token through the stopping rules, once its copy has arrived
@@ -724,6 +725,27 @@ def _upload(flags: list[bool], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _append(
+    seq: torch.Tensor, generated: torch.Tensor, stopping: _Stopping, P: int, pad: int, tokens: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """`_Rows.write`'s device work: writes `tokens[b, :lengths[b]]` (`[B, L]`, `[B]`) into `seq` after the row's
+    `generated` tokens and advances `generated` in place; returns `[B, 1 + L (+ L)]`: the lengths, the tokens and,
+    with stop strings, whether each token ends one. No host reads (a CUDA graph replays it)."""
+    L = tokens.shape[1]
+    steps = _cached_arange(L, tokens.device)  # [L]
+    # Write first: stopping criteria read the row's ids. Entries past a row's length go to the spare last column as
+    # padding: a finished row's count may run past the sequence by the rounds in flight, and the stop strings'
+    # windows over its entries then read that column (their criterion embeds every id: no -1 there). Entries past a
+    # stop are overwritten or padded later.
+    real = steps < lengths[:, None]  # [B, L]
+    columns = generated[:, None] + _cached_arange(L, tokens.device, P)  # [B, L] where each token goes
+    seq.scatter_(1, torch.where(real, columns, seq.shape[1] - 1), torch.where(real, tokens, pad))
+    suffix = stopping.suffix_stops(seq, columns + 1)  # [B, L] or None
+    generated.add_(lengths)
+    return torch.cat([lengths[:, None], tokens] + ([suffix.long()] if suffix is not None else []), dim=1)
 
 
 @functools.lru_cache(maxsize=64)  # keyed by prompt lengths too: bounded

@@ -16,6 +16,7 @@ from hf_bole.generation.graphs import (
     CAPACITY_STEP,
     WIDTH_BUCKETS,
     SelectGraphs,
+    ShapeGraphs,
     TailGraphs,
     graphed_cache,
     row_width,
@@ -192,6 +193,37 @@ def test_replayed_tail_commits_as_the_eager_tail(monkeypatch, mode):
         assert replayed._length_bound >= int(replayed.lengths.max())
     assert int(eager.lengths.max()) > 12  # some rounds accepted more than the root
     assert len(captured) == 1  # one key: the second call captured, the later ones replayed
+
+
+@pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
+def test_shape_graphs_capture_behind_queued_work_in_one_pool():
+    """`ShapeGraphs` made anew per call (as `_Rows.write`'s are): they capture while earlier work is still queued
+    without waiting for it, replay what eager calls give (a running count updated in place), and share one memory
+    pool across calls, so reserved memory stops growing."""
+    count = torch.zeros(64, dtype=torch.long)
+    expected = torch.zeros(64, dtype=torch.long)
+
+    def run(x):
+        count.add_(x)
+        return count * 2
+
+    reserved = []
+    for call in range(12):
+        graphs = ShapeGraphs(run)
+        for step in range(4):
+            x = torch.arange(64) + 100 * call + step
+            busy = torch.randn(2048, 2048)
+            torch.cuda.set_sync_debug_mode("error")  # a wait for the GPU raises
+            try:
+                for _ in range(4):  # queued work the capture need not wait for
+                    busy = busy @ busy / 64
+                out = graphs(x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            expected += x
+            assert torch.equal(out, expected * 2)
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] == reserved[2]
 
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")

@@ -650,13 +650,42 @@ def test_stop_string_windows_past_a_finished_row():
     stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
     seq = torch.full((2, P + max_new + 3), pad, dtype=torch.long)  # 3 spare columns, the last one the padding's
     rows = _Rows(2, P, max_new, stopping, seq, pad)
-    rows.generated = torch.tensor([max_new + 2, 1])  # row 0 done; row 1 has its first token
+    rows.generated.copy_(torch.tensor([max_new + 2, 1]))  # row 0 done; row 1 has its first token (in place)
     tokens = torch.tensor([[-1, -1, -1, -1, -1], [3, 1, 2, -1, -1]])  # [B, L]: -1 past each row's path
     written = rows.write(tokens, torch.tensor([0, 3]))
     assert seq[:, -1].tolist() == [pad, pad]
     assert seq[1, P + 1 : P + 4].tolist() == [3, 1, 2]
     stops = written.host[:, 1 + 5 :]  # [B, L] after the lengths and the tokens
     assert stops[1, :3].tolist() == [0, 0, 1]  # "bc" ends at row 1's third token
+
+
+def test_replayed_writes_are_the_eager_writes(monkeypatch):
+    """`_Rows.write` replayed from graphs (`graphed`; a recorded call stands for the CUDA graph): the first write of a
+    width runs eagerly, the second captures, later ones replay with the round's tokens copied in. The sequence, the
+    rows' counts and what goes to the host (lengths, tokens, stop-string hits) equal eager writes' every round, and
+    one graph serves every round of that width."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from hf_bole.generation import graphs as graphs_module
+    from hf_bole.generation.loop import _Rows, _Stopping
+    from tests.generation.recorded_graph import recording_queued_capture
+
+    captured = []
+    monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture(captured))
+    B, L, P, max_new, pad = 3, 5, 4, 30, 0
+    stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
+    rows = [_Rows(B, P, max_new, stopping, torch.full((B, P + max_new + 8), pad), pad, graphed=g) for g in (0, 1)]
+    generator = torch.Generator().manual_seed(0)
+    hits = 0
+    for _ in range(6):
+        tokens = torch.randint(0, 4, (B, L), generator=generator)  # ids 0-3: "bc" turns up
+        lengths = torch.randint(0, L + 1, (B,), generator=generator)
+        eager, replayed = (r.write(tokens, lengths).host.clone() for r in rows)
+        assert torch.equal(replayed, eager)
+        assert torch.equal(rows[1].seq, rows[0].seq) and torch.equal(rows[1].generated, rows[0].generated)
+        hits += int(eager[:, 1 + L :].sum())
+    assert hits > 0
+    assert len(captured) == 1
 
 
 def _read_token_by_token(rows, written) -> list[int]:

@@ -7,7 +7,8 @@ without the phase timer (`eval/ab_turns.py`). Arguments: eval/run.py's, then `--
         --max-new-tokens 128 --batch-sizes 8 --depth 6 --repeats 10 --before results/raw/loop_1b0b240.py
 
 The earlier module runs on this checkout's other modules (kernels, cache, graphs, drafter); the variants share every
-graph and the MTP drafter. Only `loop._decode`, the decoding method `generate` calls, is swapped.
+graph and the MTP drafter. Only `loop._decode`, the decoding method `generate` calls, is swapped. A third variant per
+mode runs this checkout's loop with the token writes launched from Python (`loop.ShapeGraphs` made a pass-through).
 """
 
 import importlib.util
@@ -31,9 +32,13 @@ def load_before(path: str):
     return module
 
 
-def variant(decode, settings: dict):
+SHAPE_GRAPHS = loop.ShapeGraphs
+
+
+def variant(decode, settings: dict, write_graphs: bool = True):
     def apply(model) -> dict:
         loop._decode = decode
+        loop.ShapeGraphs = SHAPE_GRAPHS if write_graphs else (lambda run: run)
         return dict(settings)
 
     return apply
@@ -48,4 +53,5 @@ if __name__ == "__main__":
     for mode, settings in (("bole", {}), ("tree-serial", {"bole_verify": "serial"})):
         variants[f"{mode} before"] = variant(before._decode, settings)
         variants[f"{mode} now"] = variant(NOW, settings)
+        variants[f"{mode} now, writes eager"] = variant(NOW, settings, write_graphs=False)
     ab_turns.main("before", variants, argv, profile=False)
