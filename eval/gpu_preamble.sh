@@ -22,10 +22,11 @@ step() {  # step NAME SECONDS COMMAND...
     grep -E "$STEP_SHOWS" "$OUT/$name.log" | tail -"$STEP_TAIL"
 }
 house_run() {  # house_run NAME SECONDS DATASET ARGS...: eval/run.py on the house model, 8 prompts of DATASET, 128 new
-               # tokens, profiled, passes in turns, into $OUT/NAME; its plots, per-prompt records and log dropped
+               # tokens, profiled (HOUSE_PROFILE= turns it off), passes in turns, into $OUT/NAME; its plots, per-prompt
+               # records and log dropped
     local name=$1 limit=$2 dataset=$3
     shift 3
     STEP_SHOWS="^\| $dataset|NOT a tie" STEP_TAIL=30 step "$name" "$limit" python3 eval/run.py --datasets "$dataset" \
-        --num-prompts 8 --max-new-tokens 128 --profile --interleave --output-dir "$OUT/$name" "$@"
+        --num-prompts 8 --max-new-tokens 128 ${HOUSE_PROFILE---profile} --interleave --output-dir "$OUT/$name" "$@"
     rm -f "$OUT/$name"/*.png "$OUT/$name"/results.jsonl "$OUT/$name"/run.log
 }

@@ -84,9 +84,11 @@ def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple
     return graph, out
 
 
-# device -> the memory of the graphs `capture_queued` makes there, held across calls: a pool per graph would stay
-# reserved after its graph is gone, until the allocator's cache is emptied.
-_QUEUED_POOLS: dict[torch.device, torch.cuda.MemPool] = {}
+# device -> a graph of one tiny kernel, kept so that its memory pool outlives the graphs `capture_queued` makes there
+# and shares with them: a pool per graph would stay reserved after its graph is gone, until the allocator's cache is
+# emptied, and torch (2.11) keeps a pool's count of graphs for pinned memory apart from the pool itself (a
+# `torch.cuda.MemPool` held here trips its assertion once the last graph that used it is gone).
+_ANCHORS: dict[torch.device, torch.cuda.CUDAGraph] = {}
 
 
 def capture_queued(run, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -95,12 +97,15 @@ def capture_queued(run, device: torch.device) -> tuple[torch.cuda.CUDAGraph, obj
     round in flight drained, memory handed back to the driver, in the middle of a call). `run` must have run eagerly
     before; only this thread's calls are held to the capture's rules. The captured work has not run yet: replay
     the graph."""
-    if device not in _QUEUED_POOLS:
-        with torch.cuda.device(device):
-            _QUEUED_POOLS[device] = torch.cuda.MemPool()
+    if device not in _ANCHORS:
+        _ANCHORS[device], _ = _capture_on_side_stream(lambda: torch.zeros(1, device=device), device, None)
+    return _capture_on_side_stream(run, device, _ANCHORS[device].pool())
+
+
+def _capture_on_side_stream(run, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device=device)):
-        graph.capture_begin(pool=_QUEUED_POOLS[device].id, capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             out = run()
         finally:
