@@ -1,6 +1,6 @@
 """The decoding loop of this checkout against an earlier one's, bole and tree-serial, in one process, passes in turns,
-without the phase timer (`eval/ab_turns.py`). Arguments: eval/run.py's, then `--before FILE`, the earlier
-`hf_bole/generation/loop.py` (made with `git show REV:hf_bole/generation/loop.py > FILE`):
+without the phase timer (`eval/ab_turns.py`). Arguments: eval/run.py's, then optionally `--before FILE`, the
+earlier `hf_bole/generation/loop.py` (made with `git show REV:hf_bole/generation/loop.py > FILE`):
 
     git show 1b0b240:hf_bole/generation/loop.py > results/raw/loop_1b0b240.py
     python results/speed_h200/thirty_fourth_session/ab_before.py --datasets mbpp --num-prompts 8 \\
@@ -9,6 +9,7 @@ without the phase timer (`eval/ab_turns.py`). Arguments: eval/run.py's, then `--
 The earlier module runs on this checkout's other modules (kernels, cache, graphs, drafter); the variants share every
 graph and the MTP drafter. Only `loop._decode`, the decoding method `generate` calls, is swapped. A third variant per
 mode runs this checkout's loop with the token writes launched from Python (`loop.ShapeGraphs` made a pass-through).
+Without `--before`, only this checkout's two variants per mode run.
 """
 
 import importlib.util
@@ -46,12 +47,15 @@ def variant(decode, settings: dict, write_graphs: bool = True):
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    at = argv.index("--before")
-    before = load_before(argv[at + 1])
-    del argv[at : at + 2]
+    before = None
+    if "--before" in argv:
+        at = argv.index("--before")
+        before = load_before(argv[at + 1])
+        del argv[at : at + 2]
     variants = {}
     for mode, settings in (("bole", {}), ("tree-serial", {"bole_verify": "serial"})):
-        variants[f"{mode} before"] = variant(before._decode, settings)
+        if before is not None:
+            variants[f"{mode} before"] = variant(before._decode, settings)
         variants[f"{mode} now"] = variant(NOW, settings)
         variants[f"{mode} now, writes eager"] = variant(NOW, settings, write_graphs=False)
     ab_turns.main("before", variants, argv, profile=False)
