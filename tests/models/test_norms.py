@@ -63,7 +63,8 @@ def test_kernels_give_the_model_norms_logits(monkeypatch, kind):
     model = _model(kind)
     fused = random_tree_logits(model)
     monkeypatch.setattr(adapter, "norms_fused", lambda decoder: contextlib.nullcontext())
-    torch.testing.assert_close(fused, random_tree_logits(model), rtol=1e-5, atol=1e-5)
+    # fp32 sums in another order, layer after layer: about 1e-5 apart on logits near 0.05 (triton 3.9's interpreter).
+    torch.testing.assert_close(fused, random_tree_logits(model), rtol=1e-4, atol=5e-5)
 
 
 def test_module_that_is_hooked_keeps_its_forward_and_says_so(monkeypatch, caplog):
