@@ -674,7 +674,8 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture(captured))
     B, L, P, max_new, pad = 3, 5, 4, 30, 0
     stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
-    rows = [_Rows(B, P, max_new, stopping, torch.full((B, P + max_new + 8), pad), pad, graphed=g) for g in (0, 1)]
+    seqs = [torch.full((B, P + max_new + 8), pad) for _ in range(2)]
+    rows = [_Rows(B, P, max_new, stopping, seq, pad, graphed=g) for seq, g in zip(seqs, (False, True))]
     generator = torch.Generator().manual_seed(0)
     hits = 0
     for _ in range(6):
