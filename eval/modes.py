@@ -3,13 +3,14 @@
 ar           plain `model.generate`
 ar-static    plain `model.generate` with a static cache, which transformers compiles with torch.compile where it
              can (on CUDA): the other configuration of the `ar` baseline (issue 8)
-chain        hf_bole with topk 1, depth 3 (the SGLang/vLLM MTP default), every row's whole chain verified
+chain        hf_bole with topk 1, depth 3 (the SGLang/vLLM MTP default; `--chain-depth`), every row's whole chain
+             verified
 tree-serial  the same trees as bole, verified node by node with a state snapshot per node (SGLang-Tree)
 bole         hf_bole's closed form with the tree settings given (defaults: hf_bole.BoleConfig)
 
 Sweeps: several `--depth`, `--budget` or `--epsilon` values, or `--compile off on`, run `tree-serial` and `bole`
 once per combination; each then carries a label such as `bole d5 b64` or `bole compiled` (only the swept settings
-are named).
+are named). Several `--chain-depth` values run `chain` once each (`chain d6`).
 """
 
 from __future__ import annotations
@@ -69,12 +70,13 @@ def make_modes(name: str, batch_size: int, args) -> list[Mode]:
         return [Mode(name)]
     attention = getattr(args, "attention", None)  # None: hf_bole's default
     if name == "chain":
-        # SGLang/vLLM verify every request's 3 drafted tokens: the budget is the whole batch's chains.
+        # SGLang/vLLM verify every request's drafted tokens (3 by default): the budget is the whole batch's chains.
+        depths = getattr(args, "chain_depth", [CHAIN_DEPTH])
         return [
-            Mode(name, depth=CHAIN_DEPTH, topk=1, budget=CHAIN_DEPTH * batch_size, verify="closed_form",
-                 attention=attention, compile=compiled,
-                 label=name + " compiled" * (compiled and len(args.compile) > 1))
-            for compiled in args.compile
+            Mode(name, depth=depth, topk=1, budget=depth * batch_size, verify="closed_form", attention=attention,
+                 compile=compiled, label=" ".join([name] + [f"d{depth}"] * (len(depths) > 1)
+                                                  + ["compiled"] * (compiled and len(args.compile) > 1)))
+            for compiled, depth in itertools.product(args.compile, depths)
         ]  # fmt: skip
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; modes are {', '.join(MODES)}")

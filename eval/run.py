@@ -6,9 +6,10 @@
     accelerate launch eval/run.py ...                     # prompts sharded across processes, one GPU each
     python eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8   # one model, all GPUs
 
-Modes (eval/modes.py): `ar` plain `generate`; `chain` hf_bole with topk 1, depth 3; `tree-serial` bole's trees
-verified node by node with state snapshots; `bole` the closed form. Every run is greedy unless --temperature > 0.
-Writes results.jsonl, results.md and PNG plots to --output-dir and prints the table. See eval/README.md.
+Modes (eval/modes.py): `ar` plain `generate`; `chain` hf_bole with topk 1, depth 3 (--chain-depth); `tree-serial`
+bole's trees verified node by node with state snapshots; `bole` the closed form. Every run is greedy unless
+--temperature > 0. Writes results.jsonl, results.md and PNG plots to --output-dir and prints the table. See
+eval/README.md.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_bole  # noqa: E402  (also registers custom_generate="hf_bole")
 from eval import metrics, report  # noqa: E402
 from eval.data import DATASETS, DEFAULT_DATASETS, Prompt, load_prompts  # noqa: E402
-from eval.modes import MODES, Mode, make_modes  # noqa: E402
+from eval.modes import CHAIN_DEPTH, MODES, Mode, make_modes  # noqa: E402
 from eval.oracle import OracleDrafter  # noqa: E402
 from eval.shapes import (  # noqa: E402
     HOUSE_CHECKPOINT,
@@ -69,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (exactness is checked)")
     ap.add_argument("--depth", type=int, nargs="+", default=[defaults.depth], help="several: a sweep")
     ap.add_argument("--topk", type=int, default=defaults.topk)
+    ap.add_argument(
+        "--chain-depth", type=int, nargs="+", default=[CHAIN_DEPTH], help="tokens a chain drafts (chain mode; default "
+        f"{CHAIN_DEPTH}, the SGLang/vLLM MTP default); several: a sweep, each labelled `chain d<depth>`",
+    )  # fmt: skip
     ap.add_argument(
         "--budget",
         type=_budget,
@@ -153,7 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--device-map spreads the model over GPUs: it needs --device cuda")
     if args.repeats is None:
         args.repeats = 3 if args.device.startswith("cuda") else 1
-    for name in ("batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "topk", "repeats"):
+    for name in (
+        "batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "chain_depth", "topk", "repeats"
+    ):
         values = getattr(args, name)
         if any(v < 1 for v in (values if isinstance(values, list) else [values])):
             ap.error(f"--{name.replace('_', '-')} must be positive, got {values}")

@@ -553,6 +553,25 @@ def test_compile_sweep_modes():
     assert [m.label for m in make_modes("bole", 1, one)] == ["bole"]
 
 
+def test_chain_depth_sweep_modes():
+    """`--chain-depth 3 6`: chain once per depth, labelled by it, each verifying every row's whole chain (budget
+    depth x batch); without a sweep, one chain of 3 under the mode's name; the header names the depths."""
+    from eval import report
+    from eval.modes import make_modes
+
+    args = run.parse_args(["--chain-depth", "3", "6"])
+    modes = make_modes("chain", 2, args)
+    assert [(m.label, m.depth, m.topk, m.budget) for m in modes] == [("chain d3", 3, 1, 6), ("chain d6", 6, 1, 12)]
+    assert [m.generate_kwargs("mtp")["bole_depth"] for m in modes] == [3, 6]
+    assert [(m.label, m.depth) for m in make_modes("chain", 2, run.parse_args([]))] == [("chain", 3)]
+    with pytest.raises(SystemExit):
+        run.parse_args(["--chain-depth", "0"])
+    machine = {"gpu": None, "cpu_threads": 2, "torch": "2", "transformers": "5", "triton": "3", "commit": "abc",
+               "dirty": False}  # fmt: skip
+    settings = {**vars(args), "model": "m", "dtype": "float32", "drafter": "mtp", "command": "c"}
+    assert "(chain: depth swept over 3/6, topk 1)" in report.markdown([], {"machine": machine, "settings": settings})
+
+
 # Everything a row says about the decoded content, which sharding the prompts across processes must not change.
 CONTENT = ("dataset", "mode", "batch_size", "num_prompts", "output_tokens", "outputs_sha256", "mean_accepted_tokens",
            "accept_histogram", "exact_share", "divergences", "quality")  # fmt: skip

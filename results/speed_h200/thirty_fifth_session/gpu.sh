@@ -18,13 +18,14 @@ tests)  # on CUDA, one step each so that one running out of time leaves the othe
     HF_BOLE_TEST_DEVICE=cuda step loop_tests "${LOOP_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf \
         --tb=short --durations=10 tests/generation/test_loop.py -k "pipelined or first_token or stop"
     ;;
-depths8)  # every mode at the tables' budgets, batch 8, depths 6, 8, 10 and 12, ten passes in turns, unprofiled
-    HOUSE_PROFILE= house_run depths8 "${DEPTHS_S:-420}" mbpp --modes ar tree-serial bole --batch-sizes 8 \
-        --depth 6 8 10 12 --repeats 10
+depths8)  # every mode at the tables' budgets, batch 8, trees of depth 6, 8, 10 and 12 and chains of 3 to 12, ten
+          # passes in turns, unprofiled
+    HOUSE_PROFILE= house_run depths8 "${DEPTHS_S:-480}" mbpp --modes ar chain tree-serial bole --batch-sizes 8 \
+        --depth 6 8 10 12 --chain-depth 3 6 8 10 12 --repeats 10
     ;;
 depths1)  # the same at batch 1, five passes
-    HOUSE_PROFILE= house_run depths1 "${DEPTHS_S:-420}" mbpp --modes ar chain tree-serial bole --batch-sizes 1 \
-        --depth 6 8 10 12 --repeats 5
+    HOUSE_PROFILE= house_run depths1 "${DEPTHS_S:-480}" mbpp --modes ar chain tree-serial bole --batch-sizes 1 \
+        --depth 6 8 10 12 --chain-depth 3 6 8 10 12 --repeats 5
     ;;
 writes8)  # the token writes graphed against launched from Python, bole and tree-serial, batch 8, depth 6
     STEP_SHOWS="median|Error|error" STEP_TAIL=10 step writes8 "${WRITES_S:-300}" python3 \
