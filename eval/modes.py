@@ -71,7 +71,7 @@ def make_modes(name: str, batch_size: int, args) -> list[Mode]:
     attention = getattr(args, "attention", None)  # None: hf_bole's default
     if name == "chain":
         # SGLang/vLLM verify every request's drafted tokens (3 by default): the budget is the whole batch's chains.
-        depths = getattr(args, "chain_depth", [CHAIN_DEPTH])
+        depths = args.chain_depth
         return [
             Mode(name, depth=depth, topk=1, budget=depth * batch_size, verify="closed_form", attention=attention,
                  compile=compiled, label=" ".join([name] + [f"d{depth}"] * (len(depths) > 1)

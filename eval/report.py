@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from eval.modes import CHAIN_DEPTH
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -81,7 +83,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"{where}, torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}, commit "
         f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}. {s['dtype']}, temperature {s['temperature']}, "
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
-        f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth {_one(s.get('chain_depth', [3]))}, "
+        f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth {_one(s.get('chain_depth', [CHAIN_DEPTH]))}, "
         f"topk 1), SDPA cuDNN "
         f"{'on' if s.get('cudnn_sdpa') else 'off'} for every mode, hf_bole's CUDA graphs {graphs}"
         f"{_compiled(s.get('compile'))}{attention}"

@@ -28,11 +28,6 @@ before8)  # this checkout's loop against 1b0b240's (and with its token writes la
         --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --depth 6 --repeats 10 \
         --before results/raw/loop_1b0b240.py --output-dir "$OUT"
     ;;
-writes8)  # this checkout's loop with its token writes graphed against launched from Python, bole and tree-serial at
-          # the tables' budgets, batch 8, ten passes in turns, no phase timer (no earlier loop needed)
-    STEP_SHOWS="median|Error|error" STEP_TAIL=10 step writes8 "${WRITES_S:-300}" python3 "$HERE/ab_before.py" \
-        --datasets mbpp --num-prompts 8 --max-new-tokens 128 --batch-sizes 8 --depth 6 --repeats 10 --output-dir "$OUT"
-    ;;
 floor1)  # every mode at the tables' budgets ("auto"), batch 1, depth 6, five passes in turns (needs ~220 s)
     house_run floor1 "${FLOOR_S:-260}" mbpp --modes ar chain tree-serial bole --batch-sizes 1 --repeats 5 --depth 6
     ;;
