@@ -450,6 +450,33 @@ def test_compiled_rounds_are_one_graph_and_draft_the_same_trees(graphed, monkeyp
     assert counter.frame_count == 2
 
 
+def test_every_drafter_compiles_past_dynamos_own_limit(monkeypatch, caplog):
+    """dynamo counts compiles per code object, so drafters of every depth share `_round`'s: with its limit reached
+    (1 here, 8 by default) later drafters drafted uncompiled with a log line only (on an H200, trees of depth 8 and
+    deeper in a sweep, results/speed_h200/thirty_sixth_session). hf_bole's limit is its own; past it a drafter says
+    so and drafts the same trees uncompiled."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    monkeypatch.setattr(torch, "compile", lambda fn: torch._dynamo.optimize(counter, nopython=True)(fn))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([12, 9])
+    bounds = [[0, 7, 10], [0, 4, 7]]  # a prompt (its last depth + 1 entries compiled), then a round
+    for depth in (1, 2, 3):
+        before = counter.frame_count
+        _rounds(_drafter(model, mtp, depth, 2, compile=True), rows, bounds)
+        assert counter.frame_count > before, f"depth {depth} drafted uncompiled"
+    monkeypatch.setattr(mtp_module, "_RECOMPILE_LIMIT", 1)
+    with caplog.at_level(logging.WARNING):
+        trees = _rounds(_drafter(model, mtp, 4, 2, compile=True), rows, bounds)
+    assert "drafts uncompiled from now on" in caplog.text
+    for tree, eager in zip(trees, _rounds(_drafter(model, mtp, 4, 2), rows, bounds)):
+        _assert_same_trees(tree, eager)
+
+
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graphs_match_eager_drafting(compile):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
@@ -39,6 +40,12 @@ logger = logging.get_logger(__name__)
 
 # Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
 _CAPACITY_STEP = 256
+# torch.compile's compiles of `_round` allowed in one process. dynamo counts them per code object, so every drafter
+# (one per depth, topk and launch) shares them, and its default of 8 ran the ninth drafter's rounds uncompiled with
+# a log line only: a sweep of chains of depth 3-12 and trees of 6-12 on an H200 drafted trees of depth 8 and more
+# uncompiled, 2-3 ms a round slower (results/speed_h200/thirty_sixth_session). A drafter compiles about once per
+# batch size and new-entry count, then once more with them symbolic.
+_RECOMPILE_LIMIT = 64
 
 
 
@@ -227,7 +234,23 @@ class MTPDrafter:
             return self._round
         if self._compiled_round is None:
             self._compiled_round = torch.compile(self._round)
-        return self._compiled_round
+        return self._run_compiled
+
+    def _run_compiled(self, *args):
+        """The compiled `_round` on `args`, allowed `_RECOMPILE_LIMIT` compiles in all; past them this drafter says
+        so and drafts uncompiled from then on (rerunning `_round` rewrites the same slots with the same values)."""
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            try:
+                return self._compiled_round(*args)
+            except FailOnRecompileLimitHit:
+                logger.warning(
+                    f"hf_bole: the MTP drafter's rounds have compiled {_RECOMPILE_LIMIT} times in this process "
+                    f"(every depth, topk and batch size compiles its own); this drafter (depth {self.depth}, topk "
+                    f"{self.topk}) drafts uncompiled from now on, more slowly. bole_compile_drafter=False drafts "
+                    f"uncompiled without this warning, or run fewer drafter shapes per process."
+                )
+                self._compiled_round = self._round
+                return self._round(*args)
 
     def _round(
         self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...], num_nodes: int
