@@ -249,10 +249,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 label = f"{dataset} {mode.label} batch {batch_size}"
                 records, error = [], None
                 if not reference_only:
+                    start = time.perf_counter()
                     _, error = attempt(
                         warm_up, model, tokenizer, prompts, batches, batch_size, mode, args, generation, reference,
                         warmed, compiled, device, label=label,
                     )  # fmt: skip
+                    # compiles and captures take most of a short run: a run cut short says where its time went
+                    print(f"{label}: warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
                 # Every process times its batches while the others time theirs, not beside another's warm-up
                 # (compilation and graph capture load the host that the timed passes also need).
                 accelerator.wait_for_everyone()

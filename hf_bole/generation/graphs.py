@@ -73,7 +73,7 @@ def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple
     stream first, so that autotuning and first-use costs stay out of the capture: it must be safe to run twice
     (without, it must have run eagerly before). The captured work has not run yet: replay the graph."""
     if warm_up:
-        side = torch.cuda.Stream(device=device)
+        side = _side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             run()
@@ -102,9 +102,23 @@ def capture_queued(run, device: torch.device) -> tuple[torch.cuda.CUDAGraph, obj
     return _capture_on_side_stream(run, device, _ANCHORS[device].pool())
 
 
+# device -> the one side stream that warm-ups and `capture_queued` run on there. The caching allocator hands a freed
+# block out again only on the stream it was allocated on: with a new stream (one of torch's 32 pooled ones, in turn)
+# per capture, the shared pool grew by a segment at every capture of every call, 2 MiB a call in
+# `test_shape_graphs_capture_behind_queued_work_in_one_pool` on an H200. torch.cuda.graph keeps one capture stream
+# for the same reason.
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
 def _capture_on_side_stream(run, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream(device=device)):
+    with torch.cuda.stream(_side_stream(device)):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             out = run()
