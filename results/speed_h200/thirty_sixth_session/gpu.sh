@@ -16,6 +16,11 @@ depths8)  # every mode at the tables' budgets, batch 8, trees of depth 6, 8 and 
         --depth 6 8 10 --chain-depth 6 10 --repeats 8
     grep -c "recompile_limit" "$OUT/depths8.log"
     ;;
+deep8)  # the least that answers the sweep's question: chain at its best depth (10) against bole and tree-serial at
+        # 6 and 10, batch 8, eight passes in turns, unprofiled; three drafters to compile, not eight
+    HOUSE_PROFILE= house_run deep8 "${DEEP_S:-420}" mbpp --modes chain tree-serial bole --batch-sizes 8 \
+        --depth 6 10 --chain-depth 10 --repeats 8
+    ;;
 tests)  # on CUDA: the token writes' graphs, then the loop's pipelined rounds, first token and stop strings
     HF_BOLE_TEST_DEVICE=cuda step graph_tests "${GRAPH_TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -rf \
         --tb=short tests/generation/test_graphs.py -k shape_graphs
