@@ -459,19 +459,20 @@ def test_every_drafter_compiles_past_dynamos_own_limit(monkeypatch, caplog):
 
     counter = CompileCounter()
     monkeypatch.setattr(torch, "compile", lambda fn: torch._dynamo.optimize(counter, nopython=True)(fn))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([12, 9])
     bounds = [[0, 7, 10], [0, 4, 7]]  # a prompt (its last depth + 1 entries compiled), then a round
-    for depth in (1, 2, 3):
-        before = counter.frame_count
-        _rounds(_drafter(model, mtp, depth, 2, compile=True), rows, bounds)
-        assert counter.frame_count > before, f"depth {depth} drafted uncompiled"
-    monkeypatch.setattr(mtp_module, "_RECOMPILE_LIMIT", 1)
-    with caplog.at_level(logging.WARNING):
-        trees = _rounds(_drafter(model, mtp, 4, 2, compile=True), rows, bounds)
+    # dynamo's own patch: monkeypatch's undo left dynamo's config without the key, and later tests' compiles failed
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for depth in (1, 2, 3):
+            before = counter.frame_count
+            _rounds(_drafter(model, mtp, depth, 2, compile=True), rows, bounds)
+            assert counter.frame_count > before, f"depth {depth} drafted uncompiled"
+        monkeypatch.setattr(mtp_module, "_RECOMPILE_LIMIT", 1)
+        with caplog.at_level(logging.WARNING):
+            trees = _rounds(_drafter(model, mtp, 4, 2, compile=True), rows, bounds)
     assert "drafts uncompiled from now on" in caplog.text
     for tree, eager in zip(trees, _rounds(_drafter(model, mtp, 4, 2), rows, bounds)):
         _assert_same_trees(tree, eager)
