@@ -104,9 +104,9 @@ def capture_queued(run, device: torch.device) -> tuple[torch.cuda.CUDAGraph, obj
 
 # device -> the one side stream that warm-ups and `capture_queued` run on there. The caching allocator hands a freed
 # block out again only on the stream it was allocated on: with a new stream (one of torch's 32 pooled ones, in turn)
-# per capture, the shared pool grew by a segment at every capture of every call, 2 MiB a call in
-# `test_shape_graphs_capture_behind_queued_work_in_one_pool` on an H200. torch.cuda.graph keeps one capture stream
-# for the same reason.
+# per capture, the shared pool grew by a segment at every capture of every call (2 MiB a call in
+# `test_shape_graphs_capture_behind_queued_work_in_one_pool` on an H200). torch.cuda.graph, too, keeps one capture
+# stream.
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

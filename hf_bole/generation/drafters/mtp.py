@@ -41,10 +41,9 @@ logger = logging.get_logger(__name__)
 # Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
 _CAPACITY_STEP = 256
 # torch.compile's compiles of `_round` allowed in one process. dynamo counts them per code object, so every drafter
-# (one per depth, topk and launch) shares them, and its default of 8 ran the ninth drafter's rounds uncompiled with
-# a log line only: a sweep of chains of depth 3-12 and trees of 6-12 on an H200 drafted trees of depth 8 and more
-# uncompiled, 2-3 ms a round slower (results/speed_h200/thirty_sixth_session). A drafter compiles about once per
-# batch size and new-entry count, then once more with them symbolic.
+# (one per depth, topk and launch) shares them; past its default of 8 it ran rounds eagerly with a log line only. In
+# a sweep of chains of depth 3-12 and trees of 6-12 on an H200 the trees of depth 8 and more drafted that way: bole
+# fell from 13525 tokens/s at depth 6 to 9114 at depth 8 (results/speed_h200/thirty_sixth_session).
 _RECOMPILE_LIMIT = 64
 
 
