@@ -12,7 +12,7 @@ for PART in "$@"; do
 case $PART in
 depths8)  # every mode at the tables' budgets, batch 8, trees of depth 6, 8 and 10 and chains of 6 and 10, eight
           # passes in turns, unprofiled
-    HOUSE_PROFILE= house_run depths8 "${DEPTHS_S:-330}" mbpp --modes ar chain tree-serial bole --batch-sizes 8 \
+    HOUSE_PROFILE= house_run depths8 "${DEPTHS_S:-560}" mbpp --modes ar chain tree-serial bole --batch-sizes 8 \
         --depth 6 8 10 --chain-depth 6 10 --repeats 8
     grep -c "recompile_limit" "$OUT/depths8.log"
     ;;
