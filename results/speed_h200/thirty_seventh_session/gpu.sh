@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The thirty-seventh session's GPU plan (README.md beside this file says what came of it): the thirty-sixth session's
+# deep8 (deeper trees, every drafter compiled), batch 1 (bole against chain), then the CUDA tests.
+# Usage, from the repository root, with fla-core's wheel in .whl/:
+#   OUT=... bash results/speed_h200/thirty_seventh_session/gpu.sh PART...   (parts in turns, on one machine)
+# Budget tables: the thirty-third session's, format 4 (its tables/ folder), installed first.
+set -uo pipefail
+. eval/gpu_preamble.sh
+mkdir -p "$HF_BOLE_CACHE/budgets"
+cp results/speed_h200/thirty_third_session/tables/*.json "$HF_BOLE_CACHE/budgets/"
+for PART in "$@"; do
+case $PART in
+deep8)  # chain at its best depth (10) against bole and tree-serial at 6 and 10, batch 8, eight passes in turns
+    HOUSE_PROFILE= house_run deep8 "${DEEP_S:-480}" mbpp --modes chain tree-serial bole --batch-sizes 8 \
+        --depth 6 10 --chain-depth 10 --repeats 8
+    ;;
+b1)  # batch 1: chain at 6 and 10 against bole at 6 and 10 (issue 8: bole >= 1.2x chain), eight passes in turns
+    HOUSE_PROFILE= house_run b1 "${B1_S:-300}" mbpp --modes chain bole --batch-sizes 1 --depth 6 10 \
+        --chain-depth 6 10 --repeats 8
+    ;;
+graph_tests)  # on CUDA: the token writes' graphs, the shared pool's growth among them
+    HF_BOLE_TEST_DEVICE=cuda step graph_tests "${GRAPH_TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -rf \
+        --tb=short tests/generation/test_graphs.py -k shape_graphs
+    ;;
+loop_tests)  # on CUDA: the loop's pipelined rounds, first token and stop strings
+    HF_BOLE_TEST_DEVICE=cuda step loop_tests "${LOOP_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
+        --tb=short --durations=10 tests/generation/test_loop.py -k "pipelined or first_token or stop"
+    ;;
+*)
+    echo "unknown part $PART"
+    ;;
+esac
+done
