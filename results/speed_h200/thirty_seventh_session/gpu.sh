@@ -18,6 +18,13 @@ b1)  # batch 1: chain at 6 and 10 against bole at 6 and 10 (issue 8: bole >= 1.2
     HOUSE_PROFILE= house_run b1 "${B1_S:-300}" mbpp --modes chain bole --batch-sizes 1 --depth 6 10 \
         --chain-depth 6 10 --repeats 8
     ;;
+b1g)  # batch 1 on GSM8K: chain at 6 and 10 against bole at 10, eight passes in turns
+    HOUSE_PROFILE= house_run b1g "${B1G_S:-200}" gsm8k --modes chain bole --batch-sizes 1 --depth 10 \
+        --chain-depth 6 10 --repeats 8
+    ;;
+prof1)  # batch 1, MBPP, with the phase timer: where chain's and bole's rounds go at depth 10, three passes
+    house_run prof1 "${PROF1_S:-200}" mbpp --modes chain bole --batch-sizes 1 --depth 10 --chain-depth 10 --repeats 3
+    ;;
 graph_tests)  # on CUDA: the token writes' graphs, the shared pool's growth among them
     HF_BOLE_TEST_DEVICE=cuda step graph_tests "${GRAPH_TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -rf \
         --tb=short tests/generation/test_graphs.py -k shape_graphs
