@@ -117,11 +117,12 @@ def attention_kernels(args) -> None:
                 config = triton.Config({}, num_warps=warps)
                 counts = registers(attention.tree_attention_split_kernel, constexprs, config, float_type)
                 report("split", f"D={block_d},{block_m}x{block_n},w={warps},{float_type},splits={splits}", counts)
-            constexprs = dict(REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=attention.MERGE_BLOCK_M, SPLIT=96,
-                              NUM_SPLITS=6, TREE=True)  # fmt: skip
+            merge_m, chunk = attention._merge_tiles(4 * 32, block_d, 6)  # 4 query heads a key head, 32 nodes
+            constexprs = dict(REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=merge_m, SPLIT=96,
+                              NUM_SPLITS=6, CHUNK=chunk, TREE=True)  # fmt: skip
             config = triton.Config({}, num_warps=4)
             counts = registers(attention.tree_attention_merge_kernel, constexprs, config, float_type)
-            report("merge", f"D={block_d},{attention.MERGE_BLOCK_M} rows,w=4,{float_type}", counts)
+            report("merge", f"D={block_d},{merge_m} rows,{chunk} splits,w=4,{float_type}", counts)
 
 
 def mask_kernels(args) -> None:

@@ -42,7 +42,9 @@ from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, i
 MAX_NODES = 128  # a program holds a row's tree of up to this many nodes (the budget tables' widest)
 MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] query tile in registers
 TARGET_PROGRAMS = 128  # the split is chosen to launch about this many programs (an H200 has 132 SMs)
-MERGE_BLOCK_M = 16  # query rows a merge program: its [16, 256] partial tiles fit in registers (120 a thread, 4 warps)
+MERGE_BLOCK_M = 16  # query rows a merge program, at most
+# float32 partial outputs a merge program loads at once, [splits, rows, head dim]: 64 registers a thread at 4 warps
+MERGE_ELEMENTS = 8192
 
 
 def naive_tree_attention(q, k, v, lengths, valid, ancestors, scale: float) -> torch.Tensor:
@@ -128,10 +130,11 @@ def tree_attention(
             NUM_SPLITS=num_splits, **dtype_args, num_warps=num_warps,
         )  # fmt: skip
         if num_splits > 1:
-            tree_attention_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_M), B * Hkv)](
+            merge_m, chunk = _merge_tiles(M, BLOCK_D, num_splits)
+            tree_attention_merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
                 lengths, partial, lse, out, *out.stride()[:3], N,
-                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=MERGE_BLOCK_M, SPLIT=split,
-                NUM_SPLITS=num_splits, TREE=True, num_warps=4,
+                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=merge_m, SPLIT=split,
+                NUM_SPLITS=num_splits, CHUNK=chunk, TREE=True, num_warps=4,
             )  # fmt: skip
     return out
 
@@ -199,10 +202,11 @@ def masked_attention(
             NUM_SPLITS=num_splits, **dtype_args, num_warps=num_warps,
         )  # fmt: skip
         if num_splits > 1:
-            tree_attention_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_M), B * Hkv)](
+            merge_m, chunk = _merge_tiles(M, BLOCK_D, num_splits)
+            tree_attention_merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
                 out, partial, lse, out, *out.stride()[:3], Q,
-                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=MERGE_BLOCK_M, SPLIT=split,
-                NUM_SPLITS=num_splits, TREE=False, num_warps=4,
+                REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=merge_m, SPLIT=split,
+                NUM_SPLITS=num_splits, CHUNK=chunk, TREE=False, num_warps=4,
             )  # fmt: skip
     return out
 
@@ -230,6 +234,18 @@ def _split_outputs(out: torch.Tensor, programs: int, num_splits: int, M: int) ->
         torch.empty(programs, num_splits, M, D, dtype=torch.float32, device=out.device),
         torch.empty(programs, num_splits, M, dtype=torch.float32, device=out.device),
     )
+
+
+def _merge_tiles(M: int, block_d: int, num_splits: int) -> tuple[int, int]:
+    """(query rows, splits) a merge program takes at once, for `M` query rows a key head over `num_splits` splits.
+
+    Why splits in chunks: a merge that took one split a step waited on each step's loads in turn. On an H200 it took
+    17.5 us a call over the 64 splits of the house model's drafter at batch 1 (2 rows a key head, 1040 slots), 174 of
+    a drafting round's 795 us of kernels (results/speed_h200/thirty_seventh_session); the split kernel before it, 2.7 us.
+    """
+    block_m = max(2, min(MERGE_BLOCK_M, triton.next_power_of_2(M)))
+    chunk = min(triton.next_power_of_2(num_splits), max(1, MERGE_ELEMENTS // (block_m * block_d)))
+    return block_m, chunk
 
 
 def _dot_args(q: torch.Tensor) -> dict:
@@ -483,9 +499,10 @@ def tree_attention_merge_kernel(
     BLOCK_M: tl.constexpr,
     SPLIT: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
     TREE: tl.constexpr,
 ):
-    """One (query-row block, row x key head): the splits' outputs weighted by their sums, in order of the splits.
+    """One (query-row block, row x key head): the splits' outputs weighted by their sums, `CHUNK` splits a step.
     TREE: `tree_attention`'s, whose splits at or above `lengths + N` did not run; else `masked_attention`'s (`N`
     its queries, `lengths` unread), all of whose splits ran."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
@@ -503,15 +520,19 @@ def tree_attention_merge_kernel(
     b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for i_s in range(0, used):
-        base = (i_bh * NUM_SPLITS + i_s).to(tl.int64) * (REP * N)
-        b_lse = tl.load(lse + base + o_r, mask=m_r, other=float("-inf"))
-        b_o = tl.load(partial + base * D + o_r[:, None] * D + o_d[None, :], mask=m_rd, other=0)
-        b_new = tl.maximum(b_max, b_lse)
+    o_c = tl.arange(0, CHUNK)
+    for i_s in range(0, used, CHUNK):
+        m_s = (i_s + o_c) < used  # [CHUNK]
+        base = (i_bh * NUM_SPLITS + i_s + o_c).to(tl.int64) * (REP * N)  # [CHUNK] each split's first row
+        m_sr = m_s[:, None] & m_r[None, :]
+        b_lse = tl.load(lse + base[:, None] + o_r[None, :], mask=m_sr, other=float("-inf"))  # [CHUNK, BLOCK_M]
+        p_o = partial + (base[:, None, None] + o_r[None, :, None]) * D + o_d[None, None, :]
+        b_o = tl.load(p_o, mask=m_sr[:, :, None] & (o_d < D)[None, None, :], other=0)  # [CHUNK, BLOCK_M, BLOCK_D]
+        b_new = tl.maximum(b_max, tl.max(b_lse, axis=0))
         b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
-        b_alpha, b_w = tl.exp2(b_max - b_ref), tl.exp2(b_lse - b_ref)
-        b_sum = b_sum * b_alpha + b_w
-        b_acc = b_acc * b_alpha[:, None] + b_w[:, None] * b_o
+        b_alpha, b_w = tl.exp2(b_max - b_ref), tl.exp2(b_lse - b_ref[None, :])  # [BLOCK_M], [CHUNK, BLOCK_M]
+        b_sum = b_sum * b_alpha + tl.sum(b_w, axis=0)
+        b_acc = b_acc * b_alpha[:, None] + tl.sum(b_w[:, :, None] * b_o, axis=0)
         b_max = b_new
 
     node, head = o_r % N, i_kh * REP + o_r // N

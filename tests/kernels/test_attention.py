@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_bole.kernels import tree_ancestor_mask
+from hf_bole.kernels import attention
 from hf_bole.kernels.attention import masked_attention, naive_masked_attention, naive_tree_attention, tree_attention
 from hf_bole.kernels.tree_gdn.ancestors import tree_attention_mask
 from tests.kernels.trees import BACKENDS, backend_device, make_parents, path_to, rel_err
@@ -165,6 +166,23 @@ def test_masked_attention_half_precision_and_transposed_queries(backend, dtype):
     assert out.dtype == dtype
     gold_out = naive_masked_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.cpu(), 0.1)
     assert rel_err(out, gold_out) <= 1e-2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows_and_splits", [1, 2, 8, 32], ids=lambda c: f"{c}-splits-a-step")
+def test_merge_takes_splits_in_chunks(monkeypatch, rows_and_splits):
+    """The merge's chunks of splits, a last one partly past the splits that ran, against float64: masked attention
+    over 21 splits of 2 query rows, tree attention over up to 3 splits (a row's own count) of 16-row blocks."""
+    monkeypatch.setattr(attention, "MERGE_ELEMENTS", rows_and_splits * 2 * 16)  # [splits, 2 rows, D = 16]
+    q, k, v, mask = masked_inputs(3, 4, 2, 1, 700, 16, device=backend_device("triton"))
+    assert attention._merge_tiles(2, 16, 21) == (2, rows_and_splits)
+    gold_out = naive_masked_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.cpu(), 16**-0.5)
+    assert rel_err(masked_attention(q, k, v, mask), gold_out) <= 1e-5
+
+    monkeypatch.setattr(attention, "MERGE_ELEMENTS", rows_and_splits * 16 * 32)  # [splits, 16 rows, D = 32]
+    q, k, v, lengths, valid, anc, _ = attention_inputs("mixed", 2, 4, 2, 20, 150, 32, device=backend_device("triton"))
+    out = tree_attention(q, k, v, lengths, valid, anc, split=64)
+    assert rel_err(out, gold(q, k, v, lengths, valid, anc)) <= 1e-5
 
 
 def test_masked_attention_equals_sdpa_over_repeated_keys():

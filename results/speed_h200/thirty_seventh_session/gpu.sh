@@ -29,6 +29,12 @@ kernels1)  # batch 1, depth 10: the drafting graph kernel by kernel, and a whole
     STEP_SHOWS="====|^  |^    " STEP_TAIL=200 step kernels1 "${KERNELS1_S:-300}" python3 \
         results/speed_h200/thirty_seventh_session/draft_kernels.py --out "$OUT"
     ;;
+merge)  # the attention merge a split a step against chunks of splits (merge_ab.py), then the attention tests on CUDA
+    STEP_SHOWS="before|Error" STEP_TAIL=12 step merge_ab "${MERGE_S:-90}" python3 \
+        results/speed_h200/thirty_seventh_session/merge_ab.py --out "$OUT/merge_ab.jsonl"
+    step attention_tests "${ATTENTION_TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+        tests/kernels/test_attention.py
+    ;;
 graph_tests)  # on CUDA: the token writes' graphs, the shared pool's growth among them
     HF_BOLE_TEST_DEVICE=cuda step graph_tests "${GRAPH_TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -rf \
         --tb=short tests/generation/test_graphs.py -k shape_graphs
