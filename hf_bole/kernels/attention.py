@@ -42,8 +42,10 @@ from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, i
 MAX_NODES = 128  # a program holds a row's tree of up to this many nodes (the budget tables' widest)
 MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] query tile in registers
 TARGET_PROGRAMS = 128  # the split is chosen to launch about this many programs (an H200 has 132 SMs)
-MERGE_BLOCK_M = 16  # query rows a merge program, at most
-# float32 partial outputs a merge program loads at once, [splits, rows, head dim]: 64 registers a thread at 4 warps
+MERGE_BLOCK_M = 16  # query rows a merge program takes, one split a step, when a split's partial tile is large
+# A split's partial [query rows, head dim] of at most this many floats is merged in chunks of splits, MERGE_ELEMENTS
+# floats a step (64 registers a thread at 4 warps); see `_merge_tiles`.
+MERGE_SMALL_TILE = 512
 MERGE_ELEMENTS = 8192
 
 
@@ -237,15 +239,20 @@ def _split_outputs(out: torch.Tensor, programs: int, num_splits: int, M: int) ->
 
 
 def _merge_tiles(M: int, block_d: int, num_splits: int) -> tuple[int, int]:
-    """(query rows, splits) a merge program takes at once, for `M` query rows a key head over `num_splits` splits.
+    """(query rows, splits) a merge program takes a step, for `M` query rows a key head over `num_splits` splits.
 
-    Why splits in chunks: a merge that took one split a step waited on each step's loads in turn. On an H200 it took
-    17.5 us a call over the 64 splits of the house model's drafter at batch 1 (2 rows a key head, 1040 slots), 174 of
-    a drafting round's 795 us of kernels (results/speed_h200/thirty_seventh_session); the split kernel before it, 2.7 us.
+    Why chunks of splits for small tiles only: a merge that takes one split a step waits on each step's loads in
+    turn. On an H200 (results/speed_h200/thirty_seventh_session/merge_ab.jsonl, split and merge together, bf16,
+    1040 slots) the house model's drafter step at batch 1 took 19.7 us a call over 64 splits of 2 query rows, the
+    merge most of it, and 6.4 us in chunks of 64 splits; 4 queries (8 rows, chunks of 16) took 21.6 and 13.0 us, and
+    at batch 8 (8 splits) 14.0 us both ways. Larger tiles lost in chunks: the 9B shape's drafter step (16 rows, head
+    dim 256, chunks of 2) took 66.7 us against 24.3, and the verify's 32-node trees 24.1 against 22.5 (house) and 33.7
+    against 24.2 (9B); those keep one split a step.
     """
-    block_m = max(2, min(MERGE_BLOCK_M, triton.next_power_of_2(M)))
-    chunk = min(triton.next_power_of_2(num_splits), max(1, MERGE_ELEMENTS // (block_m * block_d)))
-    return block_m, chunk
+    rows = max(2, min(MERGE_BLOCK_M, triton.next_power_of_2(M)))
+    if rows * block_d > MERGE_SMALL_TILE:
+        return MERGE_BLOCK_M, 1
+    return rows, min(triton.next_power_of_2(num_splits), MERGE_ELEMENTS // (rows * block_d))
 
 
 def _dot_args(q: torch.Tensor) -> dict:

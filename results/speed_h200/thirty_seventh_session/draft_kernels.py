@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from eval import run  # noqa: E402
-from hf_bole.generation.drafters.mtp import MTPDrafter  # noqa: E402
+from eval import run
+from hf_bole.generation.drafters.mtp import MTPDrafter
 
 DRAFTERS: list[MTPDrafter] = []
 
@@ -77,10 +77,10 @@ def draft_replays(drafter: MTPDrafter, replays: int, out: Path, label: str) -> d
             by_name[e["name"]][0] += 1
             by_name[e["name"]][1] += e["dur"]
     n = max(len(launches), 1)
-    row = dict(label=label, graph_key=list(key), kernels=statistics.median(counts), busy_us=statistics.median(busy),
-               span_us=statistics.median(span), levels=drafter.depth,
-               top=[dict(name=k, per_replay=c / n, us=t / n) for k, (c, t) in
-                    sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]])  # fmt: skip
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    row = {"label": label, "graph_key": list(key), "kernels": statistics.median(counts),
+           "busy_us": statistics.median(busy), "span_us": statistics.median(span), "levels": drafter.depth,
+           "top": [{"name": k, "per_replay": c / n, "us": t / n} for k, (c, t) in top]}  # fmt: skip
     print(f"\n==== {label}: drafting graph (batch, new entries, nodes) = {key}, {len(launches)} replays: "
           f"{row['kernels']:.0f} kernels, {row['busy_us']:.0f} us of kernels, span {row['span_us']:.0f} us "
           f"({row['span_us'] / (drafter.depth + 1):.0f} us per MTP step, {drafter.depth + 1} steps with the extension)")
@@ -104,12 +104,13 @@ def round_launches(events: list[dict], rounds: int) -> list[dict]:
             g["busy"] += e["dur"]
             g["end"] = max(g["end"], e["ts"] + e["dur"])
             continue
-        groups.append(dict(corr=corr, api=api, first=e["name"], kernels=1, busy=e["dur"], start=e["ts"],
-                           end=e["ts"] + e["dur"]))  # fmt: skip
+        groups.append({"corr": corr, "api": api, "first": e["name"], "kernels": 1, "busy": e["dur"], "start": e["ts"],
+                       "end": e["ts"] + e["dur"]})  # fmt: skip
     rows, prev_end = [], None
     for g in groups:
-        rows.append(dict(api=g["api"], first=g["first"], kernels=g["kernels"], busy_us=g["busy"],
-                         span_us=g["end"] - g["start"], gap_us=None if prev_end is None else g["start"] - prev_end))
+        gap = None if prev_end is None else g["start"] - prev_end
+        rows.append({"api": g["api"], "first": g["first"], "kernels": g["kernels"], "busy_us": g["busy"],
+                     "span_us": g["end"] - g["start"], "gap_us": gap})
         prev_end = g["end"]
     graphs = [i for i, r in enumerate(rows) if r["api"] == "cudaGraphLaunch" and r["kernels"] > 50]
     if not graphs:
@@ -137,8 +138,8 @@ def main() -> None:
     summary = {}
     for label, topk, budget in (("chain", 1, ours.depth), ("bole", 4, "auto")):
         DRAFTERS.clear()
-        kwargs = dict(custom_generate="hf_bole", bole_depth=ours.depth, bole_topk=topk, bole_budget=budget,
-                      bole_verify="closed_form", return_dict_in_generate=True, **generation)  # fmt: skip
+        kwargs = {"custom_generate": "hf_bole", "bole_depth": ours.depth, "bole_topk": topk, "bole_budget": budget,
+                  "bole_verify": "closed_form", "return_dict_in_generate": True, **generation}
         for _ in range(3):
             model.generate(ids, **kwargs)
         torch.cuda.synchronize()

@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from eval.bench_kernels import machine_header, time_graph  # noqa: E402
-from hf_bole.kernels import attention  # noqa: E402
-from tests.kernels.test_attention import attention_inputs, gold, masked_inputs  # noqa: E402
-from tests.kernels.trees import rel_err  # noqa: E402
+from eval.bench_kernels import machine_header, time_graph
+from hf_bole.kernels import attention
+from tests.kernels.test_attention import attention_inputs, gold, masked_inputs
+from tests.kernels.trees import rel_err
 
 # name: masked (B, H, Hkv, Q, L, D) or tree (B, H, Hkv, N, C, D)
 SHAPES = {
