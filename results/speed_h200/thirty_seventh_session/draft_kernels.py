@@ -1,13 +1,11 @@
-"""What the GPU runs in a batch-1 round, kernel by kernel: house model, one MBPP prompt, 128 new tokens, depth 10,
-chain (topk 1, 10 nodes) and bole (topk 4, the table's budget), CUDA graphs, the drafter compiled, no phase timer.
+"""What the MTP drafting graph runs at batch 1, kernel by kernel: house model, one MBPP prompt, 128 new tokens, depth
+10, chain (topk 1, 10 nodes) and bole (topk 4, the table's budget), CUDA graphs, the drafter compiled.
 
 The phase timer (gpu.sh prof1) put drafting at 1.33 ms (chain) and 1.50 ms (bole) of a 2.1-2.4 ms round on the
-device timeline. This says what those milliseconds are made of:
-
-1. The drafting graph alone, replayed `--replays` times under the torch profiler: kernels a replay, their summed
-   time and the replay's span, and the kernels that take the most time, grouped by name.
-2. One whole generate call under the profiler: each CUDA graph launch (kernels carry the correlation id of the
-   `cudaGraphLaunch` that ran them) and each eager kernel, in order, for the first rounds after the prompt.
+device timeline. This says what the drafting graph's part of them is made of: the graph alone, replayed `--replays`
+times under the torch profiler: kernels a replay, their summed time and the replay's span, and the kernels that take
+the most time, grouped by name. (The run at 3bab571 also listed a whole generate call's launches; that trace held no
+kernel of the drafting graph's replays, so the listing is gone.)
 
     python results/speed_h200/thirty_seventh_session/draft_kernels.py --out $OUT
 """
@@ -90,39 +88,9 @@ def draft_replays(drafter: MTPDrafter, replays: int, out: Path, label: str) -> d
     return row
 
 
-def round_launches(events: list[dict], rounds: int) -> list[dict]:
-    """The call's GPU work in order, a graph launch as one entry: kernels, busy and span in us, the gap before it."""
-    launches = {e["args"]["correlation"]: e["name"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}  # fmt: skip
-    groups: list[dict] = []
-    for e in gpu_events(events):
-        corr = e["args"].get("correlation")
-        api = launches.get(corr, "?")
-        if groups and groups[-1]["corr"] == corr and api == "cudaGraphLaunch":
-            g = groups[-1]
-            g["kernels"] += 1
-            g["busy"] += e["dur"]
-            g["end"] = max(g["end"], e["ts"] + e["dur"])
-            continue
-        groups.append({"corr": corr, "api": api, "first": e["name"], "kernels": 1, "busy": e["dur"], "start": e["ts"],
-                       "end": e["ts"] + e["dur"]})  # fmt: skip
-    rows, prev_end = [], None
-    for g in groups:
-        gap = None if prev_end is None else g["start"] - prev_end
-        rows.append({"api": g["api"], "first": g["first"], "kernels": g["kernels"], "busy_us": g["busy"],
-                     "span_us": g["end"] - g["start"], "gap_us": gap})
-        prev_end = g["end"]
-    graphs = [i for i, r in enumerate(rows) if r["api"] == "cudaGraphLaunch" and r["kernels"] > 50]
-    if not graphs:
-        return rows[:200]
-    # two big launches a round (drafting, verify): from the first to the one that opens round `rounds + 1`
-    return rows[graphs[0]: graphs[2 * rounds] if len(graphs) > 2 * rounds else len(rows)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the whole call to list")
     ap.add_argument("--depth", type=int, default=10)
     ap.add_argument("--out", default="/tmp/draft_kernels")
     ours = ap.parse_args()
@@ -144,17 +112,6 @@ def main() -> None:
             model.generate(ids, **kwargs)
         torch.cuda.synchronize()
         row = draft_replays(DRAFTERS[0], ours.replays, out, label)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
-            model.generate(ids, **kwargs)
-            torch.cuda.synchronize()
-        row["round"] = round_launches(trace_events(prof, out / f"call_{label}.json"), ours.rounds)
-        print(f"  the call's GPU work from its first graph launch, {ours.rounds} rounds (api, kernels, busy us, "
-              f"span us, idle us before, first kernel):")
-        for r in row["round"]:
-            gap = "" if r["gap_us"] is None else f"{r['gap_us']:.0f}"
-            print(f"    {r['api'][:22]:22} {r['kernels']:4d} {r['busy_us']:8.1f} {r['span_us']:8.1f} {gap:>7} "
-                  f"{short(r['first'])[:60]}")
         summary[label] = row
     (out / "draft_kernels.json").write_text(json.dumps(summary, indent=1))
 

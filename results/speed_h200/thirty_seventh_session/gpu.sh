@@ -25,7 +25,7 @@ b1g)  # batch 1 on GSM8K: chain at 6 and 10 against bole at 10, eight passes in 
 prof1)  # batch 1, MBPP, with the phase timer: where chain's and bole's rounds go at depth 10, three passes
     house_run prof1 "${PROF1_S:-200}" mbpp --modes chain bole --batch-sizes 1 --depth 10 --chain-depth 10 --repeats 3
     ;;
-kernels1)  # batch 1, depth 10: the drafting graph kernel by kernel, and a whole call's launches (draft_kernels.py)
+kernels1)  # batch 1, depth 10: the drafting graph kernel by kernel (draft_kernels.py)
     STEP_SHOWS="====|^  |^    " STEP_TAIL=200 step kernels1 "${KERNELS1_S:-300}" python3 \
         results/speed_h200/thirty_seventh_session/draft_kernels.py --out "$OUT"
     ;;
