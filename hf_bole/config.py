@@ -105,9 +105,10 @@ class BoleConfig:
             `compile=True` (which compiles the drafter's rounds too).
         fuse_projections (`bool`, *optional*, defaults to `True`):
             Run the projections of a layer that read one input (a GDN layer's four input projections, attention's
-            q, k and v, the MLP's gate and up) as one GEMM in the verify forward (`hf_bole/models/fused.py`). The
-            first call makes their weights views of one buffer per layer: the model takes no more memory, its plain
-            forward computes exactly as before, and `save_pretrained` still writes the weights one by one.
+            q, k and v, the MLP's gate and up) as one GEMM in the verify forward and in the MTP drafter's head
+            (`hf_bole/models/fused.py`). The first call makes their weights views of one buffer per layer: the model
+            takes no more memory, its plain forward computes exactly as before, and `save_pretrained` still writes
+            the weights one by one.
         prefill (`str`, *optional*, defaults to `"auto"`):
             How the prompt enters the cache. `"chains"`: as chains of at most 128 tokens through the verify forward,
             each committed whole (`hf_bole/generation/prefill.py`), replayed from its CUDA graphs where `cuda_graphs`

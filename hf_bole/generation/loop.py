@@ -243,11 +243,12 @@ def _make_drafter(model, config: BoleConfig, device: torch.device):
         # Compiled drafting proposes what eager drafting does up to rounding, and the verify forward decides.
         compiled = config.compile or (config.compile_drafter and device.type == "cuda")
         per_model = _MTP_DRAFTERS.setdefault(model, {})
-        key = (config.depth, config.topk, config.cuda_graphs, compiled)
+        key = (config.depth, config.topk, config.cuda_graphs, compiled, config.fuse_projections)
         if key not in per_model:
             try:
                 per_model[key] = MTPDrafter.from_model(
-                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs, compile=compiled
+                    model, depth=config.depth, topk=config.topk, cuda_graphs=config.cuda_graphs, compile=compiled,
+                    fuse_projections=config.fuse_projections,
                 )
             except ValueError as e:
                 raise ValueError(

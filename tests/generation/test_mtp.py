@@ -63,7 +63,9 @@ def _mtp(model) -> Qwen3_5MTP:
     return mtp.eval()
 
 
-def _drafter(model, mtp, depth: int, topk: int, max_nodes: int | None = None, compile: bool = False) -> MTPDrafter:
+def _drafter(
+    model, mtp, depth: int, topk: int, max_nodes: int | None = None, compile: bool = False, fuse: bool = False
+) -> MTPDrafter:
     return MTPDrafter(
         mtp,
         model.get_input_embeddings(),
@@ -73,6 +75,7 @@ def _drafter(model, mtp, depth: int, topk: int, max_nodes: int | None = None, co
         topk=topk,
         max_nodes=max_nodes,
         compile=compile,
+        fuse_projections=fuse,
     )
 
 
@@ -448,6 +451,58 @@ def test_compiled_rounds_are_one_graph_and_draft_the_same_trees(graphed, monkeyp
     # the prompt's first 3 entries eagerly; its last 4 and the rounds compiled: static, then with the sizes that
     # changed symbolic
     assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_fused_projections_run_fewer_gemms_and_draft_the_same_trees(moe, monkeypatch):
+    """`fuse_projections=True`: q, k and v run as one GEMM, and gate and up (the MoE's shared expert's) as another,
+    so every MTP forward makes 3 fewer `F.linear` calls; the trees equal those of the head run projection by
+    projection, and afterwards the head's plain forward computes what it did."""
+    model = _model(moe)
+    mtp = _mtp(model)
+    rows = _rows([20, 13])
+    bounds = [[0, 7, 10, 12], [0, 4, 7, 8]]
+    x = (torch.randn(2, 3, HIDDEN), torch.randn(2, 3, HIDDEN))
+    rope = model.get_decoder().rotary_emb(x[0], torch.arange(3).expand(3, 2, -1))
+    with torch.no_grad():
+        before = mtp(*x, rope)
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or linear(*a, **k))
+    counts, trees = [], []
+    for fuse in (False, True):
+        calls.clear()
+        trees.append(_rounds(_drafter(model, mtp, 3, 2, fuse=fuse), rows, bounds))
+        counts.append(len(calls))
+    # a call's forwards: the eager extension by all but the prompt's last depth + 1 entries (once), then per call the
+    # extension and depth - 1 tree levels (3 calls)
+    forwards = 1 + 3 * 3
+    assert counts[0] - counts[1] == 3 * forwards
+    for tree, apart in zip(*trees[::-1]):
+        _assert_same_trees(tree, apart)
+    with torch.no_grad():
+        torch.testing.assert_close(mtp(*x, rope), before, rtol=0, atol=0)
+
+
+def test_fused_projections_compile_whole(monkeypatch):
+    """The fused projections' parts trace within a compiled round with no graph break (nopython), as many
+    compiles as without them, and draft the same trees."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([30, 20])
+    bounds = [[0, 7, 10, 12, 15], [0, 1, 2, 4, 7]]
+    frames = []
+    for fuse in (False, True):
+        counter = CompileCounter()
+        monkeypatch.setattr(torch, "compile", lambda fn, c=counter: torch._dynamo.optimize(c, nopython=True)(fn))
+        torch._dynamo.reset()
+        trees = _rounds(_drafter(model, mtp, 3, 2, compile=True, fuse=fuse), rows, bounds)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[1] > 0
+    for tree, eager in zip(trees, _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
+        _assert_same_trees(tree, eager)
 
 
 def test_every_drafter_compiles_past_dynamos_own_limit(monkeypatch, caplog):

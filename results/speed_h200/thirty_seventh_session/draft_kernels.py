@@ -81,7 +81,7 @@ def draft_replays(drafter: MTPDrafter, replays: int, out: Path, label: str) -> d
            "top": [{"name": k, "per_replay": c / n, "us": t / n} for k, (c, t) in top]}  # fmt: skip
     print(f"\n==== {label}: drafting graph (batch, new entries, nodes) = {key}, {len(launches)} replays: "
           f"{row['kernels']:.0f} kernels, {row['busy_us']:.0f} us of kernels, span {row['span_us']:.0f} us "
-          f"({row['span_us'] / (drafter.depth + 1):.0f} us per MTP step, {drafter.depth + 1} steps with the extension)")
+          f"({row['span_us'] / drafter.depth:.0f} us per MTP forward: the extension and {drafter.depth - 1} levels)")
     print(f"  {'kernel':70} {'a replay':>9} {'us a replay':>12}")
     for t in row["top"]:
         print(f"  {short(t['name']):70} {t['per_replay']:9.1f} {t['us']:12.1f}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The thirty-seventh session's GPU plan (README.md beside this file says what came of it): the thirty-sixth session's
-# deep8 (deeper trees, every drafter compiled), batch 1 (bole against chain), then the CUDA tests.
+# deep8 (deeper trees, every drafter compiled), batch 1 (bole against chain), the drafting graph's kernels, the
+# attention merge's A/B, the session's drafter changes end to end (ab1, abc1: not yet run), and the CUDA tests.
 # Usage, from the repository root, with fla-core's wheel in .whl/:
 #   OUT=... bash results/speed_h200/thirty_seventh_session/gpu.sh PART...   (parts in turns, on one machine)
 # Budget tables: the thirty-third session's, format 4 (its tables/ folder), installed first.
@@ -34,6 +35,13 @@ merge)  # the attention merge a split a step against chunks of splits (merge_ab.
         results/speed_h200/thirty_seventh_session/merge_ab.py --out "$OUT/merge_ab.jsonl"
     step attention_tests "${ATTENTION_TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
         tests/kernels/test_attention.py
+    ;;
+ab1|abc1)  # batch 1, depth 10, bole (ab1) or chain (abc1): the session's two drafter changes against their forms
+          # before, four variants in one process, passes in turns (ab_drafter.py); each variant compiles its drafter
+    [ "$PART" = ab1 ] && SHAPE="--depth 10" || SHAPE="--depth 10 --topk 1 --budget 10"
+    STEP_SHOWS="median|Error" STEP_TAIL=8 step "$PART" "${AB_S:-400}" python3 \
+        results/speed_h200/thirty_seventh_session/ab_drafter.py --datasets mbpp --num-prompts 8 --max-new-tokens 128 \
+        --batch-sizes 1 $SHAPE --repeats 20 --output-dir "$OUT/$PART"
     ;;
 graph_tests)  # on CUDA: the token writes' graphs, the shared pool's growth among them
     HF_BOLE_TEST_DEVICE=cuda step graph_tests "${GRAPH_TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -rf \
