@@ -293,7 +293,7 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
     ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
     out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3, bole_compile=True)
     assert torch.equal(out, ref)
-    drafter = loop._MTP_DRAFTERS[model][3, 3, True, True]  # (depth, topk, cuda_graphs, compile)
+    drafter = loop._MTP_DRAFTERS[model][3, 3, True, True, True]  # (depth, topk, cuda_graphs, compile, fused)
     assert drafter._compiled_round is not None and model.get_decoder() in adapter._COMPILED
     assert counter.frame_count >= 2  # the drafter's rounds and the verify forward
     hf_bole.release(model)
@@ -302,17 +302,22 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
 def test_drafter_compiles_on_cuda_only(dense_with_mtp):
     """`compile_drafter` (the default) compiles the MTP drafter's rounds on CUDA only (drafts only propose, so the
     output cannot change); `compile_drafter=False` or another device keeps them eager, `compile=True` compiles them
-    anywhere. Built here without running: compiling happens on a drafter's first round."""
+    anywhere. `fuse_projections` reaches the drafter's head too, each setting its own drafter. Built here without
+    running: compiling happens on a drafter's first round."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for config, device, compiled in [
         (BoleConfig(), cuda, True),
         (BoleConfig(), cpu, False),
         (BoleConfig(compile_drafter=False), cuda, False),
         (BoleConfig(compile=True, compile_drafter=False), cpu, True),
+        (BoleConfig(fuse_projections=False), cpu, False),
     ]:
         drafter = loop._make_drafter(dense_with_mtp, config, device)
         assert drafter.compile is compiled, (config, device)
-        assert loop._MTP_DRAFTERS[dense_with_mtp][config.depth, config.topk, config.cuda_graphs, compiled] is drafter
+        assert drafter.fuse_projections is config.fuse_projections
+        key = (config.depth, config.topk, config.cuda_graphs, compiled, config.fuse_projections)
+        assert loop._MTP_DRAFTERS[dense_with_mtp][key] is drafter
+    assert len(loop._MTP_DRAFTERS[dense_with_mtp]) == 3  # compiled or not, fused or not: the unfused one its own
     hf_bole.release(dense_with_mtp)
 
 
