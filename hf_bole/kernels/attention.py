@@ -527,20 +527,32 @@ def tree_attention_merge_kernel(
     b_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    o_c = tl.arange(0, CHUNK)
-    for i_s in range(0, used, CHUNK):
-        m_s = (i_s + o_c) < used  # [CHUNK]
-        base = (i_bh * NUM_SPLITS + i_s + o_c).to(tl.int64) * (REP * N)  # [CHUNK] each split's first row
-        m_sr = m_s[:, None] & m_r[None, :]
-        b_lse = tl.load(lse + base[:, None] + o_r[None, :], mask=m_sr, other=float("-inf"))  # [CHUNK, BLOCK_M]
-        p_o = partial + (base[:, None, None] + o_r[None, :, None]) * D + o_d[None, None, :]
-        b_o = tl.load(p_o, mask=m_sr[:, :, None] & (o_d < D)[None, None, :], other=0)  # [CHUNK, BLOCK_M, BLOCK_D]
-        b_new = tl.maximum(b_max, tl.max(b_lse, axis=0))
-        b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
-        b_alpha, b_w = tl.exp2(b_max - b_ref), tl.exp2(b_lse - b_ref[None, :])  # [BLOCK_M], [CHUNK, BLOCK_M]
-        b_sum = b_sum * b_alpha + tl.sum(b_w, axis=0)
-        b_acc = b_acc * b_alpha[:, None] + tl.sum(b_w[:, :, None] * b_o, axis=0)
-        b_max = b_new
+    if CHUNK == 1:  # large tiles (`_merge_tiles`): the loop as it ran before chunks, unchanged
+        for i_s in range(0, used):
+            base = (i_bh * NUM_SPLITS + i_s).to(tl.int64) * (REP * N)
+            b_lse = tl.load(lse + base + o_r, mask=m_r, other=float("-inf"))
+            b_o = tl.load(partial + base * D + o_r[:, None] * D + o_d[None, :], mask=m_rd, other=0)
+            b_new = tl.maximum(b_max, b_lse)
+            b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+            b_alpha, b_w = tl.exp2(b_max - b_ref), tl.exp2(b_lse - b_ref)
+            b_sum = b_sum * b_alpha + b_w
+            b_acc = b_acc * b_alpha[:, None] + b_w[:, None] * b_o
+            b_max = b_new
+    else:
+        o_c = tl.arange(0, CHUNK)
+        for i_s in range(0, used, CHUNK):
+            m_s = (i_s + o_c) < used  # [CHUNK]
+            base = (i_bh * NUM_SPLITS + i_s + o_c).to(tl.int64) * (REP * N)  # [CHUNK] each split's first row
+            m_sr = m_s[:, None] & m_r[None, :]
+            b_lse = tl.load(lse + base[:, None] + o_r[None, :], mask=m_sr, other=float("-inf"))  # [CHUNK, BLOCK_M]
+            p_o = partial + (base[:, None, None] + o_r[None, :, None]) * D + o_d[None, None, :]
+            b_o = tl.load(p_o, mask=m_sr[:, :, None] & (o_d < D)[None, None, :], other=0)  # [CHUNK, BLOCK_M, BLOCK_D]
+            b_new = tl.maximum(b_max, tl.max(b_lse, axis=0))
+            b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+            b_alpha, b_w = tl.exp2(b_max - b_ref), tl.exp2(b_lse - b_ref[None, :])  # [BLOCK_M], [CHUNK, BLOCK_M]
+            b_sum = b_sum * b_alpha + tl.sum(b_w, axis=0)
+            b_acc = b_acc * b_alpha[:, None] + tl.sum(b_w[:, :, None] * b_o, axis=0)
+            b_max = b_new
 
     node, head = o_r % N, i_kh * REP + o_r // N
     b_o = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]
