@@ -23,7 +23,6 @@ from hf_bole.config import ATTENTION_MODES, VERIFY_MODES, BoleConfig
 from hf_bole.generation.budget import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_KV_LENGTHS,
-    DEFAULT_NODES,
     calibrate,
     plot_table,
 )
@@ -40,8 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "house, or a folder with a config.json")  # fmt: skip
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=list(DEFAULT_BATCH_SIZES))
     ap.add_argument("--kv-lengths", nargs="+", type=int, default=list(DEFAULT_KV_LENGTHS))
-    ap.add_argument("--nodes", nargs="+", type=int, default=list(DEFAULT_NODES),
-                    help="total draft nodes per verify forward (0: roots only)")  # fmt: skip
+    ap.add_argument("--nodes", nargs="+", type=int,
+                    help="total draft nodes per verify forward (0: roots only); default: roots only and, per batch size, "
+                         "the most nodes each verify width holds (hf_bole.generation.budget.capacities)")  # fmt: skip
     ap.add_argument(
         "--epsilon", type=float, default=defaults.epsilon, help="B_ver = max{N : T_ver(N) <= (1+eps) T_dec}"
     )
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         values = getattr(args, name)
         if any(v < 1 for v in (values if isinstance(values, list) else [values])):
             ap.error(f"--{name.replace('_', '-')} must be positive, got {values}")
-    if any(n < 0 for n in args.nodes):
+    if any(n < 0 for n in args.nodes or []):
         ap.error(f"--nodes must be >= 0, got {args.nodes}")
     if not args.epsilon >= 0:
         ap.error(f"--epsilon must be >= 0, got {args.epsilon}")

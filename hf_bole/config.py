@@ -16,8 +16,10 @@ AUTO_BUDGET = "auto"
 GOODPUT_BUDGET = "goodput"
 # What `budget="auto"` verifies per round where no calibration table applies (no table for this model, GPU, dtype
 # and verify mode; or not a CUDA device): this many draft nodes per active request, at most FALLBACK_BUDGET_MAX
-# across the batch (a forward of a few hundred tokens is compute-bound on current GPUs at every model size).
-FALLBACK_BUDGET_PER_REQUEST = 32
+# across the batch (a forward of a few hundred tokens is compute-bound on current GPUs at every model size). 31: a
+# request's tree then fills a verify width of 32 with its root, where one more node would double the kernels' tiles
+# (`hf_bole.generation.budget.capacities`).
+FALLBACK_BUDGET_PER_REQUEST = 31
 FALLBACK_BUDGET_MAX = 128
 
 
@@ -41,7 +43,7 @@ class BoleConfig:
             `hf_bole.generation.budget`), at the number of active requests (between two batch-size buckets, on the
             line between their budgets) and the KV-length bucket at or below the longest active request. Without a
             table, or off CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * active requests, FALLBACK_BUDGET_MAX)`
-            (32 per request, at most 128) and says so once in a log line. `"goodput"` reads the same table but
+            (31 per request, at most 128) and says so once in a log line. `"goodput"` reads the same table but
             chooses every round the size of most expected tokens per millisecond, weighing the table's verify times
             against the draft probabilities of the rounds before and the measured rest of a round
             (`hf_bole.generation.budget.GoodputRule`); it falls back the same way. On the 9B shape with an oracle

@@ -73,7 +73,7 @@ from hf_bole.config import (
     BoleConfig,
     resolve_attention,
 )
-from hf_bole.generation.graphs import VerifyGraphs, captures, row_width, trimmed
+from hf_bole.generation.graphs import WIDTH_BUCKETS, VerifyGraphs, captures, row_width, trimmed
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
 from hf_bole.models.placement import placement
@@ -84,8 +84,6 @@ logger = logging.getLogger(__name__)
 # 2: keyed by how forwards launch (CUDA graphs or eager) too; 3: T_dec is the floor's forward; 4: replayed forwards
 # timed at `row_width`'s bucket, no longer at the widest row's
 FORMAT_VERSION = 4
-# Total draft nodes per verify forward: powers of two and the points halfway between them (in log scale, about).
-DEFAULT_NODES = (0, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_BATCH_SIZES = (1, 4, 8, 16)
 DEFAULT_KV_LENGTHS = (512, 2048, 8192)
 ROW_CAP = MAX_NODES - 1  # draft nodes one request's tree can hold in the verify kernels (the root not counted)
@@ -622,7 +620,7 @@ def calibrate(
     model,
     batch_sizes: Iterable[int] = DEFAULT_BATCH_SIZES,
     kv_lengths: Iterable[int] = DEFAULT_KV_LENGTHS,
-    nodes: Iterable[int] = DEFAULT_NODES,
+    nodes: Iterable[int] | None = None,
     *,
     epsilon: float | None = None,
     verify: str = "closed_form",
@@ -649,7 +647,8 @@ def calibrate(
 
     Args:
         model: a Qwen3.5 model hf_bole supports, on its device, in the dtype to calibrate.
-        batch_sizes, kv_lengths, nodes (`Iterable[int]`): the grid.
+        batch_sizes, kv_lengths, nodes (`Iterable[int]`): the grid; `nodes` are total draft nodes per forward, by
+            default roots only (0) and each batch size's `capacities`, where the forward's cost steps.
         epsilon (`float`, *optional*): stored with the table and used for its `budget` fields (default:
             `BoleConfig().epsilon`); look-ups may use another.
         verify (`str`): the verify mode to time, "closed_form" or "serial".
@@ -684,7 +683,8 @@ def calibrate(
     topk, depth = topk or defaults.topk, depth or defaults.depth
     BoleConfig(epsilon=epsilon, topk=topk, depth=depth, verify=verify, attention=attention)  # validates them
     attention = resolve_attention(attention, spread.layer_devices[0])
-    batch_sizes, kv_lengths, nodes = sorted(set(batch_sizes)), sorted(set(kv_lengths)), sorted(set(nodes))
+    given = nodes is not None
+    batch_sizes, kv_lengths, nodes = sorted(set(batch_sizes)), sorted(set(kv_lengths)), sorted(set(nodes or [0]))
     if not batch_sizes or batch_sizes[0] < 1 or not kv_lengths or kv_lengths[0] < 1 or not nodes or nodes[0] < 0:
         raise ValueError(
             f"calibration needs batch sizes >= 1, KV lengths >= 1 and node counts >= 0, got {batch_sizes}, "
@@ -692,7 +692,10 @@ def calibrate(
         )
     device = model.device
     tree_nodes = min(ROW_CAP, topk + (depth - 1) * topk**2)
-    grid = {b: sorted({b}.union(n for n in nodes if n == 0 or b <= n <= b * tree_nodes)) for b in batch_sizes}
+    grid = {}
+    for b in batch_sizes:
+        grid[b] = {b}.union(n for n in nodes if n == 0 or b <= n <= b * tree_nodes)
+        grid[b] = sorted(grid[b] if given else grid[b].union(capacities(b, tree_nodes)))
     timer = _Timer(device, warmup, reps)
     generator = torch.Generator().manual_seed(seed)
     key = TableKey.for_model(model, verify, cuda_graphs, compile, attention)
@@ -737,6 +740,28 @@ def calibrate(
                 on_bucket(BudgetTable(key, epsilon, list(entries), meta))
     bar.close()
     return BudgetTable(key, epsilon, entries, meta)
+
+
+def capacities(batch_size: int, tree_nodes: int = ROW_CAP) -> list[int]:
+    """The most draft nodes each verify width holds at `batch_size` requests: `batch_size * (w - 1)` for every CUDA-graph
+    bucket `w` (`graphs.WIDTH_BUCKETS`) whose rows hold at least one node and at most `tree_nodes`.
+
+    A forward's cost steps up where the rows' width (root included) passes a power of two, not with each node: the
+    verify kernels pad a row's nodes to a power-of-two tile (the GDN solve to at least 32), and the graphs run at
+    the buckets. On the house model at batch 1 on an H200 a round verifying 32 draft nodes at width 64 took 1.75 ms,
+    16 at width 17 1.60 ms (results/speed_h200/thirty_eighth_session). Timed only at points inside the steps, the
+    budget rule would stop one short of a step's edge or one past it: 31 nodes cost what 16 do, 32 what 63 do.
+
+    Example:
+
+    ```python
+    >>> capacities(1, tree_nodes=68)
+    [3, 7, 15, 31, 63]
+    >>> capacities(8)
+    [24, 56, 120, 248, 504, 1016]
+    ```
+    """
+    return [batch_size * (w - 1) for w in WIDTH_BUCKETS if 1 <= w - 1 <= tree_nodes]
 
 
 def _measure_bucket(
@@ -856,6 +881,7 @@ __all__ = [
     "TableKey",
     "cache_dir",
     "calibrate",
+    "capacities",
     "choose_budget",
     "choose_goodput",
     "fallback_budget",

@@ -135,9 +135,11 @@ def test_resolver_follows_budgets_that_rise_with_the_batch():
 def test_resolver_fixed_and_fallback(dense):
     assert BudgetResolver.for_model(dense, BoleConfig(budget=7), batch_size=4)(3, 100) == 7
     fallback = BudgetResolver.fallback(batch_size=8)
-    assert [fallback(a, 10) for a in (1, 2, 4, 8)] == [32, 64, 128, 128]  # 32 per request, at most 128
+    assert [fallback(a, 10) for a in (1, 2, 4, 8)] == [31, 62, 124, 128]  # 31 per request, at most 128
     assert fallback.max_budget == 128 == fallback_budget(8)
-    assert fallback_budget(1) == BudgetResolver.fallback(batch_size=1).max_budget == 32
+    assert fallback_budget(1) == BudgetResolver.fallback(batch_size=1).max_budget == 31
+    # one request's fallback tree fills the verify width of 32 with its root, the widest at the GDN solve's least tile
+    assert graphs_module.row_width(fallback_budget(1), 1, fallback_budget(1) + 1) == 32
 
 
 GAIN = [0.9, 0.7] + [0.5] * 14 + [0.1] * 16 + [0.01] * 32  # best first: 16 nodes add 8.6 tokens, 32 add 10.2
@@ -297,9 +299,9 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
     # on a GPU the default attention ("auto") is the tree attention kernel's, whose forwards get a table of their own
     assert "NVIDIA-Test-GPU__bfloat16__closed_form__triton-attention-graphs.json" in message
     assert "python -m hf_bole.calibrate --model <checkpoint> --dtype bfloat16 --verify closed_form`" in message
-    assert "32 draft nodes per active request, at most 128" in message
+    assert "31 draft nodes per active request, at most 128" in message
     for resolver in resolvers:
-        assert resolver.source == "fallback" and resolver(2, 1000) == 64 and resolver.max_budget == 128
+        assert resolver.source == "fallback" and resolver(2, 1000) == 62 and resolver.max_budget == 124
     # another verify mode is another table, hence another warning
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         BudgetResolver.for_model(model, BoleConfig(verify="serial"), batch_size=4)
@@ -334,7 +336,7 @@ def test_auto_for_a_spread_model_is_the_fallback(monkeypatch, caplog):
     monkeypatch.setattr(budget_module, "placement", lambda model: spread)
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(cuda_graphs=False), batch_size=4)
-    assert resolver.source == "fallback" and resolver(2, 1000) == 64
+    assert resolver.source == "fallback" and resolver(2, 1000) == 62
     message = caplog.records[-1].getMessage()
     assert "spread over 2 devices" in message and "pass bole_budget=<int>" in message and "hf_bole.calibrate" not in message
 
@@ -366,7 +368,7 @@ def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
     path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=4)
-    assert resolver.source == "fallback" and resolver(2, 1000) == 64
+    assert resolver.source == "fallback" and resolver(2, 1000) == 62
     message = caplog.records[-1].getMessage()
     assert str(path) in message and "format 3 is not 4" in message
     assert "Measure it again with `python -m hf_bole.calibrate --model <checkpoint>" in message
@@ -378,11 +380,11 @@ def test_auto_on_cpu_uses_fallback(caplog):
         for _ in range(2):
             resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=2)
     expected = (
-        "hf_bole: no calibrated verification budget on cpu: budget='auto' uses the fallback of 32 draft nodes per "
+        "hf_bole: no calibrated verification budget on cpu: budget='auto' uses the fallback of 31 draft nodes per "
         "active request, at most 128 per round (pass bole_budget=<int> to fix it)"
     )
     assert [r.getMessage() for r in caplog.records] == [expected]
-    assert resolver.source == "fallback" and resolver(1, 10) == 32
+    assert resolver.source == "fallback" and resolver(1, 10) == 31
 
 
 def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
@@ -474,6 +476,18 @@ def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
     assert 2 <= max(widths[4:]) < 1 + 8
     (entry,) = table.entries
     assert entry.nodes == [0, 4, 8] and entry.t_dec == entry.t_ver[1]
+
+
+def test_calibrate_times_by_default_the_most_nodes_each_width_holds(dense):
+    """The default grid is roots only, the floor and each batch size's capacities: the edges of the steps in which a
+    forward's cost rises (`capacities`), within the synthetic trees' size (topk 2, depth 2: 6 nodes a row)."""
+    assert budget_module.capacities(1, tree_nodes=6) == [3] and budget_module.capacities(2, tree_nodes=6) == [6]
+    assert budget_module.capacities(1) == [3, 7, 15, 31, 63, 127]
+    assert all(graphs_module.row_width(n, 4, 128) == n // 4 + 1 for n in budget_module.capacities(4))  # full rows
+    table = budget_module.calibrate(
+        dense, [1, 2], [8], topk=2, depth=2, warmup=1, reps=1, progress=False, cuda_graphs=False
+    )  # fmt: skip
+    assert [(e.batch_size, e.nodes) for e in table.entries] == [(1, [0, 1, 3]), (2, [0, 2, 6])]
 
 
 def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
