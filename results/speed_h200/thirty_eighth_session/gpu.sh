@@ -26,13 +26,17 @@ sweep1)  # chain and bole at several depths, bole narrower and with a smaller bu
     ;;
 cal)  # the house model's closed-form table again, at the default grid (roots only and each width's capacity)
     STEP_SHOWS="^ +[0-9]|wrote|Error" STEP_TAIL=12 step cal "${CAL_S:-200}" python3 -m hf_bole.calibrate \
-        --model eval/house/checkpoint --dtype bf16 --batch-sizes 1 4 8 16 --kv-lengths 1024 --reps 5 \
+        --model eval/house/checkpoint --dtype bf16 --batch-sizes ${CAL_BATCHES:-1 4 8 16} --kv-lengths 1024 --reps 5 \
         --verify closed_form
     mkdir -p "$OUT/tables" && cp "$HF_BOLE_CACHE"/budgets/*closed_form*.json "$OUT/tables/"
     ;;
 sweep2)  # after cal: chain at 8 and 10 against bole at 10 with the new table ("auto") and at 31 and 63 nodes
     wait1 sweep2 "${SWEEP2_S:-420}" "chain d8=depth=8,topk=1,budget=8" "chain d10=depth=10,topk=1,budget=10" \
         "bole d10=depth=10" "bole d10 b31=depth=10,budget=31" "bole d10 b63=depth=10,budget=63"
+    ;;
+b8)  # batch 8, depth 10: chain against bole at the table's budget ("auto") and at 384 (the thirty-third's choice)
+    HOUSE_PROFILE= house_run b8 "${B8_S:-230}" mbpp --modes chain bole --batch-sizes 8 --depth 10 --chain-depth 10 \
+        --budget auto 384 --repeats 3
     ;;
 caches)  # how large the compile caches a fresh machine fills are (carrying them would save its warm-up)
     du -sh /tmp/torchinductor_* ~/.triton/cache 2>/dev/null
