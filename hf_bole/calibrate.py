@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=list(DEFAULT_BATCH_SIZES))
     ap.add_argument("--kv-lengths", nargs="+", type=int, default=list(DEFAULT_KV_LENGTHS))
     ap.add_argument("--nodes", nargs="+", type=int,
-                    help="total draft nodes per verify forward (0: roots only); default: roots only and, per batch size, "
-                         "the most nodes each verify width holds (hf_bole.generation.budget.capacities)")  # fmt: skip
+                    help="total draft nodes per verify forward (0: roots only); default: roots only and, per batch "
+                         "size, the most nodes each verify width holds (hf_bole.generation.budget.capacities)")  # fmt: skip
     ap.add_argument(
         "--epsilon", type=float, default=defaults.epsilon, help="B_ver = max{N : T_ver(N) <= (1+eps) T_dec}"
     )

@@ -743,14 +743,15 @@ def calibrate(
 
 
 def capacities(batch_size: int, tree_nodes: int = ROW_CAP) -> list[int]:
-    """The most draft nodes each verify width holds at `batch_size` requests: `batch_size * (w - 1)` for every CUDA-graph
-    bucket `w` (`graphs.WIDTH_BUCKETS`) whose rows hold at least one node and at most `tree_nodes`.
+    """The most draft nodes each verify width holds at `batch_size` requests: `batch_size * (w - 1)` for every
+    CUDA-graph bucket `w` (`graphs.WIDTH_BUCKETS`) whose rows hold at least one node and at most `tree_nodes`.
 
     A forward's cost steps up where the rows' width (root included) passes a power of two, not with each node: the
     verify kernels pad a row's nodes to a power-of-two tile (the GDN solve to at least 32), and the graphs run at
-    the buckets. On the house model at batch 1 on an H200 a round verifying 32 draft nodes at width 64 took 1.75 ms,
-    16 at width 17 1.60 ms (results/speed_h200/thirty_eighth_session). Timed only at points inside the steps, the
-    budget rule would stop one short of a step's edge or one past it: 31 nodes cost what 16 do, 32 what 63 do.
+    the buckets. Timed only inside the steps, the budget rule stops short of a step's edge or just past it. On the
+    house model on an H200 (results/speed_h200/thirty_eighth_session): at batch 1 the thirty-third session's grid
+    chose 32 nodes, which run at width 64 (0.603 ms a forward), where 31 fill width 32 (0.570 ms); at batch 8 it
+    chose 384 (width 64) and this grid 248 (width 32), and bole ran 14589.9 tokens/s against 14204.2 at 384.
 
     Example:
 

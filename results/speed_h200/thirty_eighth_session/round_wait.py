@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import hf_bole  # noqa: E402
-from eval import run  # noqa: E402
-from eval.modes import Mode, make_modes  # noqa: E402
-from hf_bole.generation import loop  # noqa: E402
+import hf_bole
+from eval import run
+from eval.modes import Mode, make_modes
+from hf_bole.generation import loop
 
 START = time.perf_counter()
 CALL: dict = {}  # the call under way: its loop's start and its host waits

@@ -21,12 +21,12 @@ from transformers import StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import hf_bole  # noqa: E402,F401
-from eval import metrics, run  # noqa: E402
+import hf_bole  # noqa: F401
+from eval import metrics, run
 
 MODES = {
-    "bole d10": dict(bole_depth=10),
-    "chain d6": dict(bole_depth=6, bole_topk=1, bole_budget=6),
+    "bole d10": {"bole_depth": 10},
+    "chain d6": {"bole_depth": 6, "bole_topk": 1, "bole_budget": 6},
 }
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     run.set_backends(args)
-    model, tokenizer, label = run.load_target(args, device, torch.bfloat16 if cuda else torch.float32)
+    model, tokenizer, _ = run.load_target(args, device, torch.bfloat16 if cuda else torch.float32)
     _, prompts = next(iter(run.load_prompt_sets(args, model, tokenizer).items()))
     generation = run.generation_kwargs(args, model, tokenizer)
 
