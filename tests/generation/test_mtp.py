@@ -453,6 +453,24 @@ def test_compiled_rounds_are_one_graph_and_draft_the_same_trees(graphed, monkeyp
     assert counter.frame_count == 2
 
 
+@pytest.mark.parametrize("depth", [2, 5])
+def test_rotary_embedding_once_for_all_tree_levels(depth, monkeypatch):
+    """Every node of a level sits at the same position, root + level: a call computes the rotary embedding once for
+    its new entries and once for all tree levels, at any depth (one a level before), at those positions."""
+    model = _model(moe=False)
+    rotary = model.get_decoder().rotary_emb
+    forward, seen = rotary.forward, []
+    monkeypatch.setattr(rotary, "forward", lambda x, ids: seen.append(ids[0].clone()) or forward(x, ids))
+    rows = _rows([30, 20])
+    drafter = _drafter(model, _mtp(model), depth=depth, topk=2)
+    drafter.propose(_ctx(rows, [0, 0], [20, 12], left_pad=True))  # a prompt: the eager extension comes first
+    seen.clear()
+    drafter.propose(_ctx(rows, [20, 12], [22, 13], positions=False))  # a round
+    assert len(seen) == 2
+    levels = torch.arange(1, depth).expand(2, -1)
+    assert torch.equal(seen[1], torch.tensor([[21], [12]]) + levels)  # each row's root entry: position 21 and 12
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_fused_projections_run_fewer_gemms_and_draft_the_same_trees(moe, monkeypatch):
     """`fuse_projections=True`: q, k and v run as one GEMM, and gate and up (the MoE's shared expert's) as another,

@@ -309,22 +309,28 @@ class MTPDrafter:
         cache: _MTPKVCache,
         tokens: torch.Tensor,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
         slots: torch.Tensor,
         *,
         few_queries: bool,
     ) -> torch.Tensor:
-        """One MTP forward of entries (hidden, token) `[B, T]`, writing their keys/values to cache `slots [B, T]`;
-        returns the outputs `[B, T, hidden]`. `few_queries`: a round's step (see `mtp_attention`)."""
+        """One MTP forward of entries (hidden, token) `[B, T]` at rotary embedding `rope` (`_rope`'s), writing their
+        keys/values to cache `slots [B, T]`; returns the outputs `[B, T, hidden]`. `few_queries`: a round's step (see
+        `mtp_attention`)."""
         cache.write_slots = slots
-        device = hidden.device
-        # Under accelerate's device_map the target's embedding and rotary embedding may run on another device than
-        # the head (which sits with the LM head): their small outputs come here (no copy on one device).
-        embeds = self.embed_tokens(tokens).to(device)
-        # Qwen3.5's rotary embedding takes multimodal (3, B, T) position ids; text has one position on all three axes
-        rope = tuple(t.to(device) for t in self.rotary_emb(embeds, positions.expand(3, *positions.shape)))
+        # Under accelerate's device_map the target's embedding may run on another device than the head (which sits
+        # with the LM head): its small output comes here (no copy on one device).
+        embeds = self.embed_tokens(tokens).to(hidden.device)
         return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's rotary embedding `(cos, sin)` at text positions `[B, T]`, each `[B, T, head_dim]`, on the
+        positions' device (the head's) in the embedding's dtype, as the head's inputs have it."""
+        # The rotary embedding reads only the dtype and device of its first argument. Qwen3.5's takes multimodal
+        # (3, B, T) position ids; text has one position on all three axes.
+        like = positions.new_empty(0, dtype=self.embed_tokens.weight.dtype)
+        return tuple(t.to(positions.device) for t in self.rotary_emb(like, positions.expand(3, *positions.shape)))
 
     def _best(self, x: torch.Tensor, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The `topk` largest of every row of `x [..., n]` (of its log-softmax with `log_softmax`): values float32,
@@ -363,7 +369,7 @@ class MTPDrafter:
         tokens = torch.where(new_mask, next_tokens, 0)
         hidden = hidden.masked_fill(~new_mask[..., None], 0)
         few = self._is_round(num_new)
-        out = self._step(cache, tokens, hidden, positions, mask, slots, few_queries=few)  # [B, A, hidden]
+        out = self._step(cache, tokens, hidden, self._rope(positions), mask, slots, few_queries=few)  # [B, A, hidden]
         last = torch.where(new_mask, torch.arange(num_new, device=slots.device), 0).amax(1)  # [B]
         rows = torch.arange(batch_size, device=slots.device)
         return out[rows, last], positions[rows, last]
@@ -440,6 +446,9 @@ class MTPDrafter:
         frontier_cum = logp
         frontier_tokens = tokens
         frontier_ancestors = torch.zeros(batch_size, K, cache.num_keys, dtype=torch.bool, device=device)
+        # Every node of level d sits at position root_position + d: the rotary embedding of all levels at once (one
+        # computation a round instead of one a level), each [B, depth - 1, head_dim]
+        cos, sin = self._rope(root_position[:, None] + torch.arange(1, self.depth, device=device))
         for d in range(1, self.depth):
             slots = cache.TRASH + 1 + (d - 1) * K + torch.arange(K, device=device)  # [K] scratch slots of level d
             frontier_ancestors = frontier_ancestors | (keys == slots[:, None])  # [B, K, L] ancestors and self
@@ -447,7 +456,7 @@ class MTPDrafter:
                 cache,
                 frontier_tokens,
                 frontier_hidden,
-                (root_position + d)[:, None].expand(-1, K),
+                (cos[:, d - 1 : d].expand(-1, K, -1), sin[:, d - 1 : d].expand(-1, K, -1)),
                 (committed_keys | frontier_ancestors)[:, None],
                 slots.expand(batch_size, -1),
                 few_queries=True,
