@@ -38,6 +38,11 @@ b8)  # batch 8, depth 10: chain against bole at the table's budget ("auto") and 
     HOUSE_PROFILE= house_run b8 "${B8_S:-230}" mbpp --modes chain bole --batch-sizes 8 --depth 10 --chain-depth 10 \
         --budget auto 384 --repeats 3
     ;;
+prefill1)  # not run yet: the prompt through transformers' forward ("plain") against chains ("auto"), batch 1, with
+          # the rounds and the first token apart; the first token is a third of a batch-1 call, and it is the host's
+    wait1 prefill1 "${PREFILL1_S:-420}" "chain d10=depth=10,topk=1,budget=10" \
+        "chain d10 plain=depth=10,topk=1,budget=10,prefill=plain" "bole d10=depth=10" "bole d10 plain=depth=10,prefill=plain"
+    ;;
 caches)  # how large the compile caches a fresh machine fills are (carrying them would save its warm-up)
     du -sh /tmp/torchinductor_* ~/.triton/cache 2>/dev/null
     ;;
