@@ -4,7 +4,10 @@ For each call it records the wall time, the first token's time (TTFT: the first 
 streamer), the time before hf_bole's loop starts (transformers' `generate` preparing its inputs), and every wait of
 the host for the GPU (the loop's one wait a round, in `_Rows.read`); the first of those waits is the first token's.
 Per round it reports the decode's wall time (wall - TTFT) over the rounds against the host's wait: a round whose
-wait is near zero is bound by the host, and then "host work" (the rest) is what the round costs.
+wait is near zero is bound by the host, and then "host work" (the rest) is what the round costs. The way to the
+first token is taken apart on the host's clock too: the loop's set-up and the prompt's prefill (to the token
+bookkeeping's start, `_Rows`), the drafter's first call (which extends its cache by the prompt eagerly), the rest of
+the first round's launches, and the wait for the first token.
 
 Variants are `label=setting=value,...` of `bole_*` settings (`chain d6=depth=6,topk=1,budget=6`); the rest of the
 arguments are eval/run.py's (model, dataset, prompts, new tokens, repeats).
@@ -31,6 +34,7 @@ import hf_bole
 from eval import run
 from eval.modes import Mode, make_modes
 from hf_bole.generation import loop
+from hf_bole.generation.drafters.mtp import MTPDrafter
 
 START = time.perf_counter()
 CALL: dict = {}  # the call under way: its loop's start and its host waits
@@ -41,7 +45,7 @@ def stage(what: str) -> None:
 
 
 def instrument() -> None:
-    decode, read = loop._decode, loop._Rows.read
+    decode, read, rows_init, propose = loop._decode, loop._Rows.read, loop._Rows.__init__, MTPDrafter.propose
 
     def timed_decode(*args, **kwargs):
         CALL["loop_start"] = time.perf_counter()
@@ -52,11 +56,24 @@ def instrument() -> None:
     def timed_read(self, written):
         start = time.perf_counter()
         written.ready.synchronize()  # `read` waits here itself; its own wait then returns at once
+        CALL.setdefault("first_read", start)
         CALL.setdefault("waits", []).append(time.perf_counter() - start)
         return read(self, written)
 
+    def timed_rows_init(self, *args, **kwargs):
+        CALL.setdefault("rows", time.perf_counter())  # made right after the prefill and the first token's launches
+        rows_init(self, *args, **kwargs)
+
+    def timed_propose(self, ctx):
+        start = time.perf_counter()
+        tree = propose(self, ctx)
+        CALL.setdefault("propose", (start, time.perf_counter()))
+        return tree
+
     loop._decode = timed_decode
     loop._Rows.read = timed_read
+    loop._Rows.__init__ = timed_rows_init
+    MTPDrafter.propose = timed_propose
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -103,7 +120,11 @@ def main() -> None:
             CALL.clear()
             record = run.run_batch(model, tokenizer, prompts, batch, mode, args, {**generation, **mode.extra}, [ref])
             waits = CALL.get("waits", [0.0])
+            loop_start, rows, (propose_start, propose_end) = CALL["loop_start"], CALL["rows"], CALL["propose"]
             calls.append({
+                # the way to the first token on the host's clock, in turn
+                "to_rows": rows - loop_start, "to_propose": propose_start - rows,
+                "first_propose": propose_end - propose_start, "to_first_read": CALL["first_read"] - propose_end,
                 "seconds": record["seconds"], "ttft": record["ttft"], "tokens": len(record["tokens"][0]),
                 "rounds": sum(1 for a in record["accept_lengths"] if a > 0),
                 "exact": all(d is None for d in record["divergences"] or [None]),
@@ -137,6 +158,8 @@ def main() -> None:
                 # the call outside hf_bole's loop: transformers' `generate` before it (and its return after it)
                 "prep_ms": 1e3 * statistics.mean(c["seconds"] - c["loop_s"] for c in calls),
                 "first_wait_ms": 1e3 * statistics.mean(c["first_wait"] for c in calls),
+                **{f"{k}_ms": 1e3 * statistics.mean(c[k] for c in calls)
+                   for k in ("to_rows", "to_propose", "first_propose", "to_first_read")},
                 "tokens_per_round": sum(c["tokens"] for c in calls) / rounds,
                 "round_ms": 1e3 * decode / rounds,
                 "round_wait_ms": 1e3 * sum(c["round_waits"] for c in calls) / rounds,
@@ -158,6 +181,17 @@ def main() -> None:
         print(f"| {row['variant']} | {p['tokens_per_s']:.1f} | {p['ttft_ms']:.2f} | {p['prep_ms']:.2f} | "
               f"{p['first_wait_ms']:.2f} | {p['tokens_per_round']:.2f} | {p['round_ms']:.3f} | "
               f"{p['round_wait_ms']:.3f} | {p['round_ms'] - p['round_wait_ms']:.3f} | {p['exact']} |")
+    print("\nThe way to the first token, host clock, ms (prep: transformers' generate before the loop; set-up and "
+          "prefill: the loop's start to `_Rows`; first propose: the drafter's first call, its eager extension by the "
+          "prompt included; rest of round 1: to the first read)")
+    print("| variant | TTFT | prep | set-up and prefill | to first propose | first propose | rest of round 1 | "
+          "first wait |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        p = row["median_pass"]
+        print(f"| {row['variant']} | {p['ttft_ms']:.2f} | {p['prep_ms']:.2f} | {p['to_rows_ms']:.2f} | "
+              f"{p['to_propose_ms']:.2f} | {p['first_propose_ms']:.2f} | {p['to_first_read_ms']:.2f} | "
+              f"{p['first_wait_ms']:.2f} |")
 
 
 if __name__ == "__main__":
