@@ -173,26 +173,26 @@ def main() -> None:
                                           "versions": {"torch": torch.__version__}}, indent=1))  # fmt: skip
     print(f"\n{label}, {dataset}, batch 1, {len(batches)} prompts, {args.max_new_tokens} new tokens, median pass of "
           f"{args.repeats} (by tokens/s)")
-    print("| variant | tokens/s | TTFT ms | prep ms | first wait ms | tokens/round | round ms | wait/round ms | "
-          "host work/round ms | exact |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for row in rows:
-        p = row["median_pass"]
-        print(f"| {row['variant']} | {p['tokens_per_s']:.1f} | {p['ttft_ms']:.2f} | {p['prep_ms']:.2f} | "
-              f"{p['first_wait_ms']:.2f} | {p['tokens_per_round']:.2f} | {p['round_ms']:.3f} | "
-              f"{p['round_wait_ms']:.3f} | {p['round_ms'] - p['round_wait_ms']:.3f} | {p['exact']} |")
+    table(rows, ("tokens/s", "TTFT ms", "prep ms", "first wait ms", "tokens/round", "round ms", "wait/round ms",
+                 "host work/round ms", "exact"),
+          lambda p: (f"{p['tokens_per_s']:.1f}", f"{p['ttft_ms']:.2f}", f"{p['prep_ms']:.2f}",
+                     f"{p['first_wait_ms']:.2f}", f"{p['tokens_per_round']:.2f}", f"{p['round_ms']:.3f}",
+                     f"{p['round_wait_ms']:.3f}", f"{p['round_ms'] - p['round_wait_ms']:.3f}", str(p["exact"])))
     print("\nThe way to the first token, host clock, ms (prep: transformers' generate before the loop; set-up and "
           "prefill: the loop's start to `_Rows`; first propose: the drafter's first call, its eager extension by the "
           "prompt included; rest of round 1: to the first read)")
-    print("| variant | TTFT | prep | set-up and prefill | to first propose | first propose | rest of round 1 | "
-          "first wait |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        p = row["median_pass"]
-        print(f"| {row['variant']} | {p['ttft_ms']:.2f} | {p['prep_ms']:.2f} | {p['to_rows_ms']:.2f} | "
-              f"{p['to_propose_ms']:.2f} | {p['first_propose_ms']:.2f} | {p['to_first_read_ms']:.2f} | "
-              f"{p['first_wait_ms']:.2f} |")
+    table(rows, ("TTFT", "prep", "set-up and prefill", "to first propose", "first propose", "rest of round 1",
+                 "first wait"),
+          lambda p: tuple(f"{p[k]:.2f}" for k in ("ttft_ms", "prep_ms", "to_rows_ms", "to_propose_ms",
+                                                   "first_propose_ms", "to_first_read_ms", "first_wait_ms")))
 
+
+def table(rows: list[dict], columns: tuple[str, ...], cells) -> None:
+    """A Markdown table of `rows`, one line a variant: `cells(median pass)` under `columns`."""
+    print("| variant | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for row in rows:
+        print(f"| {row['variant']} | " + " | ".join(cells(row["median_pass"])) + " |")
 
 if __name__ == "__main__":
     main()
