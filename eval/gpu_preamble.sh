@@ -1,7 +1,8 @@
 # Sourced by the session scripts under results/ (one device command each part): makes $OUT, installs fla-core from
 # .whl/ and this checkout, prints the GPU and versions, and defines `step NAME SECONDS COMMAND...`, which runs
 # COMMAND with a time limit, logs it to $OUT/NAME.log and shows the log's lines matching $STEP_SHOWS (its last
-# $STEP_TAIL), and `house_run` for the house model's tables (eval/run.py). Run from the repository root.
+# $STEP_TAIL), `house_run` for the house model's tables (eval/run.py) and `install_tables DIR`, which puts the budget
+# tables kept in DIR/tables where "auto" looks. Run from the repository root.
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=/tmp/hf_bole_cache
@@ -29,4 +30,8 @@ house_run() {  # house_run NAME SECONDS DATASET ARGS...: eval/run.py on the hous
     STEP_SHOWS="^\| $dataset|NOT a tie" STEP_TAIL=30 step "$name" "$limit" python3 eval/run.py --datasets "$dataset" \
         --num-prompts 8 --max-new-tokens 128 ${HOUSE_PROFILE---profile} --interleave --output-dir "$OUT/$name" "$@"
     rm -f "$OUT/$name"/*.png "$OUT/$name"/results.jsonl "$OUT/$name"/run.log
+}
+install_tables() {  # install_tables DIR: the budget tables kept in DIR/tables, into $HF_BOLE_CACHE/budgets
+    mkdir -p "$HF_BOLE_CACHE/budgets"
+    cp "$1"/tables/*.json "$HF_BOLE_CACHE/budgets/"
 }

@@ -5,8 +5,7 @@
 # Budget tables: the thirty-third session's, format 4 (its tables/ folder), installed first.
 set -uo pipefail
 . eval/gpu_preamble.sh
-mkdir -p "$HF_BOLE_CACHE/budgets"
-cp results/speed_h200/thirty_third_session/tables/*.json "$HF_BOLE_CACHE/budgets/"
+install_tables results/speed_h200/thirty_third_session
 HERE=results/speed_h200/thirty_eighth_session
 wait1() {  # round_wait.py at batch 1 on MBPP: NAME SECONDS VARIANT...
     local name=$1 limit=$2
