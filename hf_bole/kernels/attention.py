@@ -134,17 +134,19 @@ def tree_attention(
         if num_splits > 1:
             merge_m, chunk = _merge_tiles(M, BLOCK_D, num_splits)
             tree_attention_merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
-                lengths, partial, lse, out, *out.stride()[:3], N,
+                lengths, partial, lse, out, *out.stride()[:3], N, N, C,
                 REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=merge_m, SPLIT=split,
-                NUM_SPLITS=num_splits, CHUNK=chunk, TREE=True, num_warps=4,
+                NUM_SPLITS=num_splits, CHUNK=chunk, HAS_LENGTHS=True, num_warps=4,
             )  # fmt: skip
     return out
 
 
-def naive_masked_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+def naive_masked_attention(q, k, v, mask, scale: float, lengths=None) -> torch.Tensor:
     """The specification of `masked_attention`, in the inputs' dtype: q `[B, H, Q, D]`, k and v `[B, Hkv, L, D]`,
-    mask `[B, Q, L]` -> `[B, Q, H, D]`; a query that sees no slot gets zeros."""
+    mask `[B, Q, L]`, lengths `[B]` or None -> `[B, Q, H, D]`; a query that sees no slot gets zeros."""
     H, Hkv = q.shape[1], k.shape[1]
+    if lengths is not None:  # slots at or past a row's length are not seen, whatever the mask says
+        mask = mask & (torch.arange(k.shape[2], device=mask.device) < lengths[:, None, None])
     k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, Q, L]
     probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
@@ -152,7 +154,13 @@ def naive_masked_attention(q, k, v, mask, scale: float) -> torch.Tensor:
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a few queries a row over a KV storage, each query over the slots its mask row allows.
 
@@ -161,6 +169,9 @@ def masked_attention(
         k, v: `[B, Hkv, L, D]` keys and values, read in place; `H` a multiple of `Hkv`.
         mask: `[B, Q, L]` bool, True where a query sees a slot (any strides with the last dim contiguous).
         scale: defaults to `D ** -0.5`.
+        lengths: `[B]` int64, optional: row b's slots at or past `lengths[b]` are neither seen (whatever the mask
+            says) nor read. Why: a CUDA graph fixes `L` at the storage's capacity, while a row's entries end sooner;
+            the programs past a row's length return at once and the merge skips their splits.
 
     Returns:
         `[B, Q, H, D]` in q's dtype; zeros for a query that sees no slot.
@@ -173,6 +184,10 @@ def masked_attention(
     check_dtype("mask", mask, (torch.bool,))
     check_shape("mask", mask, (B, Q, L), "[B, Q, L]")
     check_same_device(q=q, k=k, v=v, mask=mask)
+    if lengths is not None:
+        check_dtype("lengths", lengths, (torch.int64,))
+        check_shape("lengths", lengths, (B,), "[B]")
+        check_same_device(q=q, lengths=lengths)
     if (H // Hkv) * Q > MAX_NODES or D > MAX_HEAD_DIM:
         raise ValueError(
             f"masked_attention takes up to {MAX_NODES} query rows a key head and head dims up to {MAX_HEAD_DIM}, "
@@ -180,7 +195,7 @@ def masked_attention(
         )
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q):
-        return naive_masked_attention(q, k, v, mask, scale).to(q.dtype).contiguous()
+        return naive_masked_attention(q, k, v, mask, scale, lengths).to(q.dtype).contiguous()
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_M, BLOCK_N, num_warps = _tiles(BLOCK_D)
     M = (H // Hkv) * Q
@@ -188,27 +203,29 @@ def masked_attention(
     row_blocks = triton.cdiv(M, BLOCK_M)
     # The drafter's key length changes with every call outside CUDA graphs: the splits (compile-time constants) do
     # not follow it but the grid, and a split's length only at powers of two, so a run compiles a handful of
-    # variants. A split past L writes an empty partial (zero output, -inf log-sum-exp), merged as nothing.
+    # variants. A split at or past L (or the row's length) returns at once, and the merge takes the splits below.
     num_splits = max(1, TARGET_PROGRAMS // (B * Hkv * row_blocks))
     split = BLOCK_N * triton.next_power_of_2(triton.cdiv(L, num_splits * BLOCK_N))
     q, k, v, mask = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, mask))
     out = torch.empty(B, Q, H, D, dtype=q.dtype, device=q.device)
     partial, lse = _split_outputs(out, B * Hkv, num_splits, M)
     dtype_args = _dot_args(q)
+    has_lengths = lengths is not None
+    lengths = lengths if has_lengths else out  # not read without lengths
     with on_device(q):
         masked_attention_split_kernel[(row_blocks, num_splits, B * Hkv)](
-            q, k, v, mask.view(torch.uint8), out, partial, lse,
+            q, k, v, mask.view(torch.uint8), lengths, out, partial, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask.stride()[:2], *out.stride()[:3],
             Q, L, scale * 1.4426950408889634,
             REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT=split,
-            NUM_SPLITS=num_splits, **dtype_args, num_warps=num_warps,
+            NUM_SPLITS=num_splits, HAS_LENGTHS=has_lengths, **dtype_args, num_warps=num_warps,
         )  # fmt: skip
         if num_splits > 1:
             merge_m, chunk = _merge_tiles(M, BLOCK_D, num_splits)
             tree_attention_merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
-                out, partial, lse, out, *out.stride()[:3], Q,
+                lengths, partial, lse, out, *out.stride()[:3], Q, 0, L,
                 REP=H // Hkv, HKV=Hkv, D=D, BLOCK_D=BLOCK_D, BLOCK_M=merge_m, SPLIT=split,
-                NUM_SPLITS=num_splits, CHUNK=chunk, TREE=False, num_warps=4,
+                NUM_SPLITS=num_splits, CHUNK=chunk, HAS_LENGTHS=has_lengths, num_warps=4,
             )  # fmt: skip
     return out
 
@@ -362,6 +379,7 @@ def masked_attention_split_kernel(
     k,
     v,
     mask,
+    lengths,
     out,
     partial,
     lse,
@@ -390,15 +408,22 @@ def masked_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """One (query-row block, key split, row x key head) of `masked_attention`: a flash-attention pass over the
-    split's slots below L (none for a split past it), each query row over those its mask row allows."""
+    split's slots below L and the row's length, each query row over those its mask row allows. A split with no such
+    slot returns at once, except the first, which writes the zero output of a row that sees nothing."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_kh = (i_bh // HKV).to(tl.int64), i_bh % HKV
+    end = L
+    if HAS_LENGTHS:
+        end = tl.minimum(end, tl.load(lengths + i_b).to(tl.int32))
     lo = i_s * SPLIT
-    hi = tl.minimum(lo + SPLIT, L)
+    hi = tl.minimum(lo + SPLIT, end)
+    if lo >= hi and i_s > 0:  # the merge takes only the splits below `end`, and always the first
+        return
 
     o_r, m_r, node, head, o_d, m_rd, b_q = _query_block(
         q, i_m, i_b, i_kh, stride_qb, stride_qh, stride_qn, Q, REP, D, BLOCK_D, BLOCK_M, UPCAST_DOT
@@ -489,7 +514,7 @@ def _attend(
     return b_new, b_sum * b_alpha + tl.sum(b_p, axis=1), b_acc * b_alpha[:, None] + b_pv
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "extra", "limit"])
 def tree_attention_merge_kernel(
     lengths,
     partial,
@@ -499,6 +524,8 @@ def tree_attention_merge_kernel(
     stride_on,
     stride_oh,
     N,
+    extra,
+    limit,
     REP: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -507,18 +534,17 @@ def tree_attention_merge_kernel(
     SPLIT: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
-    TREE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
 ):
-    """One (query-row block, row x key head): the splits' outputs weighted by their sums, `CHUNK` splits a step.
-    TREE: `tree_attention`'s, whose splits at or above `lengths + N` did not run; else `masked_attention`'s (`N`
-    its queries, `lengths` unread), all of whose splits ran."""
+    """One (query-row block, row x key head): the splits' outputs weighted by their sums, `CHUNK` splits a step,
+    over the splits that ran: those below `min(lengths[b] + extra, limit)` (`limit` alone without lengths), and the
+    first always. `tree_attention`'s: extra N, limit C; `masked_attention`'s: extra 0, limit L (`N` its queries)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = (i_bh // HKV).to(tl.int64), i_bh % HKV
-    if TREE:
-        length = tl.load(lengths + i_b).to(tl.int32)
-        used = tl.minimum(tl.cdiv(length + N, SPLIT), NUM_SPLITS)  # the splits that ran
-    else:
-        used = NUM_SPLITS
+    end = limit
+    if HAS_LENGTHS:
+        end = tl.minimum(end, tl.load(lengths + i_b).to(tl.int32) + extra)
+    used = tl.maximum(tl.minimum(tl.cdiv(end, SPLIT), NUM_SPLITS), 1)
 
     o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_r = o_r < REP * N

@@ -107,13 +107,18 @@ def _(q, k, v, lengths, valid, ancestors, scale):
 
 @torch.library.custom_op("hf_bole::masked_attention", mutates_args=())
 def _masked_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: Optional[float]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: Optional[float],
+    lengths: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    return _masked_attention(q, k, v, mask, scale=scale)
+    return _masked_attention(q, k, v, mask, scale=scale, lengths=lengths)
 
 
 @_masked_attention_op.register_fake
-def _(q, k, v, mask, scale):
+def _(q, k, v, mask, scale, lengths):
     B, H, Q, D = q.shape
     return q.new_empty(B, Q, H, D)
 
@@ -153,9 +158,9 @@ def tree_attention(q, k, v, lengths, valid, ancestors, *, scale=None) -> torch.T
     return _attention_op(q, k, v, lengths, valid, ancestors, scale)
 
 
-def masked_attention(q, k, v, mask, *, scale=None) -> torch.Tensor:
+def masked_attention(q, k, v, mask, *, scale=None, lengths=None) -> torch.Tensor:
     """`hf_bole.kernels.attention.masked_attention` as one node of a compiled graph (the MTP drafter's rounds)."""
-    return _masked_attention_op(q, k, v, mask, scale)
+    return _masked_attention_op(q, k, v, mask, scale, lengths)
 
 
 def row_topk(x, k, log_softmax=False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,6 +58,7 @@ def mtp_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     few_queries: bool = False,
+    key_lengths: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     r"""
@@ -74,13 +75,14 @@ def mtp_attention(
     extension (many queries, `few_queries=False`) keeps SDPA. No dropout: the drafter never trains.
 
     query `[B, H, Q, D]`; key, value `[B, Hkv, L, D]`; attention_mask `[B, 1, Q, L]` bool, True where a query may
-    attend -> `[B, Q, H, D]` (transformers' attention functions' layout).
+    attend; key_lengths `[B]` int64 or None, with `few_queries` the slots in use of each row (the kernel reads none
+    past them, `masked_attention`'s `lengths`) -> `[B, Q, H, D]` (transformers' attention functions' layout).
     """
     if not few_queries:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    return masked_attention(query, key, value, attention_mask[:, 0], scale=scaling), None
+    return masked_attention(query, key, value, attention_mask[:, 0], scale=scaling, lengths=key_lengths), None
 
 
 AttentionInterface.register("hf_bole_mtp", mtp_attention)
@@ -221,6 +223,7 @@ class Qwen3_5MTP(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         few_queries: bool = False,
+        key_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         r"""
         One MTP step for every (next-token embedding, hidden state) pair.
@@ -242,6 +245,9 @@ class Qwen3_5MTP(nn.Module):
             few_queries (`bool`, *optional*, defaults to `False`):
                 A drafting round's step, a few entries per row with an `attention_mask`: attends through matmuls
                 instead of SDPA (see [`mtp_attention`]).
+            key_lengths (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+                With `few_queries`, the cache slots in use of each row: no key at or past them is read, whatever the
+                mask (a CUDA graph's cache is as long as its capacity, a row's entries end sooner).
 
         Returns:
             `torch.FloatTensor` of shape `(batch_size, seq_len, hidden)`: the normed output o_t, the `lm_head` input
@@ -253,6 +259,7 @@ class Qwen3_5MTP(nn.Module):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             few_queries=few_queries,
+            key_lengths=key_lengths,
             **{self._cache_argument: past_key_values},
         )
         return self.norm(x)

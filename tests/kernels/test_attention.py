@@ -185,6 +185,25 @@ def test_merge_takes_splits_in_chunks(monkeypatch, rows_and_splits):
     assert rel_err(out, gold(q, k, v, lengths, valid, anc)) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B,H,HKV,Q,L,D", [(4, 4, 2, 4, 700, 16), (4, 4, 2, 1, 1300, 64), (4, 16, 4, 4, 300, 256)])
+def test_masked_attention_reads_each_row_up_to_its_length(backend, B, H, HKV, Q, L, D):
+    """`lengths`: a row's slots at or past its length are not seen whatever the mask, and not read (NaN there for the
+    kernel): one row empty (zeros out), one inside a split, one at a split's end, one at L, against float64."""
+    q, k, v, mask = masked_inputs(B, H, HKV, Q, L, D, device=backend_device(backend))
+    lengths = torch.tensor([0, L // 3 + 5, 64, L], device=q.device)
+    gold_out = naive_masked_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask.cpu(), D**-0.5,
+                                      lengths.cpu())  # fmt: skip
+    if backend == "triton":
+        for b, n in enumerate(lengths.tolist()):
+            k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+    out = masked_attention(q, k, v, mask, lengths=lengths)
+    assert rel_err(out, gold_out) <= 1e-5
+    assert not out[0].any()
+    unbounded = naive_masked_attention(*(x.double().cpu().nan_to_num(0) for x in (q, k, v)), mask.cpu(), D**-0.5)
+    assert rel_err(out[1], unbounded[1]) > 1e-2  # the mask alone would have seen more
+
+
 def test_merge_takes_large_tiles_one_split_a_step():
     """Chunks only where they were measured faster on an H200 (`_merge_tiles`): the house drafter's 2 and 8 query
     rows at head dim 64 in chunks, the 9B drafter's 16 rows at head dim 256 and the verify's trees a split a step."""
@@ -213,5 +232,7 @@ def test_masked_attention_bad_input():
         masked_attention(q, k, v, mask[:, :2])
     with pytest.raises(ValueError, match="`mask` must have dtype"):
         masked_attention(q, k, v, mask.float())
+    with pytest.raises(ValueError, match="`lengths` must have dtype"):
+        masked_attention(q, k, v, mask, lengths=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(ValueError, match="up to 128 query rows"):
         masked_attention(q[:, :, :1].expand(-1, -1, 70, -1), k, v, mask[:, :1].expand(-1, 70, -1))

@@ -65,4 +65,6 @@ def test_row_topk_op(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_attention_op(backend):
     q, k, v, mask = masked_inputs(2, 4, 2, 3, 50, 16, device=backend_device(backend))
-    torch.library.opcheck(torch.ops.hf_bole.masked_attention.default, (q, k, v, mask, 0.25), test_utils=CHECKS)
+    op = torch.ops.hf_bole.masked_attention.default
+    torch.library.opcheck(op, (q, k, v, mask, 0.25, None), test_utils=CHECKS)
+    torch.library.opcheck(op, (q, k, v, mask, 0.25, torch.tensor([7, 50], device=q.device)), test_utils=CHECKS)

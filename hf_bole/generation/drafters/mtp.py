@@ -314,15 +314,19 @@ class MTPDrafter:
         slots: torch.Tensor,
         *,
         few_queries: bool,
+        key_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One MTP forward of entries (hidden, token) `[B, T]` at rotary embedding `rope` (`_rope`'s), writing their
-        keys/values to cache `slots [B, T]`; returns the outputs `[B, T, hidden]`. `few_queries`: a round's step (see
-        `mtp_attention`)."""
+        keys/values to cache `slots [B, T]`; returns the outputs `[B, T, hidden]`. `few_queries`: a round's step, and
+        `key_lengths [B]` the cache slots it reads of each row (see `mtp_attention`)."""
         cache.write_slots = slots
         # Under accelerate's device_map the target's embedding may run on another device than the head (which sits
         # with the LM head): its small output comes here (no copy on one device).
         embeds = self.embed_tokens(tokens).to(hidden.device)
-        return self.mtp(embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries)
+        return self.mtp(
+            embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries,
+            key_lengths=key_lengths,
+        )  # fmt: skip
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's rotary embedding `(cos, sin)` at text positions `[B, T]`, each `[B, T, head_dim]`, on the
@@ -369,7 +373,9 @@ class MTPDrafter:
         tokens = torch.where(new_mask, next_tokens, 0)
         hidden = hidden.masked_fill(~new_mask[..., None], 0)
         few = self._is_round(num_new)
-        out = self._step(cache, tokens, hidden, self._rope(positions), mask, slots, few_queries=few)  # [B, A, hidden]
+        out = self._step(
+            cache, tokens, hidden, self._rope(positions), mask, slots, few_queries=few, key_lengths=cache.used(committed)
+        )  # [B, A, hidden]
         last = torch.where(new_mask, torch.arange(num_new, device=slots.device), 0).amax(1)  # [B]
         rows = torch.arange(batch_size, device=slots.device)
         return out[rows, last], positions[rows, last]
@@ -435,7 +441,8 @@ class MTPDrafter:
         batch_size, hidden_size = root_hidden.shape
         device = root_hidden.device
         keys = torch.arange(cache.num_keys, device=device)
-        committed_keys = ((keys >= cache.offset) & (keys < cache.offset + committed[:, None]))[:, None, :]  # [B, 1, L]
+        key_lengths = cache.used(committed)  # [B]
+        committed_keys = ((keys >= cache.offset) & (keys < key_lengths[:, None]))[:, None, :]  # [B, 1, L]
 
         # the drafted nodes, level by level; node ids number them in this order (shallower first)
         logp, tokens = self._children(root_hidden)  # [B, K]
@@ -460,6 +467,7 @@ class MTPDrafter:
                 (committed_keys | frontier_ancestors)[:, None],
                 slots.expand(batch_size, -1),
                 few_queries=True,
+                key_lengths=key_lengths,
             )  # [B, K, hidden]
             child_logp, child_tokens = self._children(out)  # [B, K, K]
             child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
@@ -523,6 +531,11 @@ class _MTPKVCache:
         self.value = torch.zeros(shape, dtype=dtype, device=device)
         self.num_keys = self.offset
         self.write_slots: torch.Tensor | None = None
+
+    def used(self, committed: torch.Tensor) -> torch.Tensor:
+        """`[B]` each row's slots in use, trash and scratch included, for rows of `committed [B]` entries: a round's
+        attention reads no slot past them (under CUDA graphs `num_keys` is the whole capacity)."""
+        return self.offset + committed
 
     def grow(self, capacity: int) -> None:
         """Reallocates with a larger committed capacity, keeping the committed entries."""
