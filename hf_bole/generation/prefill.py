@@ -14,6 +14,8 @@ re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hf_bole.generation.graphs import width_bucket
@@ -41,9 +43,12 @@ def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str, weight
 
 
 @torch.no_grad()
-def chain_prefill(verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int) -> torch.Tensor:
+def chain_prefill(
+    verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int, commit=None
+) -> torch.Tensor:
     """Prefills the empty `cache` with each row's prompt as chains through `verify_forward(ids, parents)` (a
-    `VerifyGraphs` or `tree_forward`), each committed whole.
+    `VerifyGraphs` or `tree_forward`), each committed whole by `commit(path)` (`VerifyGraphs.commit`, replayed;
+    defaults to `cache.commit` without its reads).
 
     Args:
         input_ids: `[B, P]` int64 prompts, left-padded.
@@ -53,25 +58,31 @@ def chain_prefill(verify_forward, cache, input_ids: torch.Tensor, mask: torch.Te
         `[B, P, hidden]` the final-norm hidden states of the prompt's tokens, in `input_ids`' columns (zero at left
         padding), as the decoder's forward over the prompt gives them.
     """
+    if commit is None:
+        commit = functools.partial(cache.commit, check_values=False)
     B, P = input_ids.shape
     device = input_ids.device
     lengths = mask.sum(-1)  # [B]
-    left_pad = P - lengths  # [B]
     longest = int(lengths.max())  # one host read, before the first chain is launched
+    # Every chain's inputs at once, [B, chains * MAX_NODES], chain c in columns [c * MAX_NODES, (c + 1) * MAX_NODES):
+    # each call's launches from Python are what the prefill's time is made of on a small model.
+    index = torch.arange(-(-longest // MAX_NODES) * MAX_NODES, device=device)  # place in each row's prompt
+    real = index[None] < lengths[:, None]
+    columns = torch.where(real, (P - lengths)[:, None] + index[None], P)  # P: a spare column
+    ids = torch.where(real, input_ids.gather(1, columns.clamp(max=P - 1)), pad_token)
+    # A chain: node i the child of node i - 1, the first a child of the cache; past a row's prompt, nodes of parent
+    # -1 that are never committed. A chain's path is the whole chain, or nothing.
+    in_chain = index % MAX_NODES
+    parents = torch.where(real, in_chain - 1, -1).to(cache.device)
+    path = torch.where(real, in_chain, -1).to(cache.device)
     hidden = None
     for start in range(0, longest, MAX_NODES):
-        width = width_bucket(min(MAX_NODES, longest - start), MAX_NODES)
-        index = start + torch.arange(width, device=device)  # [W] place in each row's prompt
-        real = index[None] < lengths[:, None]  # [B, W]
-        columns = torch.where(real, left_pad[:, None] + index[None], P)  # [B, W]; P: a spare column
-        ids = torch.where(real, input_ids.gather(1, columns.clamp(max=P - 1)), pad_token)
-        # A chain: node i the child of node i - 1; past a row's prompt, nodes of parent -1 that are never committed.
-        parents = torch.where(real, index[None] - start - 1, -1)  # [B, W]; the first node is a child of the cache
-        out = verify_forward(ids, parents.to(cache.device))
+        chain = slice(start, start + width_bucket(min(MAX_NODES, longest - start), MAX_NODES))
+        out = verify_forward(ids[:, chain], parents[:, chain])
         if hidden is None:
             hidden = out.hidden_states.new_zeros(B, P + 1, out.hidden_states.shape[-1])
         # The outputs may be a graph's buffers, which the next chain overwrites: taken out now.
-        hidden.scatter_(1, columns.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]), out.hidden_states)
-        path = torch.where(real, index[None] - start, -1)  # [B, W]: the whole chain, or nothing
-        cache.commit(path.to(cache.device), check_values=False)
+        into = columns[:, chain].to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+        hidden.scatter_(1, into, out.hidden_states)
+        commit(path[:, chain])
     return hidden[:, :P]

@@ -411,8 +411,8 @@ def test_draft_over_the_whole_cache_length():
 def test_replayed_rounds_read_their_static_inputs(monkeypatch):
     """The graphed path's bookkeeping on any device (a recorded call in place of a CUDA graph): every round's
     inputs reach the captured extension and expansion through its static buffers, one capture per (batch size,
-    new entries, tree size); the prompt extends eagerly but for its last depth + 1 entries, drafted from by a
-    replayed round."""
+    new entries, tree size); the prompt extends through a chunk's graph but for its last depth + 1 entries, drafted
+    from by a replayed round."""
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([60, 40])
@@ -423,8 +423,48 @@ def test_replayed_rounds_read_their_static_inputs(monkeypatch):
     monkeypatch.setattr(graphed, "_replays", lambda device: True)
     for tree, eager in zip(_rounds(graphed, rows, bounds), _rounds(_drafter(model, mtp, 3, 2), rows, bounds)):
         _assert_same_trees(tree, eager)
-    # new entries per call: 7 (the prompt: 3 eagerly, its last 4 replayed), then 3, 2, 3, 2, 3
-    assert sorted(key[1] for key in graphed._graphs) == [2, 3, 4] and len(captured) == 3
+    # new entries per call: 7 (the prompt: 3 through a chunk's graph, its last 4 replayed), then 3, 2, 3, 2, 3
+    assert sorted(key[1] for key in graphed._graphs) == [2, 3, 4] and list(graphed._extend_graphs) == [2]
+    assert len(captured) == 4
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_prompt_extension_replays_in_chunks(left_pad, monkeypatch):
+    """Under graphs a prompt extends `_EXTEND_CHUNK` entries at a time through one captured chunk (recorded in place
+    of a CUDA graph), ragged rows padded into their chunks, and drafts the trees of the eager extension, in that call
+    and the next ones."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([300, 40])
+    bounds = [[0, 290, 293, 300], [0, 37, 39, 40]]
+    monkeypatch.setattr(mtp_module, "_EXTEND_CHUNK", 64)
+    graphed = _drafter(model, mtp, 3, 2)
+    monkeypatch.setattr(mtp_module, "capture", recording_capture([]))
+    monkeypatch.setattr(graphed, "_replays", lambda device: True)
+    widths = []
+    extend = graphed._extend
+
+    def counted(cache, *inputs):
+        widths.append(inputs[1].shape[1])
+        return extend(cache, *inputs)
+
+    monkeypatch.setattr(graphed, "_extend", counted)
+
+    def calls(drafter):
+        trees = []
+        for r in range(1, len(bounds[0])):
+            starts, ends = [bound[r - 1] for bound in bounds], [bound[r] for bound in bounds]
+            ctx = _ctx(rows, starts, ends, positions=False, left_pad=left_pad)
+            trees.append(drafter.propose(ctx))
+        return trees
+
+    for tree, eager in zip(calls(graphed), calls(_drafter(model, mtp, 3, 2))):
+        _assert_same_trees(tree, eager)
+    # _extend's calls by width. The prompt: 290 - 4 = 286 entries of the longer row, 5 chunks of 64 (the capture's
+    # call, then a replay each), then its last 4 through a round (captured, replayed). The next call brings 3
+    # entries (a round), the last one 7: 3 through the chunk's graph, then a round of 4.
+    assert widths == [64] * 6 + [4, 4, 3, 3, 64, 4]
+    assert list(graphed._extend_graphs) == [2]
 
 
 @pytest.mark.parametrize("graphed", [False, True])
@@ -559,8 +599,8 @@ def test_cuda_graphs_match_eager_drafting(compile):
     model = _model(moe=False)
     mtp = _mtp(model)
     rows = _rows([300, 40])
-    # Calls bringing in up to depth + 1 = 4 entries replay graphs; longer ones run eagerly (the sixth grows the
-    # cache past 256 entries, which drops the graphs).
+    # Calls bringing in up to depth + 1 = 4 entries replay round graphs; longer ones extend through a chunk's graph
+    # but for their last 4 (the sixth grows the cache past 256 entries, which drops the graphs).
     bounds = [
         [0, 7, 10, 12, 200, 203, 290, 293, 300],
         [0, 1, 2, 4, 17, 20, 37, 39, 40],

@@ -42,6 +42,9 @@ logger = logging.get_logger(__name__)
 
 # Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
 _CAPACITY_STEP = 256
+# Under CUDA graphs a prompt's extension replays one graph per batch size over chunks of this many entries (the last
+# padded): a prompt's length changes from call to call, a chunk's does not.
+_EXTEND_CHUNK = 128
 # torch.compile's compiles of `_round` allowed in one process. dynamo counts them per code object, so every drafter
 # (one per depth, topk and launch) shares them; past its default of 8 it ran rounds eagerly with a log line only. In
 # a sweep of chains of depth 3-12 and trees of 6-12 on an H200 the trees of depth 8 and more drafted that way: bole
@@ -73,7 +76,8 @@ class MTPDrafter:
             On CUDA, replay a round's drafting (the cache extension by the accepted entries, then the tree
             expansion) from a CUDA graph per (batch size, new entries, tree size); see `BoleConfig.cuda_graphs`.
             A call that brings in more than `depth + 1` entries (a prompt) extends the cache by all but each row's
-            last `depth + 1` eagerly, and drafts from those through a round's graph.
+            last `depth + 1` in chunks of 128 entries replayed from a graph of their own, and drafts from those
+            through a round's graph.
         compile (`bool`, *optional*, defaults to `False`):
             Run a round's drafting (the same calls) through `torch.compile`, which fuses the head's norms, rotary
             embedding and the tree bookkeeping between its steps into fewer kernels; with `cuda_graphs` the compiled
@@ -133,6 +137,8 @@ class MTPDrafter:
                 f"bole_cuda_graphs=False says the same without this warning)"
             )
         self._graphs: dict[tuple[int, int, int], _GraphedDraft] = {}  # (batch size, new entries, nodes) -> graph
+        # batch size -> a prompt chunk's extension: its graph and static inputs (`_extend_replayed`)
+        self._extend_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = None
         self.compile = compile
         self.fuse_projections = fuse_projections
@@ -302,6 +308,7 @@ class MTPDrafter:
         # The next capture starts a new memory pool: once the graphs of a pool are gone, CUDA refuses to capture
         # into it while any of its memory is still held (an internal assert in PyTorch's caching allocator).
         self._graphs.clear()
+        self._extend_graphs.clear()
         self._graph_pool = None
 
     def _step(
@@ -389,7 +396,8 @@ class MTPDrafter:
         batch_size, num_new = next_tokens.shape
         from_end = new_mask.flip(1).cumsum(1).flip(1)  # [B, A] the row's real entries at or after each one
         last = new_mask & (from_end <= width)
-        self._extend(cache, hidden, next_tokens, new_mask & ~last, positions, committed - last.sum(1))
+        extend = self._extend_replayed if self._replays(hidden.device) else self._extend
+        extend(cache, hidden, next_tokens, new_mask & ~last, positions, committed - last.sum(1))
         # [B, A] each last entry's column in the tail; the others go to a spare column (width), dropped
         column = torch.where(last, width - from_end, width)
         source = torch.zeros(batch_size, width + 1, dtype=torch.long, device=column.device)
@@ -398,6 +406,47 @@ class MTPDrafter:
         source = source[:, :width]  # [B, depth + 1] the columns of the tail's entries
         tail_hidden = hidden.gather(1, source[..., None].expand(-1, -1, hidden.shape[-1]))
         return tail_hidden, next_tokens.gather(1, source), mask, positions.gather(1, source), committed
+
+    def _extend_replayed(
+        self,
+        cache: _MTPKVCache,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        new_mask: torch.Tensor,
+        positions: torch.Tensor,
+        committed: torch.Tensor,
+    ) -> None:
+        """`_extend` of a prompt's entries `[B, A]`, `_EXTEND_CHUNK` columns at a time, each chunk replayed from one
+        CUDA graph per batch size (over the cache's whole length, as `_propose_graphed`'s). Launched from Python, the
+        eager extension's ~130 kernels took 3.7-4.1 ms of a 14-16 ms first token at batch 1 on the house model
+        (results/speed_h200/fortieth_session); a replay is one launch."""
+        B, A = next_tokens.shape
+        pad = -A % _EXTEND_CHUNK
+        hidden, next_tokens, new_mask, positions = (
+            torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], dim=1) for x in (hidden, next_tokens, new_mask, positions)
+        )  # [B, A + pad], padding entries masked out
+        chunks = new_mask.view(B, -1, _EXTEND_CHUNK)  # [B, chunks, C]
+        # [B, chunks] each row's entries once a chunk is in
+        after = committed[:, None] - new_mask.sum(1, keepdim=True) + chunks.sum(2).cumsum(1)
+        cache.num_keys = cache.key.shape[2]
+        for j in range(chunks.shape[1]):
+            columns = slice(j * _EXTEND_CHUNK, (j + 1) * _EXTEND_CHUNK)
+            inputs = (*(x[:, columns] for x in (hidden, next_tokens, new_mask, positions)), after[:, j])
+            graphed = self._extend_graphs.get(B)
+            if graphed is None:
+                static = tuple(x.clone() for x in inputs)
+
+                def run(static=static) -> None:
+                    # Writing the same entries again rewrites the same slots with the same values: `capture` may run
+                    # it twice.
+                    self._extend(cache, *static)
+
+                graph, _ = capture(run, hidden.device, self._graph_pool)
+                self._graph_pool = graph.pool()
+                graphed = self._extend_graphs[B] = (graph, static)
+            for buffer, value in zip(graphed[1], inputs):
+                buffer.copy_(value)
+            graphed[0].replay()
 
     def _propose_graphed(self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...], num_nodes: int) -> DraftTree:
         """`_round` (compiled with `compile`), replayed from a CUDA graph captured once per (batch size, new entries,
