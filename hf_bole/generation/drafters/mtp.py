@@ -238,8 +238,9 @@ class MTPDrafter:
         with fused, attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
             cache.num_keys = cache.offset + longest  # attend over the slots in use only, not the whole capacity
             if not self._is_round(num_new):
-                # A prompt: every entry but each row's last depth + 1 extends the cache eagerly (its length comes
-                # once), and those last ones go through a round's drafting, replayed (or compiled) as every round's.
+                # A prompt: every entry but each row's last depth + 1 extends the cache first (eagerly, or in chunks
+                # replayed from a graph: its length comes once), and those last ones go through a round's drafting,
+                # replayed (or compiled) as every round's.
                 inputs = self._extend_all_but_last(cache, inputs)
             if self._replays(device):
                 return self._propose_graphed(cache, inputs, num_nodes)
