@@ -431,8 +431,7 @@ def _decode(
         select = select_round
         tails = None
     if chains:  # the prompt through the verify forward (generation/prefill.py)
-        commit = verify_forward.commit if graphed else None  # replayed from graphs with the verify forwards
-        hidden = chain_prefill(verify_forward, cache, input_ids, mask, pad_token, commit).to(device)  # [B, P, hidden]
+        hidden = chain_prefill(verify_forward, cache, input_ids, mask, pad_token).to(device)  # [B, P, hidden]
     else:
         decoder = model.get_decoder()
         prefill = decoder(

@@ -1,8 +1,9 @@
 """The fortieth session's two first-token changes against their forms before, in one process, passes in turns: batch
 1, house model, each prompt its own call.
 
-    now      a prompt's drafter extension in chunks of 128 entries replayed from a graph (`MTPDrafter._extend_replayed`),
-             the prefill chains' inputs built at once and their commits replayed (`graphs.CommitGraphs`)
+    now      the library as it is: a prompt's drafter extension in chunks of 128 entries replayed from a graph
+             (`MTPDrafter._extend_replayed`), the prefill chains' inputs built at once; with `commit_graphs.patch`
+             applied, also the chains' commits replayed (`graphs.CommitGraphs`)
     before   the extension eager, each chain's inputs built and committed from Python (`chain_prefill` as of f9bcacc,
              copied below)
 
