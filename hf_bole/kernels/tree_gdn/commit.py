@@ -134,6 +134,7 @@ def tree_gdn_commit(
         The new state, shaped like `initial_state`: exactly the recurrent state after the path's tokens.
 
     Example:
+        >>> from hf_bole.kernels.tree_gdn import tree_gdn_verify
         >>> B, T, H, K, V = 1, 3, 2, 16, 16
         >>> q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
         >>> v, g, beta = torch.randn(B, T, H, V), -torch.rand(B, T, H), torch.rand(B, T, H)

@@ -27,13 +27,13 @@ gsm)  # batch 1 on GSM8K: chain at 8 and 10 against bole at 10 with 31 and 63 no
         "bole d10 b31=depth=10,budget=31" "bole d10 b63=depth=10,budget=63"
     ;;
 tests)  # on CUDA: the drafter's chunked extension under real graphs, the chains' replayed commits, graphed generate
-    HF_BOLE_TEST_DEVICE=cuda step mtp_tests "${MTP_S:-150}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+    HF_BOLE_TEST_DEVICE=cuda step mtp_tests "${MTP_S:-200}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
         tests/generation/test_mtp.py -k "cuda_graphs or replayed or chunks or extension"
-    HF_BOLE_TEST_DEVICE=cuda step prefill_tests "${PREFILL_S:-90}" python3 -m pytest -q -p no:cacheprovider -rf \
+    HF_BOLE_TEST_DEVICE=cuda step prefill_tests "${PREFILL_S:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
         --tb=short tests/generation/test_prefill.py tests/generation/test_graphs.py -k "prefill or chain or generate_matches"
     ;;
 ab)  # batch 1, MBPP: the two first-token changes against their forms before, passes in turns (ttft_ab.py)
-    STEP_SHOWS="^\||same tokens|first pass|Error" STEP_TAIL=20 step ab "${AB_S:-300}" python3 $HERE/ttft_ab.py \
+    STEP_SHOWS="^\||same tokens|first pass|Error" STEP_TAIL=20 step ab "${AB_S:-480}" python3 $HERE/ttft_ab.py \
         --datasets mbpp --num-prompts 8 --max-new-tokens 128 --repeats "${REPEATS:-6}" --out "$OUT/ab.json"
     ;;
 *)
