@@ -293,7 +293,8 @@ class _Stopping:
 
     def __init__(self, criteria: StoppingCriteriaList, prompt_length: int):
         self.max_lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
-        self.eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten()}
+        # one host read per criterion (the ids sit on the device), not one per id
+        self.eos = {t for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten().tolist()}
         others = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         suffix = [c for c in others if isinstance(c, StopStringCriteria)]
         self.window = max((c.maximum_token_len for c in suffix), default=0)
