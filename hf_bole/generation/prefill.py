@@ -58,7 +58,7 @@ def chain_prefill(verify_forward, cache, input_ids: torch.Tensor, mask: torch.Te
     lengths = mask.sum(-1)  # [B]
     longest = int(lengths.max())  # one host read, before the first chain is launched
     # Every chain's inputs at once, [B, chains * MAX_NODES], chain c in columns [c * MAX_NODES, (c + 1) * MAX_NODES):
-    # each call's launches from Python are what the prefill's time is made of on a small model.
+    # on a small model the prefill's time is its launches from Python, and these were a dozen a chain.
     index = torch.arange(-(-longest // MAX_NODES) * MAX_NODES, device=device)  # place in each row's prompt
     real = index[None] < lengths[:, None]
     columns = torch.where(real, (P - lengths)[:, None] + index[None], P)  # P: a spare column

@@ -418,9 +418,10 @@ class MTPDrafter:
         committed: torch.Tensor,
     ) -> None:
         """`_extend` of a prompt's entries `[B, A]`, `_EXTEND_CHUNK` columns at a time, each chunk replayed from one
-        CUDA graph per batch size (over the cache's whole length, as `_propose_graphed`'s). Launched from Python, the
-        eager extension's ~130 kernels took 3.7-4.1 ms of a 14-16 ms first token at batch 1 on the house model
-        (results/speed_h200/fortieth_session); a replay is one launch."""
+        CUDA graph per batch size (over the cache's whole length, as `_propose_graphed`'s). Eager, the extension
+        launches about 130 kernels from Python; the drafter's first call, which it dominated, took 3.7-4.1 ms of a
+        14-16 ms first token at batch 1 on the house model (results/speed_h200/fortieth_session). A chunk's replay
+        is one launch."""
         B, A = next_tokens.shape
         pad = -A % _EXTEND_CHUNK
         hidden, next_tokens, new_mask, positions = (
