@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The forty-first session's GPU plan (README.md beside this file says what came of it).
+# Usage, from the repository root, with fla-core's wheel in .whl/:
+#   OUT=... bash results/speed_h200/forty_first_session/gpu.sh PART...   (parts in turns, on one machine)
+# Budget tables: the thirty-eighth session's (each width's capacity), installed first.
+set -uo pipefail
+. eval/gpu_preamble.sh
+install_tables results/speed_h200/thirty_eighth_session
+HERE=results/speed_h200/forty_first_session
+PATCH=results/speed_h200/fortieth_session/commit_graphs.patch
+for PART in "$@"; do
+case $PART in
+patch)  # the held-back commit graphs into this machine's copy of the working tree (each call copies it anew)
+    if git apply --check "$PATCH" 2>/dev/null; then git apply "$PATCH" && echo "applied $PATCH"; else echo "$PATCH not applied"; fi
+    ;;
+tests)  # on CUDA: the chains' replayed commits, the drafter's chunked extension under real graphs, graphed generate
+    HF_BOLE_TEST_DEVICE=cuda step prefill_tests "${PREFILL_S:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
+        --tb=short tests/generation/test_prefill.py tests/generation/test_graphs.py -k "prefill or chain or generate_matches"
+    HF_BOLE_TEST_DEVICE=cuda step mtp_tests "${MTP_S:-200}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+        tests/generation/test_mtp.py -k "cuda_graphs or replayed or chunks or extension"
+    ;;
+ab)  # batch 1, MBPP: the first-token changes against their forms before, passes in turns (ttft_ab.py)
+    STEP_SHOWS="^\||same tokens|first pass|commit graphs|Error" STEP_TAIL=24 step ab "${AB_S:-480}" python3 \
+        $HERE/ttft_ab.py --datasets mbpp --num-prompts 8 --max-new-tokens 128 --repeats "${REPEATS:-6}" \
+        --out "$OUT/ab.json"
+    ;;
+*)
+    echo "unknown part $PART"
+    ;;
+esac
+done
