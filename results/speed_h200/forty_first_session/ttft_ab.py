@@ -69,6 +69,7 @@ def call(variant: str, *args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", nargs="+", choices=("chain", "bole"), help="the modes timed (default: both)")
     ours, rest = ap.parse_known_args()
     args = run.parse_args(rest + ["--batch-sizes", "1"])
     cuda = torch.cuda.is_available()
@@ -85,6 +86,7 @@ def main() -> None:
         "chain d10": Mode("chain", 10, 1, 10, 0.3, "closed_form", label="chain d10"),
         "bole d10 b31": Mode("bole", 10, 4, 31, 0.3, "closed_form", label="bole d10 b31"),
     }
+    modes = {k: m for k, m in modes.items() if ours.only is None or m.name in ours.only}
     names = ["before", "now", "now, writes per call"] + (["now, eager commits"] if COMMIT_GRAPHS else [])
     variants = [(m, v) for m in modes for v in names]
     print(f"commit graphs in the library: {COMMIT_GRAPHS}", flush=True)
