@@ -128,11 +128,10 @@ def _capture_on_side_stream(run, device: torch.device, pool) -> tuple[torch.cuda
 
 
 class ShapeGraphs:
-    """`run(*inputs)` replayed from a CUDA graph per input shape, captured in the middle of a `generate` call (the
-    token writes of `loop._Writes`, kept across calls while they fit): the first call of a shape runs eagerly, which
-    pays first-use costs such as cached index ranges, the second captures (`capture_queued`, no wait for the GPU),
-    later ones copy their inputs in and replay. Returns `run`'s outputs, the graph's buffers from the second call on:
-    valid until the next call."""
+    """`run(*inputs)` replayed from a CUDA graph per input shape, for work made anew by each `generate` call (whose
+    graphs go with it): the first call of a shape runs eagerly, which pays first-use costs such as cached index
+    ranges, the second captures (`capture_queued`, no wait for the GPU), later ones copy their inputs in and replay.
+    Returns `run`'s outputs, the graph's buffers from the second call on: valid until the next call."""
 
     def __init__(self, run):
         self.run = run

@@ -7,10 +7,11 @@ set -uo pipefail
 . eval/gpu_preamble.sh
 install_tables results/speed_h200/thirty_eighth_session
 HERE=results/speed_h200/forty_first_session
-PATCH=results/speed_h200/fortieth_session/commit_graphs.patch
 for PART in "$@"; do
 case $PART in
-patch)  # the held-back commit graphs into this machine's copy of the working tree (each call copies it anew)
+patch|writes)  # a held-back change into this machine's copy of the working tree (each call copies it anew): the
+               # commit graphs (../fortieth_session/commit_graphs.patch) or the kept token writes (kept_writes.patch)
+    PATCH=$([ "$PART" = patch ] && echo results/speed_h200/fortieth_session/commit_graphs.patch || echo $HERE/kept_writes.patch)
     if git apply --check "$PATCH" 2>/dev/null; then git apply "$PATCH" && echo "applied $PATCH"; else echo "$PATCH not applied"; fi
     ;;
 prefill_tests)  # on CUDA: the chains' replayed commits (with `patch`), graphed generate over calls (kept writes)

@@ -6,7 +6,7 @@ passes in turns: batch 1, house model, each prompt its own call.
                     their graphs made anew in every call
     now             the library as it is
     now, writes per call
-                    the token writes (`loop._Writes`) made anew in every call, as before: an eager write and a
+                    only with `kept_writes.patch` applied: the token writes (`loop._Writes`) made anew in every call, as before: an eager write and a
                     capture per width a call
     now, eager commits
                     only where the library replays the prefill chains' commits from graphs (`graphs.CommitGraphs`,
@@ -48,6 +48,7 @@ _spec.loader.exec_module(fortieth)
 
 NOW = {"extend": MTPDrafter._extend_replayed, "prefill": loop.chain_prefill}
 COMMIT_GRAPHS = hasattr(graphs, "CommitGraphs")
+KEPT_WRITES = hasattr(loop, "_WRITES")  # kept_writes.patch applied
 
 
 def eager_commits(verify_forward, cache, input_ids, mask, pad_token, commit=None):
@@ -61,7 +62,7 @@ def use(variant: str) -> None:
 
 
 def call(variant: str, *args) -> dict:
-    if variant in ("before", "now, writes per call"):
+    if KEPT_WRITES and variant in ("before", "now, writes per call"):
         loop._WRITES.clear()  # no writes kept from the call before
     return run.run_batch(*args)
 
@@ -87,7 +88,8 @@ def main() -> None:
         "bole d10 b31": Mode("bole", 10, 4, 31, 0.3, "closed_form", label="bole d10 b31"),
     }
     modes = {k: m for k, m in modes.items() if ours.only is None or m.name in ours.only}
-    names = ["before", "now", "now, writes per call"] + (["now, eager commits"] if COMMIT_GRAPHS else [])
+    names = ["before", "now"] + (["now, writes per call"] if KEPT_WRITES else [])
+    names += ["now, eager commits"] if COMMIT_GRAPHS else []
     variants = [(m, v) for m in modes for v in names]
     print(f"commit graphs in the library: {COMMIT_GRAPHS}", flush=True)
     if cuda:
