@@ -11,8 +11,10 @@ for PART in "$@"; do
 case $PART in
 patch|writes)  # a held-back change into this machine's copy of the working tree (each call copies it anew): the
                # commit graphs (../fortieth_session/commit_graphs.patch) or the kept token writes (kept_writes.patch)
-    PATCH=$([ "$PART" = patch ] && echo results/speed_h200/fortieth_session/commit_graphs.patch || echo $HERE/kept_writes.patch)
-    if git apply --check "$PATCH" 2>/dev/null; then git apply "$PATCH" && echo "applied $PATCH"; else echo "$PATCH not applied"; fi
+    PATCH=$HERE/kept_writes.patch
+    [ "$PART" = patch ] && PATCH=results/speed_h200/fortieth_session/commit_graphs.patch
+    if git apply --check "$PATCH" 2>/dev/null; then git apply "$PATCH" && echo "applied $PATCH"
+    else echo "$PATCH not applied"; fi
     ;;
 prefill_tests)  # on CUDA: the chains' replayed commits (with `patch`), graphed generate over calls (kept writes)
     HF_BOLE_TEST_DEVICE=cuda step prefill_tests "${PREFILL_S:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
