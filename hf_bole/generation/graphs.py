@@ -128,10 +128,11 @@ def _capture_on_side_stream(run, device: torch.device, pool) -> tuple[torch.cuda
 
 
 class ShapeGraphs:
-    """`run(*inputs)` replayed from a CUDA graph per input shape, for work made anew by each `generate` call (whose
-    graphs go with it): the first call of a shape runs eagerly, which pays first-use costs such as cached index
-    ranges, the second captures (`capture_queued`, no wait for the GPU), later ones copy their inputs in and replay.
-    Returns `run`'s outputs, the graph's buffers from the second call on: valid until the next call."""
+    """`run(*inputs)` replayed from a CUDA graph per input shape, captured in the middle of a `generate` call (the
+    token writes of `loop._Writes`, kept across calls while they fit): the first call of a shape runs eagerly, which
+    pays first-use costs such as cached index ranges, the second captures (`capture_queued`, no wait for the GPU),
+    later ones copy their inputs in and replay. Returns `run`'s outputs, the graph's buffers from the second call on:
+    valid until the next call."""
 
     def __init__(self, run):
         self.run = run
@@ -192,8 +193,9 @@ class VerifyGraphs:
         self.fuse_projections, self.attention = fuse_projections, attention
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
-        # The tails read these graphs' outputs where they are: they go with them.
+        # The tails and the prefill chains' commits read these graphs' outputs where they are: they go with them.
         self.tail = TailGraphs(cache)
+        self.commit = CommitGraphs(cache)
 
     def __call__(self, input_ids: torch.Tensor, parents: torch.Tensor) -> TreeForwardOutput:
         """The verify forward of trees `[B, W]`; the outputs are the graph's buffers, valid until the next call."""
@@ -317,6 +319,45 @@ class TailGraphs:
         graph.replay()
         self.cache.record_commit(tail.committed_width)
         return tail
+
+
+class CommitGraphs:
+    """`cache.commit(path, check_values=False)` replayed from a CUDA graph per (path shape, tree round): the prefill
+    chains' commits (`generation/prefill.py`), whose paths are whole chains. Launched from Python a commit is about a
+    dozen launches, three of them Triton kernels; with the chain's other launches it kept the host at about 1.5 ms a
+    chain, for 0.8 ms of GPU work, at batch 1 on the house model (results/speed_h200/fortieth_session).
+
+    The tree round is the verify forward's replayed just before (`VerifyGraphs` keeps one per width), whose buffers
+    the commit reads where they are. As in `TailGraphs`, the first call of a key runs eagerly, the second captures
+    (the capture runs the commit's host-side record once, and its replay is that commit), and later ones copy the
+    path in, replay, and make the host-side record (`BoleCache.record_commit`).
+    """
+
+    def __init__(self, cache: BoleCache):
+        self.cache = cache
+        # key -> the graph, its static path and the round it commits (held, so that the key's id stays its own)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self._seen: set[tuple] = set()
+
+    def __call__(self, path: torch.Tensor) -> None:
+        """Commits `path [B, L]` of the last verify forward, as `BoleCache.commit` does without reading it."""
+        tree_round = self.cache.current_round()
+        key = (tuple(path.shape), id(tree_round))
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                self.cache.commit(path, check_values=False)
+                return
+            static = path.clone()
+            graph, _ = capture_queued(lambda: self.cache.commit(static, check_values=False), path.device)
+            self._graphs[key] = (graph, static, tree_round)
+            graph.replay()
+            return
+        graph, static, _ = entry
+        static.copy_(path)
+        graph.replay()
+        self.cache.record_commit(path.shape[1])
 
 
 # model -> {(batch size, verify, compile, fuse_projections, attention): (cache, graphs)}: one cache per batch size and

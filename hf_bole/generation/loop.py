@@ -45,6 +45,7 @@ from hf_bole.generation.acceptance import (
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
 from hf_bole.generation.graphs import (
+    CAPACITY_STEP,
     ShapeGraphs,
     captures,
     drop_graphs,
@@ -231,6 +232,7 @@ def release(model) -> None:
     """
     drop_graphs(model)
     _MTP_DRAFTERS.pop(model, None)
+    _WRITES.pop(model, None)
 
 
 def _make_drafter(model, config: BoleConfig, device: torch.device):
@@ -286,7 +288,7 @@ class _Stopping:
     """Plain `generate`'s stopping rules applied token by token to rows that advance at different speeds.
 
     EOS and length criteria are checked on the host from the emitted token ids. Stop strings look only at the last
-    `maximum_token_len` tokens of a row: `suffix_stops` checks every new token of every row in one call per round
+    `maximum_token_len` tokens of a row: `_suffix_stops` checks every new token of every row in one call per round
     over those windows. Any other criterion (user criteria) is called exactly as plain decoding calls it, with the
     row's full `input_ids`, token by token.
     """
@@ -305,23 +307,9 @@ class _Stopping:
         # Plain decoding pads a finished row only when some criterion knows an EOS token (`_sample`).
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
 
-    def suffix_stops(self, seq: torch.Tensor, ends: torch.Tensor) -> torch.Tensor | None:
-        """`[B, L]` bool on the device: whether a stop string ends row b's sequence `seq[b, :ends[b, j]]` (`ends`:
-        `[B, L]`, at least `window`); None without stop strings. Ends past the sequence give meaningless entries."""
-        if not self.suffix:
-            return None
-        B, L = ends.shape
-        # A round's host time is mostly launches like these (results/speed_h200/thirty_third_session): one add
-        # for the columns, one criterion call per criterion (a single one holds every stop string of a request).
-        offsets = _cached_arange(self.window, seq.device, -self.window)  # [W]
-        columns = (ends[..., None] + offsets).clamp_(max=seq.shape[1] - 1)  # [B, L, W], ends >= window
-        windows = seq.gather(1, columns.view(B, -1)).view(B * L, self.window)
-        stops = functools.reduce(torch.logical_or, (criterion(windows, None) for criterion in self.suffix))
-        return stops.view(B, L)
-
     def first_stop(self, tokens: list[int], length: int, suffix: list[int] | None, row_ids) -> int | None:
         """The index of the first of a row's new `tokens` after which it stops, or None: its sequence is `length`
-        long before them, `row_ids(n)` gives its first `n` ids as [1, n], and `suffix[j]` is what `suffix_stops`
+        long before them, `row_ids(n)` gives its first `n` ids as [1, n], and `suffix[j]` is what `_suffix_stops`
         said of token j (None without stop strings). Other criteria are called token by token with the row's ids, as
         plain decoding calls them, up to the stop."""
         reach = min((m - length - 1 for m in self.max_lengths), default=len(tokens))  # the token reaching a length
@@ -432,7 +420,8 @@ def _decode(
         select = select_round
         tails = None
     if chains:  # the prompt through the verify forward (generation/prefill.py)
-        hidden = chain_prefill(verify_forward, cache, input_ids, mask, pad_token).to(device)  # [B, P, hidden]
+        commit = verify_forward.commit if graphed else None  # replayed from graphs with the verify forwards
+        hidden = chain_prefill(verify_forward, cache, input_ids, mask, pad_token, commit).to(device)  # [B, P, hidden]
     else:
         decoder = model.get_decoder()
         prefill = decoder(
@@ -447,12 +436,13 @@ def _decode(
     scores = logits_processor(input_ids, logits) if logits_processor else logits
     first = sample_tokens(scores) if do_sample else scores.argmax(-1)  # [B]
 
-    # seq: every row as plain decoding's `input_ids` holds it (left padding, generated tokens); a spare column at
-    # the end takes the writes of padding entries.
-    seq = torch.full((B, P + max_new + lag * step + per_row + 3), pad_token, dtype=torch.long, device=device)
-    seq[:, :P] = input_ids
+    # seq: every row as plain decoding's `input_ids` holds it (`_Writes`), with room for a round past `max_new`
+    writes = _Writes.for_call(
+        model, input_ids, P + max_new + lag * step + per_row + 3, pad_token, stopping, graphed and device.type == "cuda"
+    )
+    seq = writes.seq
     prompt_lengths = mask.sum(-1)  # [B] on the device
-    state = _Rows(B, P, max_new, stopping, seq, pad_token, graphed=graphed and device.type == "cuda")
+    state = _Rows(B, P, max_new, stopping, writes)
     # The first token is read like a round's tokens: pipelined, after the first round is queued (behind the prefill).
     queued = [_Queued(state.write(first[:, None], torch.ones(B, dtype=torch.long, device=device)), None, round=False)]
     streamed = _Streamer(streamer, state)
@@ -643,18 +633,10 @@ def _finish(state: _Rows, queued: _Queued, drafter, max_depth: int | None, vocab
 class _Rows:
     """Host-side bookkeeping of every row: tokens generated, where it finished, whether it still decodes."""
 
-    def __init__(
-        self, B: int, P: int, max_new: int, stopping: _Stopping, seq: torch.Tensor, pad: int, graphed: bool = False
-    ):
-        self.B, self.P, self.max_new, self.stopping, self.seq, self.pad = B, P, max_new, stopping, seq, pad
+    def __init__(self, B: int, P: int, max_new: int, stopping: _Stopping, writes: _Writes):
+        self.B, self.P, self.max_new, self.stopping, self.pad = B, P, max_new, stopping, writes.pad
+        self.seq, self.generated, self._append = writes.seq, writes.generated, writes.append
         self.n_gen = [0] * B
-        # [B] on the device, updated in place: tokens written per row. It runs ahead of `n_gen` by the rounds the
-        # host has not read, and past it in a row that stopped inside a round's path (the row is done then).
-        self.generated = torch.zeros(B, dtype=torch.long, device=seq.device)
-        # The writes' device work, about 35 launches (most of them the stop strings'), replays from a CUDA graph per
-        # width with `graphed`; the graphs go with this call.
-        append = functools.partial(_append, seq, self.generated, stopping, P, pad)
-        self._append = ShapeGraphs(append) if graphed else append
         self.tokens: list[list[int]] = [[] for _ in range(B)]
         self.finished_at: list[int | None] = [None] * B  # generated length when a stopping criterion fired
         self.frozen = [False] * B  # finished and padded from then on, as plain decoding does with an EOS criterion
@@ -729,13 +711,70 @@ def _upload(flags: list[bool], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class _Writes:
+    """The device side of `_Rows.write`: every row's sequence as plain decoding's `input_ids` holds it (`seq`, `[B,
+    width]`: left padding, prompt, generated tokens, and a spare last column that takes the writes of padding
+    entries), the rows' counts (`generated`, `[B]`, advanced in place) and the writes of each round's tokens
+    (`_append`), replayed with `graphed` from a CUDA graph per width.
+
+    With graphs, `for_call` keeps one for the model's next calls of the same batch size, padding id and stop-string
+    criteria (the same objects): its graphs are captured once, where a call's own took an eager write and a capture
+    of about 35 launches each (with stop strings) in every call. The prompt's width is an input on the device
+    (`start`), so that calls of other lengths replay the same graphs.
+    """
+
+    def __init__(self, B: int, width: int, pad: int, stopping: _Stopping, device: torch.device, graphed: bool):
+        self.pad = pad
+        self.suffix, self.window = tuple(stopping.suffix), stopping.window if stopping.suffix else 0
+        self.seq = torch.full((B, width), pad, dtype=torch.long, device=device)
+        # Tokens written per row. It runs ahead of `_Rows.n_gen` by the rounds the host has not read, and past it in a
+        # row that stopped inside a round's path (the row is done then).
+        self.generated = torch.zeros(B, dtype=torch.long, device=device)
+        self.start = torch.zeros((), dtype=torch.long, device=device)  # the call's prompt width P
+        append = functools.partial(_append, self.seq, self.generated, self.start, self.suffix, self.window, pad)
+        self.append = ShapeGraphs(append) if graphed else append
+
+    @classmethod
+    def for_call(
+        cls, model, input_ids: torch.Tensor, width: int, pad: int, stopping: _Stopping, graphed: bool
+    ) -> _Writes:
+        """Writes for a call of prompts `input_ids` (`[B, P]`) whose sequences need `width` columns: the model's
+        kept ones where they fit (with `graphed`), else new ones; set to the prompts, nothing generated."""
+        B, P = input_ids.shape
+        writes = _WRITES.get(model, {}).get(B) if graphed else None
+        if writes is None or not writes._serves(width, pad, stopping, input_ids.device):
+            # Kept widths go up in steps, as the caches' capacities do, so that calls of similar lengths share one.
+            width = -(-width // CAPACITY_STEP) * CAPACITY_STEP if graphed else width
+            writes = cls(B, width, pad, stopping, input_ids.device, graphed)
+            if graphed:
+                _WRITES.setdefault(model, {})[B] = writes
+        else:
+            writes.seq[:, P:] = pad
+            writes.generated.zero_()
+        writes.seq[:, :P] = input_ids
+        writes.start.fill_(P)
+        return writes
+
+    def _serves(self, width: int, pad: int, stopping: _Stopping, device: torch.device) -> bool:
+        # the same criterion objects: a graph replays the kernels of those it captured, on their tensors
+        same = len(self.suffix) == len(stopping.suffix) and all(a is b for a, b in zip(self.suffix, stopping.suffix))
+        window = stopping.window if stopping.suffix else 0
+        return (self.seq.shape[1] >= width and self.pad == pad and same and self.window == window
+                and self.seq.device == device)  # fmt: skip
+
+
+# model -> {batch size: `_Writes`}: the latest graphed call's writes per batch size, for the next calls.
+_WRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _append(
-    seq: torch.Tensor, generated: torch.Tensor, stopping: _Stopping, P: int, pad: int, tokens: torch.Tensor,
-    lengths: torch.Tensor,
+    seq: torch.Tensor, generated: torch.Tensor, start: torch.Tensor, suffix: tuple, window: int, pad: int,
+    tokens: torch.Tensor, lengths: torch.Tensor,
 ) -> torch.Tensor:
     """`_Rows.write`'s device work: writes `tokens[b, :lengths[b]]` (`[B, L]`, `[B]`) into `seq` after the row's
-    `generated` tokens and advances `generated` in place; returns `[B, 1 + L (+ L)]`: the lengths, the tokens and,
-    with stop strings, whether each token ends one. No host reads (a CUDA graph replays it)."""
+    `generated` tokens, which follow `start` (`[]`) columns of prompt, and advances `generated` in place; returns
+    `[B, 1 + L (+ L)]`: the lengths, the tokens and, with stop strings, whether each token ends one. No host reads (a
+    CUDA graph replays it)."""
     L = tokens.shape[1]
     steps = _cached_arange(L, tokens.device)  # [L]
     # Write first: stopping criteria read the row's ids. Entries past a row's length go to the spare last column as
@@ -743,11 +782,25 @@ def _append(
     # windows over its entries then read that column (their criterion embeds every id: no -1 there). Entries past a
     # stop are overwritten or padded later.
     real = steps < lengths[:, None]  # [B, L]
-    columns = generated[:, None] + _cached_arange(L, tokens.device, P)  # [B, L] where each token goes
+    columns = (generated + start)[:, None] + steps  # [B, L] where each token goes
     seq.scatter_(1, torch.where(real, columns, seq.shape[1] - 1), torch.where(real, tokens, pad))
-    suffix = stopping.suffix_stops(seq, columns + 1)  # [B, L] or None
+    stops = _suffix_stops(suffix, window, seq, columns + 1) if suffix else None  # [B, L]
     generated.add_(lengths)
-    return torch.cat([lengths[:, None], tokens] + ([suffix.long()] if suffix is not None else []), dim=1)
+    return torch.cat([lengths[:, None], tokens] + ([stops.long()] if stops is not None else []), dim=1)
+
+
+def _suffix_stops(suffix: tuple, window: int, seq: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`[B, L]` bool on the device: whether one of the stop-string criteria `suffix` (windows of `window` tokens)
+    ends row b's sequence `seq[b, :ends[b, j]]` (`ends`: `[B, L]`, at least `window`). Ends past the sequence give
+    meaningless entries."""
+    B, L = ends.shape
+    # A round's host time is mostly launches like these (results/speed_h200/thirty_third_session): one add for the
+    # columns, one criterion call per criterion (a single one holds every stop string of a request).
+    offsets = _cached_arange(window, seq.device, -window)  # [W]
+    columns = (ends[..., None] + offsets).clamp_(max=seq.shape[1] - 1)  # [B, L, W], ends >= window
+    windows = seq.gather(1, columns.view(B, -1)).view(B * L, window)
+    stops = functools.reduce(torch.logical_or, (criterion(windows, None) for criterion in suffix))
+    return stops.view(B, L)
 
 
 @functools.lru_cache(maxsize=64)  # keyed by prompt lengths too: bounded

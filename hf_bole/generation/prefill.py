@@ -14,6 +14,8 @@ re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hf_bole.generation.graphs import width_bucket
@@ -41,9 +43,12 @@ def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str, weight
 
 
 @torch.no_grad()
-def chain_prefill(verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int) -> torch.Tensor:
+def chain_prefill(
+    verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int, commit=None
+) -> torch.Tensor:
     """Prefills the empty `cache` with each row's prompt as chains through `verify_forward(ids, parents)` (a
-    `VerifyGraphs` or `tree_forward`), each committed whole.
+    `VerifyGraphs` or `tree_forward`), each committed whole by `commit(path)` (`VerifyGraphs.commit`, replayed;
+    defaults to `cache.commit` without its reads).
 
     Args:
         input_ids: `[B, P]` int64 prompts, left-padded.
@@ -53,6 +58,8 @@ def chain_prefill(verify_forward, cache, input_ids: torch.Tensor, mask: torch.Te
         `[B, P, hidden]` the final-norm hidden states of the prompt's tokens, in `input_ids`' columns (zero at left
         padding), as the decoder's forward over the prompt gives them.
     """
+    if commit is None:
+        commit = functools.partial(cache.commit, check_values=False)
     B, P = input_ids.shape
     device = input_ids.device
     lengths = mask.sum(-1)  # [B]
@@ -77,5 +84,5 @@ def chain_prefill(verify_forward, cache, input_ids: torch.Tensor, mask: torch.Te
         # The outputs may be a graph's buffers, which the next chain overwrites: taken out now.
         into = columns[:, chain].to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         hidden.scatter_(1, into, out.hidden_states)
-        cache.commit(path[:, chain], check_values=False)
+        commit(path[:, chain])
     return hidden[:, :P]

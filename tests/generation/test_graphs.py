@@ -197,8 +197,8 @@ def test_replayed_tail_commits_as_the_eager_tail(monkeypatch, mode):
 
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
 def test_shape_graphs_capture_behind_queued_work_in_one_pool():
-    """`ShapeGraphs` made anew per call (as `_Rows.write`'s are): they capture while earlier work is still queued
-    without waiting for it, replay what eager calls give (a running count updated in place), and share one memory
+    """`ShapeGraphs` made anew per call (as a `_Writes` is for a longer call): they capture while earlier work is still
+    queued without waiting for it, replay what eager calls give (a running count updated in place), and share one memory
     pool across calls, so reserved memory stops growing."""
     count = torch.zeros(64, dtype=torch.long)
     expected = torch.zeros(64, dtype=torch.long)

@@ -649,12 +649,14 @@ def test_stop_string_windows_past_a_finished_row():
     ended eval/run.py's house runs at batch 8, depth 6, budget 32; on CUDA a device-side assert)."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from hf_bole.generation.loop import _Rows, _Stopping
+    from hf_bole.generation.loop import _Rows, _Stopping, _Writes
 
     P, max_new, pad = 4, 6, 0
     stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
-    seq = torch.full((2, P + max_new + 3), pad, dtype=torch.long)  # 3 spare columns, the last one the padding's
-    rows = _Rows(2, P, max_new, stopping, seq, pad)
+    prompts = torch.full((2, P), pad)
+    writes = _Writes.for_call(None, prompts, P + max_new + 3, pad, stopping, graphed=False)  # 3 spare columns
+    seq = writes.seq
+    rows = _Rows(2, P, max_new, stopping, writes)
     rows.generated.copy_(torch.tensor([max_new + 2, 1]))  # row 0 done; row 1 has its first token (in place)
     tokens = torch.tensor([[-1, -1, -1, -1, -1], [3, 1, 2, -1, -1]])  # [B, L]: -1 past each row's path
     written = rows.write(tokens, torch.tensor([0, 3]))
@@ -667,31 +669,48 @@ def test_stop_string_windows_past_a_finished_row():
 def test_replayed_writes_are_the_eager_writes(monkeypatch):
     """`_Rows.write` replayed from graphs (`graphed`; a recorded call stands for the CUDA graph): the first write of a
     width runs eagerly, the second captures, later ones replay with the round's tokens copied in. The sequence, the
-    rows' counts and what goes to the host (lengths, tokens, stop-string hits) equal eager writes' every round, and
-    one graph serves every round of that width."""
+    rows' counts and what goes to the host (lengths, tokens, stop-string hits) equal eager writes' every round. The
+    writes are kept for the model's next calls: one graph serves every round of that width in calls of other prompt
+    lengths; other stop-string criteria, a longer sequence or another batch size get writes of their own."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
     from hf_bole.generation import graphs as graphs_module
-    from hf_bole.generation.loop import _Rows, _Stopping
+    from hf_bole.generation.loop import _Rows, _Stopping, _Writes
     from tests.generation.recorded_graph import recording_queued_capture
 
     captured = []
     monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture(captured))
-    B, L, P, max_new, pad = 3, 5, 4, 30, 0
-    stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
-    seqs = [torch.full((B, P + max_new + 8), pad) for _ in range(2)]
-    rows = [_Rows(B, P, max_new, stopping, seq, pad, graphed=g) for seq, g in zip(seqs, (False, True))]
-    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()  # the key the writes are kept under
+    B, L, max_new, pad = 3, 5, 30, 0
+    criteria = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]
+    generator = torch.Generator(torch.get_default_device()).manual_seed(0)  # CUDA under HF_BOLE_TEST_DEVICE
     hits = 0
-    for _ in range(6):
-        tokens = torch.randint(0, 4, (B, L), generator=generator)  # ids 0-3: "bc" turns up
-        lengths = torch.randint(0, L + 1, (B,), generator=generator)
-        eager, replayed = (r.write(tokens, lengths).host.clone() for r in rows)
-        assert torch.equal(replayed, eager)
-        assert torch.equal(rows[1].seq, rows[0].seq) and torch.equal(rows[1].generated, rows[0].generated)
-        hits += int(eager[:, 1 + L :].sum())
+    kept = []
+    for P in (4, 9, 6):
+        stopping = _Stopping(criteria, P)
+        prompts = torch.randint(0, 4, (B, P), generator=generator)
+        writes = [_Writes.for_call(model, prompts, P + max_new + 8, pad, stopping, graphed=g) for g in (False, True)]
+        kept.append(writes[1])
+        rows = [_Rows(B, P, max_new, stopping, w) for w in writes]
+        for _ in range(4):
+            tokens = torch.randint(0, 4, (B, L), generator=generator)  # ids 0-3: "bc" turns up
+            lengths = torch.randint(0, L + 1, (B,), generator=generator)
+            eager, replayed = (r.write(tokens, lengths).host.clone() for r in rows)
+            assert torch.equal(replayed, eager)
+            width = rows[0].seq.shape[1]  # the kept sequence is wider: its columns past the eager one's hold padding
+            assert torch.equal(rows[1].seq[:, :width], rows[0].seq) and bool((rows[1].seq[:, width:] == pad).all())
+            assert torch.equal(rows[1].generated, rows[0].generated)
+            hits += int(eager[:, 1 + L :].sum())
     assert hits > 0
+    assert kept[0] is kept[1] is kept[2]
     assert len(captured) == 1
+    others = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]  # equal, but not the same objects
+    assert _Writes.for_call(model, prompts, 40, pad, _Stopping(others, 6), graphed=True) is not kept[0]
+    stopping = _Stopping(criteria, 6)
+    assert _Writes.for_call(model, prompts, 40, pad, stopping, graphed=True) is not kept[0]  # back to `criteria`
+    renewed = _Writes.for_call(model, prompts, 40, pad, stopping, graphed=True)
+    assert _Writes.for_call(model, prompts, 4000, pad, stopping, graphed=True) is not renewed
+    assert _Writes.for_call(model, prompts[:2], 40, pad, stopping, graphed=True) is not renewed
 
 
 def _read_token_by_token(rows, written) -> list[int]:
@@ -730,7 +749,7 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
         StoppingCriteriaList,
     )
 
-    from hf_bole.generation.loop import _Rows, _Stopping, _Written
+    from hf_bole.generation.loop import _Rows, _Stopping, _Writes, _Written
 
     class StopsOn(StoppingCriteria):
         def __init__(self, token):
@@ -747,8 +766,10 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
             user = StopsOn(7)
             criteria = [MaxLengthCriteria(P + max_new), user] + ([EosTokenCriteria(5)] if pads else [])
             stopping = _Stopping(StoppingCriteriaList(criteria), P)
-            seq = torch.zeros(B, P + max_new + 3 * L, dtype=torch.long)
-            rows = _Rows(B, P, max_new, stopping, seq, 0)
+            prompts = torch.zeros(B, P, dtype=torch.long)
+            writes = _Writes.for_call(None, prompts, P + max_new + 3 * L, 0, stopping, False)
+            seq = writes.seq
+            rows = _Rows(B, P, max_new, stopping, writes)
             draws = torch.Generator().manual_seed(seed + 100 * pads)
             counted = []
             while any(rows.active()):

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from hf_bole.cache import BoleCache
+from hf_bole.generation import graphs as graphs_module
+from hf_bole.generation.graphs import CommitGraphs
 from hf_bole.generation.prefill import chain_limit, chain_prefill, use_chains
 from hf_bole.models import tree_forward
+from tests.generation.recorded_graph import recording_queued_capture
+from tests.generation.test_graphs import _assert_same_committed
 from tests.models import tiny
 
 pytestmark = pytest.mark.usefixtures("torch_gdn")
@@ -48,6 +52,32 @@ def test_chains_leave_the_cache_the_plain_forward_does(kind):
     parents = torch.full((B, 1), -1)
     after = [tree_forward(model, cache, root, parents).logits for cache in (plain, chains)]
     torch.testing.assert_close(after[1], after[0], atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_replayed_chain_commits_leave_the_eager_cache(monkeypatch):
+    """Chains committed by `CommitGraphs` (on a CPU a recorded call in place of a CUDA graph): the first chain of a
+    width commits eagerly, the second captures, later ones replay with their path copied in; the cache and hidden
+    states equal those of eager commits bit for bit, and the host keeps a bound of the rows' lengths."""
+    if not torch.empty(0).is_cuda:
+        monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture([]))
+    model = tiny.build_model("dense")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, tiny.VOCAB, (n,), generator=gen, device="cpu").tolist() for n in (530, 7)]
+    ids, mask = (x.to(model.device) for x in tiny.left_pad(prompts))
+    B, P = ids.shape
+    caches = [BoleCache(model.config, batch_size=B, max_cache_len=P + 130) for _ in range(2)]
+    commits = [None, CommitGraphs(caches[1])]
+    hidden = [
+        chain_prefill(functools.partial(tree_forward, model, cache), cache, ids, mask.bool(), 0, commit)
+        for cache, commit in zip(caches, commits)
+    ]
+    torch.testing.assert_close(hidden[1], hidden[0], rtol=0, atol=0)
+    _assert_same_committed(caches[1], caches[0])
+    assert caches[1].lengths.tolist() == [530, 7]
+    assert caches[1]._length_bound >= 530
+    # chains of 128, 128, 128, 128 and 32 (18 tokens): one capture, at the second chain of 128
+    assert len(commits[1]._graphs) == 1
 
 
 def test_which_prefill():
