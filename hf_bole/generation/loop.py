@@ -55,7 +55,7 @@ from hf_bole.generation.graphs import (
     trimmed,
 )
 from hf_bole.generation.phases import PhaseTimer
-from hf_bole.generation.prefill import chain_prefill, use_chains
+from hf_bole.generation.prefill import chain_prefill, use_chains, weight_bytes
 from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tail import round_tail
 from hf_bole.generation.tree import DraftTree
@@ -386,8 +386,7 @@ def _decode(
     # Committed slots never exceed prompt + max_new + one round's overshoot per round in flight; the tree needs
     # per_row + 1 more.
     capacity = P + max_new + (1 + lag) * step + per_row + 1
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # what each prefill chain re-reads
-    chains = use_chains(bole.prefill, graphed, P, bole.verify, weight_bytes)
+    chains = use_chains(bole.prefill, graphed, P, bole.verify, weight_bytes(model))
     if chains:  # one host read: a chain numbers each row's tokens from 0 (as generate's own position ids do), and a
         # row of padding alone has none
         chains = bool((((position_ids == counted) | ~mask).all() & mask.any(-1).all()))

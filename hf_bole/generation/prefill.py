@@ -15,6 +15,7 @@ re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -30,6 +31,19 @@ def chain_limit(weight_bytes: int) -> int:
     """The longest prompt "auto" prefills as chains for a model of `weight_bytes`: as many chains of `MAX_NODES` as
     read `CHAIN_PREFILL_READ_BYTES` of weights, and at least 4 (512 tokens, the 9B shape's)."""
     return MAX_NODES * max(4, CHAIN_PREFILL_READ_BYTES // max(weight_bytes, 1))
+
+
+# model -> its weights' bytes. Summing them walks every parameter, 0.2-1.1 ms of host a `generate` call (the house model
+# to the 35B-A3B shape). A model changed in place later keeps its first figure: it only picks between two exact
+# prefills, and from the 9B shape up the limit is the floor of 4 chains at any dtype.
+_WEIGHT_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """What each prefill chain re-reads: the bytes of every parameter of `model`, summed at its first call."""
+    if model not in _WEIGHT_BYTES:
+        _WEIGHT_BYTES[model] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return _WEIGHT_BYTES[model]
 
 
 def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str, weight_bytes: int) -> bool:

@@ -137,15 +137,25 @@ class TreeForwardOutput:
 GRAPH_SAFE_EXPERTS = ("grouped_mm", "batched_mm")
 
 
+# module -> its experts blocks as (name, module): walking a model's modules costs 0.1-0.7 ms of host a `generate` call
+# (the house model to the 35B-A3B shape), and blocks are not added or removed after loading. Their implementation
+# and dtype can change (`set_experts_implementation`, `.to(dtype)`): those are read every call.
+_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _experts(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    if module not in _EXPERTS:
+        _EXPERTS[module] = [(name, m) for name, m in module.named_modules() if name.endswith("experts")]
+    return _EXPERTS[module]
+
+
 def graph_unsafe_experts(module: torch.nn.Module) -> list[str]:
     """The mixture-of-experts blocks of `module` that a CUDA graph cannot capture, each as "name (why)": an experts
     implementation (`config._experts_implementation`, set by `from_pretrained(..., experts_implementation=...)` or
     `set_experts_implementation`) other than `GRAPH_SAFE_EXPERTS`, or "grouped_mm" with weights other than bf16.
     Empty for dense models."""
     unsafe = []
-    for name, m in module.named_modules():
-        if not name.endswith("experts"):
-            continue
+    for name, m in _experts(module):
         implementation = getattr(getattr(m, "config", None), "_experts_implementation", None)
         dtype = next(m.parameters()).dtype
         if implementation not in GRAPH_SAFE_EXPERTS:

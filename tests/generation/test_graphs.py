@@ -270,6 +270,9 @@ def test_eager_experts_are_not_captured(monkeypatch):
             assert implementation in graph_unsafe_experts(moe)[0]
         monkeypatch.setattr(graphs_module, "placement", lambda model: Placement(gpus[0], gpus[0], (gpus[0],) * 4))
         assert graphs_module.captures(moe, cuda_graphs=True) != unsafe
+        # the experts blocks are found once per model; their implementation and dtype are read at every call
+        monkeypatch.setattr(moe, "named_modules", lambda *a, **k: pytest.fail("modules walked again"))
+        assert bool(graph_unsafe_experts(moe)) == unsafe
         # over two GPUs (device_map) never: a graph is captured on one device's stream
         monkeypatch.setattr(graphs_module, "placement", lambda model: Placement(gpus[0], gpus[1], (*gpus, *gpus)))
         assert not graphs_module.captures(moe, cuda_graphs=True)

@@ -10,7 +10,12 @@ import torch
 from hf_bole.cache import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.graphs import CommitGraphs
-from hf_bole.generation.prefill import chain_limit, chain_prefill, use_chains
+from hf_bole.generation.prefill import (
+    chain_limit,
+    chain_prefill,
+    use_chains,
+    weight_bytes,
+)
 from hf_bole.models import tree_forward
 from tests.generation.recorded_graph import recording_queued_capture
 from tests.generation.test_graphs import _assert_same_committed
@@ -92,3 +97,12 @@ def test_which_prefill():
     assert not use_chains("auto", False, 8, "closed_form", house)  # launched from Python either way
     assert not use_chains("chains", True, 8, "serial", house)  # a snapshot per prompt token
     assert not use_chains("plain", True, 8, "closed_form", house)
+
+def test_weight_bytes_are_summed_once(monkeypatch):
+    """The weights' bytes are summed at a model's first call and kept: the walk over its parameters is host time
+    every `generate` call would pay again."""
+    model = tiny.build_model("dense").to(torch.bfloat16)
+    expected = sum(p.numel() for p in model.parameters()) * 2
+    assert weight_bytes(model) == expected
+    monkeypatch.setattr(model, "parameters", lambda *a, **k: pytest.fail("parameters walked again"))
+    assert weight_bytes(model) == expected
