@@ -13,9 +13,12 @@ tests)  # on CUDA: the chains' replayed commits, the kept token writes, graphed 
         --durations=8 tests/generation/test_prefill.py tests/generation/test_graphs.py tests/generation/test_loop.py \
         -k "test_prefill or shape_graphs or generate_matches or replayed_writes or prefill_chains"
     ;;
-static)  # issue 8's baseline in full on the house model: `ar` and `ar-static` (static cache, compiled by
-         # transformers) beside chain d10 and bole d10 ("auto" budget), MBPP, batch 1 and 8, passes in turns
-    HOUSE_PROFILE= house_run static "${STATIC_S:-420}" mbpp --modes ar ar-static chain bole --batch-sizes 1 8 \
+static|static_gsm8k)  # issue 8's baseline in full on the house model: `ar` and `ar-static` (static cache,
+                     # compiled by transformers) beside chain d10 and bole d10 ("auto" budget), MBPP (or GSM8K),
+                     # batch 1 and 8, passes in turns
+    DATASET=mbpp
+    [ "$PART" = static_gsm8k ] && DATASET=gsm8k
+    HOUSE_PROFILE= house_run "$PART" "${STATIC_S:-420}" $DATASET --modes ar ar-static chain bole --batch-sizes 1 8 \
         --depth 10 --chain-depth 10 --repeats "${REPEATS:-3}"
     ;;
 *)
