@@ -717,7 +717,7 @@ class _Writes:
     (`_append`), replayed with `graphed` from a CUDA graph per width.
 
     With graphs, `for_call` keeps one for the model's next calls of the same batch size, padding id and stop-string
-    criteria (the same objects): its graphs are captured once, where a call's own took an eager write and a capture
+    criteria (`_same_criteria`): its graphs are captured once, where a call's own took an eager write and a capture
     of about 35 launches each (with stop strings) in every call. The prompt's width is an input on the device
     (`start`), so that calls of other lengths replay the same graphs.
     """
@@ -725,6 +725,7 @@ class _Writes:
     def __init__(self, B: int, width: int, pad: int, stopping: _Stopping, device: torch.device, graphed: bool):
         self.pad = pad
         self.suffix, self.window = tuple(stopping.suffix), stopping.window if stopping.suffix else 0
+        self.tables = tuple(_stop_tables(c) for c in self.suffix)  # taken before the criteria's first call
         self.seq = torch.full((B, width), pad, dtype=torch.long, device=device)
         # Tokens written per row. It runs ahead of `_Rows.n_gen` by the rounds the host has not read, and past it in a
         # row that stopped inside a round's path (the row is done then).
@@ -755,11 +756,25 @@ class _Writes:
         return writes
 
     def _serves(self, width: int, pad: int, stopping: _Stopping, device: torch.device) -> bool:
-        # the same criterion objects: a graph replays the kernels of those it captured, on their tensors
-        same = len(self.suffix) == len(stopping.suffix) and all(a is b for a, b in zip(self.suffix, stopping.suffix))
         window = stopping.window if stopping.suffix else 0
-        return (self.seq.shape[1] >= width and self.pad == pad and same and self.window == window
-                and self.seq.device == device)  # fmt: skip
+        return (self.seq.shape[1] >= width and self.pad == pad and self._same_criteria(stopping.suffix)
+                and self.window == window and self.seq.device == device)  # fmt: skip
+
+    def _same_criteria(self, suffix: list) -> bool:
+        """Whether the stop-string criteria `suffix` answer as the kept ones do: a graph replays the kernels of
+        those it captured, on their tensors, and never calls `suffix`'s. The same objects, or criteria built from
+        the same tables: transformers makes a `StopStringCriteria`'s tables once per vocabulary and stop strings
+        and hands every criterion built from them the same tensors, so `generate(stop_strings=...)`, which builds
+        new criteria every call, still finds its kept writes."""
+        return len(self.suffix) == len(suffix) and all(
+            kept is new or table is _stop_tables(new) for kept, table, new in zip(self.suffix, self.tables, suffix)
+        )
+
+
+def _stop_tables(criterion):
+    """What a stop-string criterion computes with, by identity: transformers' shared tables of a
+    `StopStringCriteria` (until its first call moves them to the device), the object itself for subclasses."""
+    return criterion.embedding_vec if type(criterion) is StopStringCriteria else criterion
 
 
 # model -> {batch size: `_Writes`}: the latest graphed call's writes per batch size, for the next calls.

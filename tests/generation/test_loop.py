@@ -671,7 +671,8 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     width runs eagerly, the second captures, later ones replay with the round's tokens copied in. The sequence, the
     rows' counts and what goes to the host (lengths, tokens, stop-string hits) equal eager writes' every round. The
     writes are kept for the model's next calls: one graph serves every round of that width in calls of other prompt
-    lengths; other stop-string criteria, a longer sequence or another batch size get writes of their own."""
+    lengths and new criteria objects of the same stop strings; other stop strings, a longer sequence or another batch
+    size get writes of their own."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
     from hf_bole.generation import graphs as graphs_module
@@ -682,11 +683,12 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture(captured))
     model = torch.nn.Module()  # the key the writes are kept under
     B, L, max_new, pad = 3, 5, 30, 0
-    criteria = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]
     generator = torch.Generator(torch.get_default_device()).manual_seed(0)  # CUDA under HF_BOLE_TEST_DEVICE
     hits = 0
     kept = []
     for P in (4, 9, 6):
+        # new criteria every call, as `generate(stop_strings=...)` builds them: the same stop string and vocabulary
+        criteria = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]
         stopping = _Stopping(criteria, P)
         prompts = torch.randint(0, 4, (B, P), generator=generator)
         writes = [_Writes.for_call(model, prompts, P + max_new + 8, pad, stopping, graphed=g) for g in (False, True)]
@@ -704,7 +706,7 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     assert hits > 0
     assert kept[0] is kept[1] is kept[2]
     assert len(captured) == 1
-    others = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]  # equal, but not the same objects
+    others = [StopStringCriteria(_tokenizer(), [_char(2) + _char(1)])]  # another stop string
     assert _Writes.for_call(model, prompts, 40, pad, _Stopping(others, 6), graphed=True) is not kept[0]
     stopping = _Stopping(criteria, 6)
     assert _Writes.for_call(model, prompts, 40, pad, stopping, graphed=True) is not kept[0]  # back to `criteria`
