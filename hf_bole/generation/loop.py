@@ -725,7 +725,7 @@ class _Writes:
     def __init__(self, B: int, width: int, pad: int, stopping: _Stopping, device: torch.device, graphed: bool):
         self.pad = pad
         self.suffix, self.window = tuple(stopping.suffix), stopping.window if stopping.suffix else 0
-        self.tables = tuple(_stop_tables(c) for c in self.suffix)  # taken before the criteria's first call
+        self.tables = tuple(_StopTables.of(c) for c in self.suffix)  # taken before the criteria's first call
         self.seq = torch.full((B, width), pad, dtype=torch.long, device=device)
         # Tokens written per row. It runs ahead of `_Rows.n_gen` by the rounds the host has not read, and past it in a
         # row that stopped inside a round's path (the row is done then).
@@ -762,19 +762,43 @@ class _Writes:
 
     def _same_criteria(self, suffix: list) -> bool:
         """Whether the stop-string criteria `suffix` answer as the kept ones do: a graph replays the kernels of
-        those it captured, on their tensors, and never calls `suffix`'s. The same objects, or criteria built from
-        the same tables: transformers makes a `StopStringCriteria`'s tables once per vocabulary and stop strings
-        and hands every criterion built from them the same tensors, so `generate(stop_strings=...)`, which builds
-        new criteria every call, still finds its kept writes."""
+        those it captured, on their tensors, and never calls `suffix`'s. The same objects, or `StopStringCriteria` of
+        equal tables: `generate(stop_strings=...)` builds new criteria every call."""
         return len(self.suffix) == len(suffix) and all(
-            kept is new or table is _stop_tables(new) for kept, table, new in zip(self.suffix, self.tables, suffix)
+            kept is new or tables.match(new) for kept, tables, new in zip(self.suffix, self.tables, suffix)
         )
 
 
-def _stop_tables(criterion):
-    """What a stop-string criterion computes with, by identity: transformers' shared tables of a
-    `StopStringCriteria` (until its first call moves them to the device), the object itself for subclasses."""
-    return criterion.embedding_vec if type(criterion) is StopStringCriteria else criterion
+@dataclass(frozen=True, eq=False)
+class _StopTables:
+    """What a `StopStringCriteria` computes with, taken before its first call moves the tensors to the device.
+    transformers makes the tables once per vocabulary and stop strings and hands each criterion built from them the
+    same tensors (5.24: keyed by the sorted vocabulary), so `match` mostly compares identities; where the key missed
+    (5.17 keys by the tokenizer's vocabulary order, which a fast tokenizer changes between instances) it compares
+    contents on the host, about 0.7 ms for a 248k vocabulary (a capture of the writes costs more)."""
+
+    embedding_vec: torch.Tensor | None  # [vocab + 2, positions]; None for criteria of other types (never matched)
+    scalars: tuple
+
+    @classmethod
+    def of(cls, criterion) -> _StopTables:
+        if type(criterion) is not StopStringCriteria:
+            return cls(None, ())
+        return cls(criterion.embedding_vec, cls._scalars(criterion))
+
+    @staticmethod
+    def _scalars(c: StopStringCriteria) -> tuple:
+        return (c.maximum_token_len, c.num_stop_strings, c.max_valid_positions, c.max_valid_end_lens,
+                tuple(c.target_lens.tolist()))  # fmt: skip
+
+    def match(self, criterion) -> bool:
+        if self.embedding_vec is None or type(criterion) is not StopStringCriteria:
+            return False
+        kept, new = self.embedding_vec, criterion.embedding_vec
+        if new is kept:
+            return self._scalars(criterion) == self.scalars
+        same_layout = (new.device, new.shape, new.dtype) == (kept.device, kept.shape, kept.dtype)
+        return same_layout and self._scalars(criterion) == self.scalars and torch.equal(new, kept)
 
 
 # model -> {batch size: `_Writes`}: the latest graphed call's writes per batch size, for the next calls.

@@ -284,9 +284,16 @@ def _fake_gpu_model(monkeypatch):
     one_gpu = lambda model: Placement(gpu, gpu, (gpu,) * 4)  # noqa: E731
     monkeypatch.setattr(budget_module, "placement", one_gpu)
     monkeypatch.setattr(graphs_module, "placement", one_gpu)
-    return SimpleNamespace(
+    return _FakeModel(
         device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config(), named_modules=lambda: iter(())
     )
+
+
+class _FakeModel(SimpleNamespace):
+    """A model's attributes without its weights, keyed by identity as modules are: hf_bole keeps per-model facts in
+    weak dictionaries."""
+
+    __hash__ = object.__hash__
 
 
 def test_auto_without_table_warns_once(monkeypatch, caplog):

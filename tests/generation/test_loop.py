@@ -671,9 +671,9 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     width runs eagerly, the second captures, later ones replay with the round's tokens copied in. The sequence, the
     rows' counts and what goes to the host (lengths, tokens, stop-string hits) equal eager writes' every round. The
     writes are kept for the model's next calls: one graph serves every round of that width in calls of other prompt
-    lengths and new criteria objects of the same stop strings; other stop strings, a longer sequence or another batch
-    size get writes of their own."""
-    from transformers.generation.stopping_criteria import StopStringCriteria
+    lengths and new criteria objects of the same stop strings (the same tables or equal ones); other stop strings, a
+    longer sequence or another batch size get writes of their own."""
+    from transformers.generation.stopping_criteria import STOP_STRING_EMBEDDING_CACHE, StopStringCriteria
 
     from hf_bole.generation import graphs as graphs_module
     from hf_bole.generation.loop import _Rows, _Stopping, _Writes
@@ -687,6 +687,8 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     hits = 0
     kept = []
     for P in (4, 9, 6):
+        if P == 6:  # tables of its own, equal: transformers 5.17 misses its cache when the vocabulary's order differs
+            STOP_STRING_EMBEDDING_CACHE.clear()
         # new criteria every call, as `generate(stop_strings=...)` builds them: the same stop string and vocabulary
         criteria = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]
         stopping = _Stopping(criteria, P)
