@@ -794,11 +794,11 @@ class _StopTables:
     def match(self, criterion) -> bool:
         if self.embedding_vec is None or type(criterion) is not StopStringCriteria:
             return False
+        if self._scalars(criterion) != self.scalars:
+            return False
         kept, new = self.embedding_vec, criterion.embedding_vec
-        if new is kept:
-            return self._scalars(criterion) == self.scalars
         same_layout = (new.device, new.shape, new.dtype) == (kept.device, kept.shape, kept.dtype)
-        return same_layout and self._scalars(criterion) == self.scalars and torch.equal(new, kept)
+        return new is kept or (same_layout and torch.equal(new, kept))
 
 
 # model -> {batch size: `_Writes`}: the latest graphed call's writes per batch size, for the next calls.
