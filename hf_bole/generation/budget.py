@@ -175,8 +175,8 @@ def choose_goodput(
 
 
 def fallback_budget(active_rows: int) -> int:
-    """The documented budget of `budget="auto"` without a table: 32 per active request, at most 128
-    (`hf_bole.config.FALLBACK_BUDGET_PER_REQUEST`, `FALLBACK_BUDGET_MAX`)."""
+    """The documented budget of `budget="auto"` without a table: `FALLBACK_BUDGET_PER_REQUEST` (31) draft nodes per
+    active request, at most `FALLBACK_BUDGET_MAX` (128) a round (`hf_bole.config`)."""
     return max(1, min(FALLBACK_BUDGET_PER_REQUEST * active_rows, FALLBACK_BUDGET_MAX))
 
 
