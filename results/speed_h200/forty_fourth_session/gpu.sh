@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The forty-fourth session's GPU calls: the forty-third's plan (../forty_third_session/gpu.sh) fitted to 10-minute
+# The forty-fourth session's GPU calls: the forty-third's plan (../forty_third_session/README.md) fitted to 10-minute
 # commands: `cal tests` in one call, then `b8` and `b8_gsm8k` (batch 8 only; batch 1 is the forty-second session's)
 # with the table `cal` wrote, kept in tables/ beside this file. Usage, from the repository root, with fla-core's
 # wheel in .whl/:   OUT=... bash results/speed_h200/forty_fourth_session/gpu.sh PART...
