@@ -1,5 +1,5 @@
-"""Exact tree verification kernels for Gated DeltaNet and full-attention layers (Triton, with torch paths and naive
-references)."""
+"""Exact tree verification kernels for Gated DeltaNet, Kimi Delta Attention and full-attention layers (Triton, with
+torch paths and naive references)."""
 
 from hf_bole.kernels.attention import tree_attention
 from hf_bole.kernels.kv_move import kv_commit
@@ -14,6 +14,7 @@ from hf_bole.kernels.tree_gdn import (
     tree_gdn_verify_serial,
     tree_masks,
 )
+from hf_bole.kernels.tree_kda import tree_kda_commit, tree_kda_verify
 
 __all__ = [
     "kv_commit",
@@ -26,5 +27,7 @@ __all__ = [
     "tree_gdn_commit_serial",
     "tree_gdn_verify",
     "tree_gdn_verify_serial",
+    "tree_kda_commit",
+    "tree_kda_verify",
     "tree_masks",
 ]
