@@ -37,16 +37,20 @@ from hf_bole.kernels.tree_gdn.closed_form_kernels import (
 )
 from hf_bole.kernels.utils import autotune_configs, dim_contiguous, on_device, token_major
 
-# Candidate launch configs (not yet tuned on a GPU). num_stages stays 1 as in the GDN kernels, where 2 (Triton 3.6)
-# made the solve kernel stray from float64 and the apply kernel fault. The walk holds four [BH, BK] fp32 tiles and
-# two [BH, BH] accumulators, so BK stays <= 64.
+# Candidate launch configs, not yet timed on a GPU: those that ptxas for sm_90a (eval/kernel_registers.py's way)
+# compiles with at most ~0.5 KB of spills a thread at T = 64 and 128. The solve kernel's GATHER (see `_walk`) trades
+# repeated loads and exps for registers, and only its timing can choose. BK = 64 with 4 warps spilled 0.2-2 KB in the
+# solve kernel (the walk holds five [BH, BK] fp32 tiles and two [BH, BH] blocks) and 1.1-2.1 KB in the apply kernel
+# (3xTF32 operands). num_stages stays 1 as in the GDN kernels, where 2 (Triton 3.6) made the solve kernel stray from
+# float64 and the apply kernel fault.
 SOLVE_CONFIGS = [
-    triton.Config({"BK": BK}, num_warps=num_warps, num_stages=1)
-    for BK, num_warps in ((32, 4), (64, 4), (32, 8), (64, 8))
+    triton.Config({"BK": BK, "GATHER": gather}, num_warps=num_warps, num_stages=1)
+    for BK, num_warps, gather in ((32, 8, False), (16, 4, False), (32, 4, False), (64, 8, False), (16, 8, True),
+                                  (32, 8, True))
 ]  # fmt: skip
 APPLY_CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
-    for BK, BV, num_warps in ((32, 64, 4), (32, 32, 4), (64, 32, 4), (64, 32, 8), (64, 64, 8))
+    for BK, BV, num_warps in ((16, 32, 4), (16, 64, 4), (32, 32, 4), (16, 32, 8), (32, 64, 8))
 ]  # fmt: skip
 WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
@@ -71,9 +75,11 @@ def _walk(
     stop,
     stride_qt,
     stride_gt,
+    T,
     K: tl.constexpr,
-    BH: tl.constexpr,
+    BT: tl.constexpr,
     BK: tl.constexpr,
+    GATHER: tl.constexpr,
     store_gamma,
 ):
     """Walks the rows o_r up their paths until every row's current node is below `stop` (0: to the committed state).
@@ -82,8 +88,13 @@ def _walk(
         D *= exp(g_j),   j = parent(j).
     Returns the raw (unnormalised, beta-free) blocks KK (self entries left out) and QK ([BH, BH] each), the rows'
     squared key and query norms ([BH] each) and the longest chain inside the block (N with G^N = 0). With
-    `store_gamma`, the rows walk to the committed state and their final D, the path decays Gam, go to p_gam."""
+    `store_gamma`, the rows walk to the committed state and their final D, the path decays Gam, go to p_gam.
+    Each step reads k_j and g_j of every row's current node j: from memory (L1 after the first steps) with one exp per
+    row and channel, or with GATHER from the whole tree's [BT, BK] tiles of k and exp(g), formed once per chunk and
+    gathered in registers (through shared memory): one exp per node and channel, more registers."""
+    BH: tl.constexpr = BT // 2
     o_c = tl.arange(0, BH)
+    o_t = tl.arange(0, BT)
     b_kk = tl.zeros([BH, BH], dtype=tl.float32)
     b_qk = tl.zeros([BH, BH], dtype=tl.float32)
     b_ssk = tl.zeros([BH], dtype=tl.float32)
@@ -93,17 +104,27 @@ def _walk(
         o_k = i_k + tl.arange(0, BK)
         m_k = o_k < K
         m_rk = m_r[:, None] & m_k[None, :]
+        if GATHER:
+            m_tk = (o_t < T)[:, None] & m_k[None, :]
+            b_kt = tl.load(p_k + o_t[:, None] * stride_qt + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+            b_at = tl.exp(tl.load(p_g + o_t[:, None] * stride_gt + o_k[None, :], mask=m_tk, other=0).to(tl.float32))
         b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
         b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
         b_ssk += tl.sum(b_k * b_k, axis=1)
         b_ssq += tl.sum(b_q * b_q, axis=1)
         b_d = tl.full([BH, BK], 1.0, dtype=tl.float32)  # [BH, BK] decay from the current node to the row
         b_cnt = tl.zeros([BH], dtype=tl.int32)
-        cur = tl.where(m_r, o_r.to(tl.int64), -1)
+        cur = tl.where(m_r, o_r, -1)  # [BH] int32
         while tl.max(cur, axis=0) >= stop:
             m_cur = cur >= 0
             m_ck = m_cur[:, None] & m_k[None, :]
-            b_kj = tl.load(p_k + cur[:, None] * stride_qt + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
+            if GATHER:
+                idx = tl.broadcast_to(tl.maximum(cur, 0)[:, None], [BH, BK])
+                b_kj = tl.where(m_ck, tl.gather(b_kt, idx, 0), 0.0)
+                b_aj = tl.where(m_ck, tl.gather(b_at, idx, 0), 1.0)
+            else:
+                b_kj = tl.load(p_k + cur[:, None] * stride_qt + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
+                b_aj = tl.exp(tl.load(p_g + cur[:, None] * stride_gt + o_k[None, :], mask=m_ck, other=0).to(tl.float32))
             b_s = tl.sum(b_k * b_d * b_kj, axis=1)  # [BH]
             b_sq = tl.sum(b_q * b_d * b_kj, axis=1)
             m_in = m_cur & (cur >= c0) & (cur < c0 + BH)
@@ -111,10 +132,8 @@ def _walk(
             b_qk += tl.where(hit, b_sq[:, None], 0.0)
             b_kk += tl.where(hit & (cur != o_r)[:, None], b_s[:, None], 0.0)
             b_cnt += m_in.to(tl.int32)
-            # Rows past the committed state multiply by exp(0) = 1 and keep Gam.
-            b_gj = tl.load(p_g + cur[:, None] * stride_gt + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
-            b_d *= tl.exp(b_gj)
-            cur = tl.where(m_cur, tl.load(p_par + cur, mask=m_cur, other=-1), -1)
+            b_d *= b_aj  # rows past the committed state multiply by 1 and keep Gam
+            cur = tl.where(m_cur, tl.load(p_par + cur, mask=m_cur, other=-1).to(tl.int32), -1)
         if store_gamma:
             tl.store(p_gam + o_r[:, None] * stride_gt + o_k[None, :], b_d, mask=m_rk)
     return b_kk, b_qk, b_ssk, b_ssq, tl.max(b_cnt, axis=0)
@@ -141,6 +160,7 @@ def tree_kda_verify_solve_kernel(
     K: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
+    GATHER: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -171,7 +191,7 @@ def tree_kda_verify_solve_kernel(
     p_rn = rnorm + (i_b * T * H + i_h) * 2
 
     b_kk, b_qk, b_ssk, b_ssq, n_chain = _walk(
-        p_q, p_k, p_g, p_par, p_gam, o_r, m_r, c0, stop, stride_qt, H * K, K, BH, BK, i_blk != 1,
+        p_q, p_k, p_g, p_par, p_gam, o_r, m_r, c0, stop, stride_qt, H * K, T, K, BT, BK, GATHER, i_blk != 1,
     )  # fmt: skip
     b_rk = _inv_norm(b_ssk, USE_QK_L2NORM)  # [BH] the rows' 1 / ||k||
     b_rq = _inv_norm(b_ssq, USE_QK_L2NORM)
@@ -196,10 +216,8 @@ def _state_products(
     p_k,
     p_gam,
     p_h0,
-    o_r0,
-    m_r0,
-    o_r1,
-    m_r1,
+    o_r,
+    m_r,
     o_v,
     m_v,
     stride_qt,
@@ -209,31 +227,26 @@ def _state_products(
     BH: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Raw (K * Gam) S_pre and (Q * Gam) S_pre of both halves' rows for the V-tile ([BH, BV] each); every chunk of
-    the state is read once for both halves. (The rows' norms are applied by the caller.)"""
-    b_ks0 = tl.zeros([BH, BV], dtype=tl.float32)
-    b_qs0 = tl.zeros([BH, BV], dtype=tl.float32)
-    b_ks1 = tl.zeros([BH, BV], dtype=tl.float32)
-    b_qs1 = tl.zeros([BH, BV], dtype=tl.float32)
-    for i_k in range(0, K, BK):
+    """Raw (K * Gam) S_pre and (Q * Gam) S_pre of the rows o_r for the V-tile ([BH, BV] each, zeros without a
+    state; the rows' norms are applied by the caller). One half's rows at a time: with 3xTF32 products, both halves'
+    operands and accumulators at once spilled 1-2.5 KB a thread (ptxas for sm_90a); the second half reads the state
+    tile again, from cache."""
+    b_ks = tl.zeros([BH, BV], dtype=tl.float32)
+    b_qs = tl.zeros([BH, BV], dtype=tl.float32)
+    for i_k in range(0, K if USE_INITIAL_STATE else 0, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = o_k < K
-        m0 = m_r0[:, None] & m_k[None, :]
-        m1 = m_r1[:, None] & m_k[None, :]
+        m_rk = m_r[:, None] & m_k[None, :]
         b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-        b_gam0 = tl.load(p_gam + o_r0[:, None] * stride_gt + o_k[None, :], mask=m0, other=0)
-        b_gam1 = tl.load(p_gam + o_r1[:, None] * stride_gt + o_k[None, :], mask=m1, other=0)
-        b_k0 = tl.load(p_k + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0).to(tl.float32) * b_gam0
-        b_ks0 = tl.dot(b_k0, b_h, b_ks0, input_precision=DOT_PRECISION)
-        b_q0 = tl.load(p_q + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0).to(tl.float32) * b_gam0
-        b_qs0 = tl.dot(b_q0, b_h, b_qs0, input_precision=DOT_PRECISION)
-        b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0).to(tl.float32) * b_gam1
-        b_ks1 = tl.dot(b_k1, b_h, b_ks1, input_precision=DOT_PRECISION)
-        b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0).to(tl.float32) * b_gam1
-        b_qs1 = tl.dot(b_q1, b_h, b_qs1, input_precision=DOT_PRECISION)
-    return b_ks0, b_qs0, b_ks1, b_qs1
+        b_gam = tl.load(p_gam + o_r[:, None] * stride_gt + o_k[None, :], mask=m_rk, other=0)
+        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32) * b_gam
+        b_ks = tl.dot(b_k, b_h, b_ks, input_precision=DOT_PRECISION)
+        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32) * b_gam
+        b_qs = tl.dot(b_q, b_h, b_qs, input_precision=DOT_PRECISION)
+    return b_ks, b_qs
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
@@ -292,43 +305,46 @@ def tree_kda_verify_apply_kernel(
     p_o = o + (i_b * T * H + i_h) * V
     p_ws = ws + i_bh * 6 * BH * BH
 
+    p_q = q + i_b * stride_qb + i_hk * stride_qh
+    p_k = k + i_b * stride_qb + i_hk * stride_qh
+    p_gam = gam + (i_b * T * H + i_h) * K
+    p_h0 = h0
     if USE_INITIAL_STATE:
-        b_ks0, b_qs0, b_ks1, b_qs1 = _state_products(
-            q + i_b * stride_qb + i_hk * stride_qh, k + i_b * stride_qb + i_hk * stride_qh,
-            gam + (i_b * T * H + i_h) * K, h0 + i_bh * K * V,
-            o_r0, m_r0, o_r1, m_r1, o_v, m_v, stride_qt, H * K, V, K, BH, BK, BV, DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        b_ks0 = tl.zeros([BH, BV], dtype=tl.float32)
-        b_qs0 = tl.zeros([BH, BV], dtype=tl.float32)
-        b_ks1 = tl.zeros([BH, BV], dtype=tl.float32)
-        b_qs1 = tl.zeros([BH, BV], dtype=tl.float32)
+        p_h0 = h0 + i_bh * K * V
 
     # ---- first half ----
+    b_ks, b_qs = _state_products(
+        p_q, p_k, p_gam, p_h0, o_r0, m_r0, o_v, m_v, stride_qt, H * K, V, K, BH, BK, BV, USE_INITIAL_STATE,
+        DOT_PRECISION,
+    )  # fmt: skip
     b_rk = tl.load(p_rn + o_r0 * H * 2, mask=m_r0, other=0)
     b_rq = tl.load(p_rn + o_r0 * H * 2 + 1, mask=m_r0, other=0)
     b_beta = tl.load(p_beta + o_r0 * H, mask=m_r0, other=0).to(tl.float32)
     b_v = tl.load(p_v + o_r0[:, None] * stride_vt + o_v[None, :], mask=m_r0[:, None] & m_v[None, :], other=0)
-    b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_rk[:, None] * b_ks0)
+    b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_rk[:, None] * b_ks)
     b_u0 = tl.dot(_load_block(p_ws, 0, o_h, BH), b_R, input_precision=DOT_PRECISION)
     b_o = tl.dot(_load_block(p_ws, 1, o_h, BH), b_u0, input_precision=DOT_PRECISION)
-    b_o += b_rq[:, None] * b_qs0
+    b_o += b_rq[:, None] * b_qs
     m_rv = m_r0[:, None] & m_v[None, :]
     tl.store(p_u + o_r0[:, None] * H * V + o_v[None, :], b_u0, mask=m_rv)
     tl.store(p_o + o_r0[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
 
     # ---- second half ----
     if BH < T:
+        b_ks, b_qs = _state_products(
+            p_q, p_k, p_gam, p_h0, o_r1, m_r1, o_v, m_v, stride_qt, H * K, V, K, BH, BK, BV, USE_INITIAL_STATE,
+            DOT_PRECISION,
+        )  # fmt: skip
         b_rk = tl.load(p_rn + o_r1 * H * 2, mask=m_r1, other=0)
         b_rq = tl.load(p_rn + o_r1 * H * 2 + 1, mask=m_r1, other=0)
         b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
         b_v = tl.load(p_v + o_r1[:, None] * stride_vt + o_v[None, :], mask=m_r1[:, None] & m_v[None, :], other=0)
-        b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_rk[:, None] * b_ks1)
+        b_R = b_beta[:, None] * (b_v.to(tl.float32) - b_rk[:, None] * b_ks)
         b_R -= tl.dot(_load_block(p_ws, 5, o_h, BH), b_u0, input_precision=DOT_PRECISION)
         b_u1 = tl.dot(_load_block(p_ws, 2, o_h, BH), b_R, input_precision=DOT_PRECISION)
         b_o = tl.dot(_load_block(p_ws, 4, o_h, BH), b_u0, input_precision=DOT_PRECISION)
         b_o = tl.dot(_load_block(p_ws, 3, o_h, BH), b_u1, b_o, input_precision=DOT_PRECISION)
-        b_o += b_rq[:, None] * b_qs1
+        b_o += b_rq[:, None] * b_qs
         m_rv = m_r1[:, None] & m_v[None, :]
         tl.store(p_u + o_r1[:, None] * H * V + o_v[None, :], b_u1, mask=m_rv)
         tl.store(p_o + o_r1[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
