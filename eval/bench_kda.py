@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_bole.kernels import tree_kda_commit, tree_kda_verify  # noqa: E402
 from hf_bole.kernels.tree_kda import tree_kda_verify_serial  # noqa: E402
 from hf_bole.kernels.tree_kda.closed_form import torch_tree_kda_verify  # noqa: E402
-from hf_bole.kernels.tree_kda.closed_form_kernels import workspace_bytes  # noqa: E402
+from hf_bole.kernels.tree_kda import closed_form_kernels  # noqa: E402
 from tests.kernels.trees import chain, random_tree  # noqa: E402
 
 L2_BYTES = 60 * 2**20
@@ -177,8 +177,8 @@ def check_fla(H, K, V, device) -> dict:
     return {"fla_chunk_chain_o": rel_err(o, ref_o)}
 
 
-def time_calls(fn, sets: list, device: str, reps: int = 30) -> tuple[float, float, float, bool]:
-    """Median (and 20/80% quantiles) of one call in ms, and whether a CUDA graph ran it. On the GPU a graph holds one
+def time_calls(fn, sets: list, device: str, reps: int = 30) -> tuple[float, float, float, bool | None]:
+    """Median (and 20/80% quantiles) of one call in ms, and whether a CUDA graph ran it (None on the CPU). On the GPU a graph holds one
     call per input set, so consecutive calls read different memory, and each replay is timed with events; where
     capture fails (a provider that synchronises) the calls are timed eagerly the same way. On the CPU: wall time."""
     for s in sets[:2]:
@@ -190,7 +190,7 @@ def time_calls(fn, sets: list, device: str, reps: int = 30) -> tuple[float, floa
             for s in sets:
                 fn(*s)
             times.append((time.perf_counter() - start) * 1e3 / len(sets))
-        return statistics.median(times), min(times), max(times), False
+        return statistics.median(times), min(times), max(times), None
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:
@@ -241,6 +241,13 @@ def transient_bytes(fn, inputs: tuple, device: str) -> int | None:
     return peak
 
 
+def chosen_configs() -> dict:
+    """The launch configs tree_kda_verify's autotuners chose at the shape they ran last."""
+    tuners = {"solve": closed_form_kernels.tree_kda_verify_solve_kernel,
+              "apply": closed_form_kernels.tree_kda_verify_apply_kernel.fn}  # fmt: skip
+    return {name: f"{tuner.best_config.kwargs},w={tuner.best_config.num_warps}" for name, tuner in tuners.items()}
+
+
 def bench_shape(B, T, H, K, V, depth, providers, precision, device, cpu_smoke) -> list[dict]:
     parents = tree_parents(B, T, depth, seed=T + depth, device=device)
     path = deepest_path(parents, device)  # every request accepts the path to its deepest node
@@ -281,6 +288,7 @@ def bench_shape(B, T, H, K, V, depth, providers, precision, device, cpu_smoke) -
             continue
         rows.append(
             {"provider": name, "ms": ms, "ms_q20": lo, "ms_q80": hi, "cuda_graph": graphed, "transient_bytes": transient}
+            | ({"configs": chosen_configs()} if name == "bole" and device == "cuda" else {})
         )
     del sets
     if device == "cuda":
@@ -337,17 +345,21 @@ def main():
 
     print(f"\n{header['device']}, torch {header['torch']}, triton {header['triton']}, fla {header['fla']}, "
           f"commit {header['commit']}")  # fmt: skip
-    print(f"KDA layer of Kimi-Linear-48B-A3B: H = {H}, K = V = {K}; bf16 q/k/v, fp32 g and state; dot {args.precision}; "
-          f"ms per layer (median of CUDA-graph replays); fla-chunk runs a chain of T tokens; MiB: transient memory "
-          f"of one call (outputs included; bole's workspace {workspace_bytes(1, 128, H, K) / 2**20:.1f} MiB per request "
-          f"at T = 128)\n")  # fmt: skip
-    print("| B | T | depth | bole | commit | fla-chunk | serial | bole / fla | serial / bole | bole MiB | serial MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    sizes = "tiny (--cpu-smoke)" if args.cpu_smoke else "Kimi-Linear-48B-A3B's"
+    eager = sorted({f"{p} B={B} T={T} d={d}" for B, T, d, r in table for p, x in r.items() if x.get("cuda_graph") is False})
+    timing = "CPU wall time" if args.cpu_smoke else "median of CUDA-graph replays"
+    print(f"KDA layer, {sizes}: H = {H}, K = V = {K}; bf16 q/k/v, fp32 g and state; dot {args.precision}; ms per layer "
+          f"({timing}{'; timed eagerly: ' + ', '.join(eager) if eager else ''}); fla-chunk runs a "
+          f"chain of T tokens; MiB: transient memory of one call, outputs included (bole's workspace: "
+          f"{closed_form_kernels.workspace_bytes(1, 128, H, K) / 2**20:.1f} MiB per request at T = 128)\n")  # fmt: skip
+    print("| B | T | depth | bole | commit | fla-chunk | serial | bole / fla | serial / bole | bole MiB | fla MiB | serial MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, T, depth, r in table:
         bo, co, fl, se = (ms(r, p) for p in ("bole", "commit", "fla-chunk", "serial"))
         print(f"| {B} | {T} | {depth} | {bo:.4f} | {co:.4f} | {fl:.4f} | {se:.4f} | {bo / fl:.2f} | {se / bo:.1f} | "
-              f"{mib(r, 'bole'):.1f} | {mib(r, 'serial'):.1f} |")  # fmt: skip
+              f"{mib(r, 'bole'):.1f} | {mib(r, 'fla-chunk'):.1f} | {mib(r, 'serial'):.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    with torch.no_grad():
+        main()
