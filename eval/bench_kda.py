@@ -178,9 +178,10 @@ def check_fla(H, K, V, device) -> dict:
 
 
 def time_calls(fn, sets: list, device: str, reps: int = 30) -> tuple[float, float, float, bool | None]:
-    """Median (and 20/80% quantiles) of one call in ms, and whether a CUDA graph ran it (None on the CPU). On the GPU a graph holds one
-    call per input set, so consecutive calls read different memory, and each replay is timed with events; where
-    capture fails (a provider that synchronises) the calls are timed eagerly the same way. On the CPU: wall time."""
+    """Median (and 20/80% quantiles) of one call in ms, and whether a CUDA graph ran it (None on the CPU). On the GPU
+    a graph holds one call per input set, so consecutive calls read different memory, and each replay is timed with
+    events; where capture fails (a provider that synchronises) the calls are timed eagerly the same way. On the CPU:
+    wall time."""
     for s in sets[:2]:
         fn(*s)  # autotune and compile outside the timed region
     if device != "cuda":
@@ -352,7 +353,8 @@ def main():
           f"({timing}{'; timed eagerly: ' + ', '.join(eager) if eager else ''}); fla-chunk runs a "
           f"chain of T tokens; MiB: transient memory of one call, outputs included (bole's workspace: "
           f"{closed_form_kernels.workspace_bytes(1, 128, H, K) / 2**20:.1f} MiB per request at T = 128)\n")  # fmt: skip
-    print("| B | T | depth | bole | commit | fla-chunk | serial | bole / fla | serial / bole | bole MiB | fla MiB | serial MiB |")
+    columns = "B | T | depth | bole | commit | fla-chunk | serial | bole / fla | serial / bole | bole MiB | fla MiB | serial MiB"
+    print(f"| {columns} |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, T, depth, r in table:
         bo, co, fl, se = (ms(r, p) for p in ("bole", "commit", "fla-chunk", "serial"))

@@ -192,7 +192,7 @@ def test_tree_kda_commit_stacked_layers_and_in_place(backend):
     NL, B, T, HK, H, K, V = 3, 2, 20, 2, 4, 16, 32
     parents = make_parents("mixed", T, B, seed=8)
     layers = [kda_inputs(B, T, HK, H, K, V, device=device, seed=10 + n) for n in range(NL)]
-    us = [tree_kda_verify(q, k, v, g, b, parents.to(device), h0, use_qk_l2norm_in_kernel=True)[1] for q, k, v, g, b, h0 in layers]
+    us = [tree_kda_verify(*x[:5], parents.to(device), x[5], use_qk_l2norm_in_kernel=True)[1] for x in layers]
     path = random_paths(parents, torch.Generator().manual_seed(8)).to(device)
     per_layer = [tree_kda_commit(x[5], x[1], x[3], u, path, use_qk_l2norm_in_kernel=True) for x, u in zip(layers, us)]
     states = torch.stack([x[5] for x in layers])

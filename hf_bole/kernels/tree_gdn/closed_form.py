@@ -24,6 +24,50 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_verify_inputs(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay=False) -> None:
+    """The checks every tree verification function makes: shapes, dtypes, the tree, one device, the precision. g is
+    `[B, T, H]` (a decay per head, GDN) or with `per_key_decay` `[B, T, H, K]` (per key channel, KDA)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q and k must be [B, T, Hk, K] and v [B, T, H, V], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    B, T, HK, K = k.shape
+    H, V = v.shape[-2:]
+    check_shape("q", q, (B, T, HK, K), "[B, T, Hk, K]")
+    check_shape("v", v, (B, T, H, V), "[B, T, H, V]")
+    if per_key_decay:
+        check_shape("g", g, (B, T, H, K), "[B, T, H, K] (one log-decay per key channel)")
+    else:
+        check_shape("g", g, (B, T, H), "[B, T, H]")
+    check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    if H % HK != 0:
+        raise ValueError(f"the value heads H = {H} must be a multiple of the key heads Hk = {HK}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_dtype(name, x, FLOAT_DTYPES + (torch.float64,))
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    check_parents(parents, B, T)
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
+        check_dtype("initial_state", initial_state, (torch.float32, torch.float64))
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, parents=parents, initial_state=initial_state)
+    if dot_precision not in ("tf32x3", "ieee", "tf32"):
+        raise ValueError(f"dot_precision must be 'tf32x3', 'ieee' or 'tf32', got {dot_precision!r}")
+
+
+def check_triton_limits(k: torch.Tensor, v: torch.Tensor) -> None:
+    """What the Triton verify kernels hold: head dims in `SUPPORTED_HEAD_DIMS`, at most `MAX_NODES` nodes."""
+    T, K, V = k.shape[1], k.shape[-1], v.shape[-1]
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"the Triton kernels support head dims K, V in {SUPPORTED_HEAD_DIMS}, got K = {K}, V = {V}")
+    if T > MAX_NODES:
+        raise ValueError(
+            f"the Triton kernels verify at most {MAX_NODES} nodes per tree in one call, got T = {T}; "
+            f"lower the verification budget"
+        )
+
+
 def torch_tree_gdn_verify(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm):
     """The same closed form in plain torch (batched matmuls and a triangular solve): the CPU path."""
     B, T, HK, K = k.shape
@@ -103,48 +147,20 @@ def tree_gdn_verify(
         >>> o.shape
         torch.Size([1, 3, 2, 16])
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"q and k must be [B, T, Hk, K] and v [B, T, H, V], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}"
-        )
-    B, T, HK, K = k.shape
-    H, V = v.shape[-2:]
-    check_shape("q", q, (B, T, HK, K), "[B, T, Hk, K]")
-    check_shape("v", v, (B, T, H, V), "[B, T, H, V]")
-    check_shape("g", g, (B, T, H), "[B, T, H]")
-    check_shape("beta", beta, (B, T, H), "[B, T, H]")
-    if H % HK != 0:
-        raise ValueError(f"the value heads H = {H} must be a multiple of the key heads Hk = {HK}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_dtype(name, x, FLOAT_DTYPES + (torch.float64,))
-    for name, x in (("g", g), ("beta", beta)):
-        check_dtype(name, x, FLOAT_DTYPES + (torch.float64,))
-    if q.dtype != k.dtype:
-        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
-    check_parents(parents, B, T)
-    if initial_state is not None:
-        check_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
-        check_dtype("initial_state", initial_state, (torch.float32, torch.float64))
+    check_verify_inputs(q, k, v, g, beta, parents, initial_state, dot_precision)
+    B, T = parents.shape
     if ancestors is None:
         ancestors = tree_ancestor_mask(parents)
     else:
         check_shape("ancestors", ancestors, (B, T, T), "[B, T, T]")
         check_dtype("ancestors", ancestors, (torch.bool,))
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, parents=parents, initial_state=initial_state, ancestors=ancestors)
-    if dot_precision not in ("tf32x3", "ieee", "tf32"):
-        raise ValueError(f"dot_precision must be 'tf32x3', 'ieee' or 'tf32', got {dot_precision!r}")
+        check_same_device(v=v, ancestors=ancestors)
+    K = k.shape[-1]
     scale = K**-0.5 if scale is None else float(scale)
 
     if not use_triton(v) or v.dtype == torch.float64:
         return torch_tree_gdn_verify(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm_in_kernel)
-    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"the Triton kernel supports head dims K, V in {SUPPORTED_HEAD_DIMS}, got K = {K}, V = {V}")
-    if T > MAX_NODES:
-        raise ValueError(
-            f"the Triton kernel verifies at most {MAX_NODES} nodes per tree in one call, got T = {T}; "
-            f"lower the verification budget"
-        )
+    check_triton_limits(k, v)
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     return tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm_in_kernel, dot_precision)

@@ -3,7 +3,8 @@
     S_new = P_a S_pre + sum_{j on path} (P_a / P_j) k_j u_j^T        (a = last node of the path)
 
 The factors (k, u, log P) come from `tree_gdn_verify`; rejected nodes are simply never read. With
-stacked layers `[NL, ...]` one launch commits every GDN layer of a model.
+stacked layers `[NL, ...]` one launch commits every GDN layer of a model. The kernel also commits Kimi Delta
+Attention's state (`tree_kda_commit`), whose decay is per key channel.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def tree_gdn_commit_fwd_kernel(
     h0,
     k,
     u,
-    log_decay,
+    decay,
     path,
     out,
     B,
@@ -33,8 +34,10 @@ def tree_gdn_commit_fwd_kernel(
     BL: tl.constexpr,
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
+    PER_KEY_DECAY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # decay: GDN's log P [.., T, H], or with PER_KEY_DECAY, KDA's g [.., T, H, K] (tree_kda/README.md)
     i_v, i_nbh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_nb, i_h = i_nbh // H, i_nbh % H  # i_nb = layer * B + request
     i_b = i_nb % B
@@ -46,12 +49,23 @@ def tree_gdn_commit_fwd_kernel(
     m_v = o_v < V
     b_path = tl.load(path + i_b * L + o_l, mask=o_l < L, other=-1)
     m_l = b_path >= 0
-    # Node indices increase along a root-to-leaf path (parents come first), so the leaf is the max.
-    i_a = tl.max(b_path, axis=0)
-    p_lp = log_decay + i_nb * T * H + i_h
-    b_lpa = tl.load(p_lp + i_a * H, mask=i_a >= 0, other=0)
-    b_lpj = tl.load(p_lp + b_path * H, mask=m_l, other=0)
-    b_w = tl.where(m_l, tl.exp(b_lpa - b_lpj), 0.0)  # [BL] P_a / P_j
+    if PER_KEY_DECAY:
+        # log(Gam_a / Gam_j) is the sum of g over the path's nodes after j: a suffix sum of the path's g shifted by one
+        # (same-signed terms, not the difference of two sums); log Gam_a the sum over the whole path.
+        b_next = tl.load(path + i_b * L + o_l + 1, mask=o_l + 1 < L, other=-1)  # [BL] the node after each
+        p_g = decay + (i_nb * T * H + i_h) * K + o_k[None, :]
+        b_g = tl.load(p_g + b_path[:, None] * H * K, mask=m_l[:, None], other=0).to(tl.float32)  # [BL, K]
+        b_gn = tl.load(p_g + b_next[:, None] * H * K, mask=(b_next >= 0)[:, None], other=0).to(tl.float32)
+        b_w = tl.where(m_l[:, None], tl.exp(tl.cumsum(b_gn, axis=0, reverse=True)), 0.0)  # [BL, K] Gam_a / Gam_j
+        b_pa = tl.exp(tl.sum(b_g, axis=0))[:, None]  # [K, 1] Gam_a (1 for an empty path)
+    else:
+        # Node indices increase along a root-to-leaf path (parents come first), so the leaf is the max.
+        i_a = tl.max(b_path, axis=0)
+        p_lp = decay + i_nb * T * H + i_h
+        b_lpa = tl.load(p_lp + i_a * H, mask=i_a >= 0, other=0)
+        b_lpj = tl.load(p_lp + b_path * H, mask=m_l, other=0)
+        b_w = tl.where(m_l, tl.exp(b_lpa - b_lpj), 0.0)[:, None]  # [BL, 1] P_a / P_j
+        b_pa = tl.exp(b_lpa)
 
     b_k = tl.load(
         k + ((i_nb * T + b_path[:, None]) * HK + i_hk) * K + o_k[None, :], mask=m_l[:, None], other=0
@@ -63,11 +77,12 @@ def tree_gdn_commit_fwd_kernel(
     )  # [BL, BV]
     p_h = (i_nb * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     b_h = tl.load(h0 + p_h, mask=m_v[None, :], other=0)  # [K, BV]
-    b_h = tl.exp(b_lpa) * b_h + tl.dot(tl.trans(b_k * b_w[:, None]), b_u, input_precision=DOT_PRECISION)
+    b_h = b_pa * b_h + tl.dot(tl.trans(b_k * b_w), b_u, input_precision=DOT_PRECISION)
     tl.store(out + p_h, b_h, mask=m_v[None, :])
 
 
-def tree_gdn_commit_fwd(initial_state, k, u, log_decay, path, out, use_qk_l2norm, dot_precision):
+def tree_gdn_commit_fwd(initial_state, k, u, decay, path, out, use_qk_l2norm, dot_precision):
+    """Launches the commit kernel; `decay` is GDN's log_decay `[NL, B, T, H]` or KDA's g `[NL, B, T, H, K]`."""
     NL, B, T, HK, K = k.shape
     H, V = u.shape[-2:]
     L = path.shape[1]
@@ -76,8 +91,9 @@ def tree_gdn_commit_fwd(initial_state, k, u, log_decay, path, out, use_qk_l2norm
     grid = (triton.cdiv(V, BV), NL * B * H)
     with on_device(out):
         tree_gdn_commit_fwd_kernel[grid](
-            initial_state, k, u, log_decay, path, out, B, T, L,
-            H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
+            initial_state, k, u, decay, path, out, B, T, L,
+            H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, USE_QK_L2NORM=use_qk_l2norm, PER_KEY_DECAY=decay.dim() == 5,
+            DOT_PRECISION=dot_precision,
             num_warps=4,
         )  # fmt: skip
     return out
@@ -101,6 +117,53 @@ def torch_tree_gdn_commit(initial_state, k, u, log_decay, path, out, use_qk_l2no
     new = lp_leaf.exp()[..., None, None] * initial_state + torch.einsum("nblh,nblhk,nblhv->nbhkv", w, kp, up)
     out.copy_(new)
     return out
+
+
+def stacked_commit_args(initial_state, k, u, decay, path, out, check_values, per_key_decay=False):
+    """A commit's arguments checked, and a single layer's made a stack of one: `(stacked, initial_state, k, u, decay,
+    out)`, each `[NL, ...]`, `out` allocated where None. `decay` is GDN's log_decay `[B, T, H]` (float32) or, with
+    `per_key_decay`, KDA's g `[B, T, H, K]`."""
+    stacked = initial_state.dim() == 5
+    if not stacked:
+        initial_state, k, u, decay = (x.unsqueeze(0) for x in (initial_state, k, u, decay))
+        if out is not None:
+            out = out.unsqueeze(0)
+    if initial_state.dim() != 5 or k.dim() != 5:
+        raise ValueError(
+            f"initial_state must be [B, H, K, V] (or [NL, B, H, K, V]) and k [B, T, Hk, K] (or [NL, B, T, Hk, K]), "
+            f"got {tuple(initial_state.shape)} and {tuple(k.shape)}"
+        )
+    NL, B, H, K, V = initial_state.shape
+    T, HK = k.shape[2], k.shape[3]
+    check_shape("k", k, (NL, B, T, HK, K), "[NL, B, T, Hk, K]")
+    check_shape("u", u, (NL, B, T, H, V), "[NL, B, T, H, V]")
+    if per_key_decay:
+        name = "g"
+        check_shape(name, decay, (NL, B, T, H, K), "[NL, B, T, H, K]")
+        check_dtype(name, decay, (torch.float32, torch.bfloat16, torch.float16))
+    else:
+        name = "log_decay"
+        check_shape(name, decay, (NL, B, T, H), "[NL, B, T, H]")
+        check_dtype(name, decay, (torch.float32,))
+    if H % HK != 0:
+        raise ValueError(f"the value heads H = {H} must be a multiple of the key heads Hk = {HK}")
+    check_dtype("initial_state", initial_state, (torch.float32,))
+    check_dtype("u", u, (torch.float32,))
+    check_path(path, B, T, check_values=check_values)
+    check_same_device(initial_state=initial_state, k=k, u=u, path=path, out=out, **{name: decay})
+    if out is None:
+        out = torch.empty_like(initial_state)
+    else:
+        check_shape("out", out, tuple(initial_state.shape), "like initial_state")
+        check_dtype("out", out, (torch.float32,))
+        if not out.is_contiguous():
+            raise ValueError("`out` must be contiguous: the state is written in place")
+    if use_triton(initial_state):
+        if K > 256 or K & (K - 1) or V & (V - 1):
+            raise ValueError(f"the Triton commit supports power-of-two K <= 256 and V, got K = {K}, V = {V}")
+        if path.shape[1] > 256:
+            raise ValueError(f"paths of at most 256 nodes can be committed, got L = {path.shape[1]}")
+    return stacked, initial_state, k, u, decay, out
 
 
 def tree_gdn_commit(
@@ -142,41 +205,10 @@ def tree_gdn_commit(
         >>> o, u, log_decay = tree_gdn_verify(q, k, v, g, beta, parents, s0)
         >>> s1 = tree_gdn_commit(s0, k, u, log_decay, torch.tensor([[0, 2]]))  # accept root, then node 2
     """
-    stacked = initial_state.dim() == 5
-    if not stacked:
-        initial_state, k, u, log_decay = (x.unsqueeze(0) for x in (initial_state, k, u, log_decay))
-        if out is not None:
-            out = out.unsqueeze(0)
-    if initial_state.dim() != 5 or k.dim() != 5:
-        raise ValueError(
-            f"initial_state must be [B, H, K, V] (or [NL, B, H, K, V]) and k [B, T, Hk, K] (or [NL, B, T, Hk, K]), "
-            f"got {tuple(initial_state.shape)} and {tuple(k.shape)}"
-        )
-    NL, B, H, K, V = initial_state.shape
-    T, HK = k.shape[2], k.shape[3]
-    check_shape("k", k, (NL, B, T, HK, K), "[NL, B, T, Hk, K]")
-    check_shape("u", u, (NL, B, T, H, V), "[NL, B, T, H, V]")
-    check_shape("log_decay", log_decay, (NL, B, T, H), "[NL, B, T, H]")
-    if H % HK != 0:
-        raise ValueError(f"the value heads H = {H} must be a multiple of the key heads Hk = {HK}")
-    check_dtype("initial_state", initial_state, (torch.float32,))
-    check_dtype("u", u, (torch.float32,))
-    check_dtype("log_decay", log_decay, (torch.float32,))
-    check_path(path, B, T, check_values=check_values)
-    check_same_device(initial_state=initial_state, k=k, u=u, log_decay=log_decay, path=path, out=out)
-    if out is None:
-        out = torch.empty_like(initial_state)
-    else:
-        check_shape("out", out, tuple(initial_state.shape), "like initial_state")
-        check_dtype("out", out, (torch.float32,))
-        if not out.is_contiguous():
-            raise ValueError("`out` must be contiguous: the state is written in place")
-
+    stacked, initial_state, k, u, log_decay, out = stacked_commit_args(
+        initial_state, k, u, log_decay, path, out, check_values
+    )
     if use_triton(initial_state):
-        if K > 256 or K & (K - 1) or V & (V - 1):
-            raise ValueError(f"the Triton commit supports power-of-two K <= 256 and V, got K = {K}, V = {V}")
-        if path.shape[1] > 256:
-            raise ValueError(f"paths of at most 256 nodes can be committed, got L = {path.shape[1]}")
         args = (x.contiguous() for x in (initial_state, k, u, log_decay, path))
         tree_gdn_commit_fwd(*args, out, use_qk_l2norm_in_kernel, dot_precision)
     else:

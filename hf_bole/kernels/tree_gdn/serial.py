@@ -3,7 +3,8 @@ read the parent's state from a snapshot buffer, write every node's full K x V st
 
 One program per (request, value head, V-tile) walks all nodes; the commit is a copy of the accepted
 leaf's snapshot. Exact, but it moves T x K x V x 4 bytes per head per layer. Kept as the baseline of the
-benchmark and the `verify="serial"` mode, and as a second oracle in tests.
+benchmark and the `verify="serial"` mode, and as a second oracle in tests. The walk (`serial_walk`) also takes a decay
+per key channel, g `[B, T, H, K]`, for Kimi Delta Attention (`tree_kda_verify_serial`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def tree_gdn_serial_fwd_kernel(
     BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
+    PER_KEY_DECAY: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -61,9 +63,11 @@ def tree_gdn_serial_fwd_kernel(
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
         b_v = tl.load(v + ((i_b * T + i) * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_g = tl.load(g + (i_b * T + i) * H + i_h).to(tl.float32)
+        if PER_KEY_DECAY:
+            b_h = b_h * tl.exp(tl.load(g + ((i_b * T + i) * H + i_h) * K + o_k).to(tl.float32))[:, None]
+        else:
+            b_h = b_h * tl.exp(tl.load(g + (i_b * T + i) * H + i_h).to(tl.float32))
         b_beta = tl.load(beta + (i_b * T + i) * H + i_h).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)
         b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
         b_h += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_h * (b_q * scale)[:, None], axis=0)
@@ -85,7 +89,8 @@ def torch_tree_gdn_serial(q, k, v, g, beta, parents, initial_state, scale, use_q
     for i in range(T):
         p = parents[:, i]
         s = torch.where((p >= 0)[:, None, None, None], states[rows, p.clamp(min=0)], s0)
-        s = s * g[:, i].float().exp()[..., None, None]
+        decay = g[:, i].float().exp()  # [B, H] or, per key channel, [B, H, K]
+        s = s * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
         u = beta[:, i].float()[..., None] * (v[:, i].float() - torch.einsum("bhkv,bhk->bhv", s, k[:, i]))
         s = s + k[:, i, :, :, None] * u[:, :, None, :]
         o[:, i] = torch.einsum("bhkv,bhk->bhv", s, q[:, i] * scale).to(v.dtype)
@@ -111,13 +116,23 @@ def tree_gdn_verify_serial(
     `states [B, T, H, K, V]` float32, the state after every node. Commit with `tree_gdn_commit_serial`.
     """
     B, T, HK, K = k.shape
-    H, V = v.shape[-2:]
+    H = v.shape[-2]
     check_shape("q", q, (B, T, HK, K), "[B, T, Hk, K]")
     check_shape("g", g, (B, T, H), "[B, T, H]")
     check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    return serial_walk(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
+
+
+def serial_walk(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm):
+    """The walk behind `tree_gdn_verify_serial` and `tree_kda_verify_serial`, their inputs checked: the Triton kernel
+    or, on CPU tensors, torch; g `[B, T, H]` (a decay per head) or `[B, T, H, K]` (per key channel)."""
+    B, T, HK, K = k.shape
+    H, V = v.shape[-2:]
     scale = K**-0.5 if scale is None else float(scale)
     if not use_triton(v):
-        return torch_tree_gdn_serial(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
+        return torch_tree_gdn_serial(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm)
+    if K & (K - 1):
+        raise ValueError(f"the serial Triton kernel holds a whole key head: K must be a power of two, got K = {K}")
     q, k, v, g, beta, parents = (x.contiguous() for x in (q, k, v, g, beta, parents))
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     states = torch.empty(B, T, H, K, V, dtype=torch.float32, device=v.device)
@@ -126,7 +141,7 @@ def tree_gdn_verify_serial(
     with on_device(v):
         tree_gdn_serial_fwd_kernel[(triton.cdiv(V, BV), B * H)](
             q, k, v, g, beta, parents, h0, o, states, scale, T,
-            H=H, HK=HK, K=K, V=V, BV=BV, USE_QK_L2NORM=use_qk_l2norm_in_kernel, num_warps=4,
+            H=H, HK=HK, K=K, V=V, BV=BV, USE_QK_L2NORM=use_qk_l2norm, PER_KEY_DECAY=g.dim() == 4, num_warps=4,
         )  # fmt: skip
     return o, states
 

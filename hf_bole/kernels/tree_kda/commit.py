@@ -5,86 +5,15 @@
 `Gam_a / Gam_j` is exp of the sum of g over the path's nodes after j (a suffix sum of same-signed terms, never a
 difference of two sums); `Gam_a` that of the whole path. The factors u come from `tree_kda_verify`, k and g are the
 layer's inputs; rejected nodes are simply never read. With stacked layers `[NL, ...]` one launch commits every KDA
-layer of a model.
+layer of a model. The Triton kernel is the GDN commit's (`tree_gdn/commit.py`), with a decay per key channel.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_path, check_same_device, check_shape, l2norm, on_device, use_triton
-
-
-@triton.jit
-def tree_kda_commit_fwd_kernel(
-    h0,
-    k,
-    g,
-    u,
-    path,
-    out,
-    B,
-    T,
-    L,
-    H: tl.constexpr,
-    HK: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BL: tl.constexpr,
-    BV: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    i_v, i_nbh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_nb, i_h = i_nbh // H, i_nbh % H  # i_nb = layer * B + request
-    i_b = i_nb % B
-    i_hk = i_h // (H // HK)
-
-    o_l = tl.arange(0, BL)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    b_path = tl.load(path + i_b * L + o_l, mask=o_l < L, other=-1)  # [BL]
-    b_next = tl.load(path + i_b * L + o_l + 1, mask=o_l + 1 < L, other=-1)  # [BL] the node after each on the path
-    m_l = b_path >= 0
-    m_n = b_next >= 0
-    p_g = g + (i_nb * T * H + i_h) * K + o_k[None, :]
-    b_g = tl.load(p_g + b_path[:, None] * H * K, mask=m_l[:, None], other=0).to(tl.float32)  # [BL, K]
-    b_gn = tl.load(p_g + b_next[:, None] * H * K, mask=m_n[:, None], other=0).to(tl.float32)
-    # log(Gam_a / Gam_j) for the j at each position: the sum of g over the nodes after it.
-    b_w = tl.where(m_l[:, None], tl.exp(tl.cumsum(b_gn, axis=0, reverse=True)), 0.0)  # [BL, K]
-    b_gam = tl.exp(tl.sum(b_g, axis=0))  # [K] Gam_a (1 for an empty path)
-
-    b_k = tl.load(
-        k + ((i_nb * T + b_path[:, None]) * HK + i_hk) * K + o_k[None, :], mask=m_l[:, None], other=0
-    ).to(tl.float32)  # [BL, K]
-    if USE_QK_L2NORM:
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    b_u = tl.load(
-        u + ((i_nb * T + b_path[:, None]) * H + i_h) * V + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0
-    )  # [BL, BV]
-    p_h = (i_nb * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(h0 + p_h, mask=m_v[None, :], other=0)  # [K, BV]
-    b_h = b_gam[:, None] * b_h + tl.dot(tl.trans(b_k * b_w), b_u, input_precision=DOT_PRECISION)
-    tl.store(out + p_h, b_h, mask=m_v[None, :])
-
-
-def tree_kda_commit_fwd(initial_state, k, g, u, path, out, use_qk_l2norm, dot_precision):
-    NL, B, T, HK, K = k.shape
-    H, V = u.shape[-2:]
-    L = path.shape[1]
-    BL = max(16, triton.next_power_of_2(L))
-    BV = min(32, V)  # many small programs: the commit is bound by reading and writing the states
-    grid = (triton.cdiv(V, BV), NL * B * H)
-    with on_device(out):
-        tree_kda_commit_fwd_kernel[grid](
-            initial_state, k, g, u, path, out, B, T, L,
-            H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
-            num_warps=4,
-        )  # fmt: skip
-    return out
+from hf_bole.kernels.tree_gdn.commit import stacked_commit_args, tree_gdn_commit_fwd
+from hf_bole.kernels.utils import l2norm, use_triton
 
 
 def torch_tree_kda_commit(initial_state, k, g, u, path, out, use_qk_l2norm):
@@ -146,42 +75,12 @@ def tree_kda_commit(
         >>> o, u = tree_kda_verify(q, k, v, g, beta, parents, s0)
         >>> s1 = tree_kda_commit(s0, k, g, u, torch.tensor([[0, 2]]))  # accept root, then node 2
     """
-    stacked = initial_state.dim() == 5
-    if not stacked:
-        initial_state, k, g, u = (x.unsqueeze(0) for x in (initial_state, k, g, u))
-        if out is not None:
-            out = out.unsqueeze(0)
-    if initial_state.dim() != 5 or k.dim() != 5:
-        raise ValueError(
-            f"initial_state must be [B, H, K, V] (or [NL, B, H, K, V]) and k [B, T, Hk, K] (or [NL, B, T, Hk, K]), "
-            f"got {tuple(initial_state.shape)} and {tuple(k.shape)}"
-        )
-    NL, B, H, K, V = initial_state.shape
-    T, HK = k.shape[2], k.shape[3]
-    check_shape("k", k, (NL, B, T, HK, K), "[NL, B, T, Hk, K]")
-    check_shape("g", g, (NL, B, T, H, K), "[NL, B, T, H, K]")
-    check_shape("u", u, (NL, B, T, H, V), "[NL, B, T, H, V]")
-    if H % HK != 0:
-        raise ValueError(f"the value heads H = {H} must be a multiple of the key heads Hk = {HK}")
-    check_dtype("initial_state", initial_state, (torch.float32,))
-    check_dtype("u", u, (torch.float32,))
-    check_path(path, B, T, check_values=check_values)
-    check_same_device(initial_state=initial_state, k=k, g=g, u=u, path=path, out=out)
-    if out is None:
-        out = torch.empty_like(initial_state)
-    else:
-        check_shape("out", out, tuple(initial_state.shape), "like initial_state")
-        check_dtype("out", out, (torch.float32,))
-        if not out.is_contiguous():
-            raise ValueError("`out` must be contiguous: the state is written in place")
-
+    stacked, initial_state, k, u, g, out = stacked_commit_args(
+        initial_state, k, u, g, path, out, check_values, per_key_decay=True
+    )
     if use_triton(initial_state):
-        if K > 256 or K & (K - 1) or V & (V - 1):
-            raise ValueError(f"the Triton commit supports power-of-two K <= 256 and V, got K = {K}, V = {V}")
-        if path.shape[1] > 256:
-            raise ValueError(f"paths of at most 256 nodes can be committed, got L = {path.shape[1]}")
-        args = (x.contiguous() for x in (initial_state, k, g, u, path))
-        tree_kda_commit_fwd(*args, out, use_qk_l2norm_in_kernel, dot_precision)
+        args = (x.contiguous() for x in (initial_state, k, u, g, path))
+        tree_gdn_commit_fwd(*args, out, use_qk_l2norm_in_kernel, dot_precision)
     else:
         torch_tree_kda_commit(initial_state, k, g, u, path, out, use_qk_l2norm_in_kernel)
     return out if stacked else out.squeeze(0)

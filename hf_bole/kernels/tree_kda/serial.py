@@ -1,97 +1,16 @@
-"""The baseline other engines would use for tree drafts on KDA models (SGLang-Tree's algorithm, as for GDN in
-`tree_gdn/serial.py`): walk the nodes in order, read the parent's state from a snapshot buffer, write every node's
-full K x V state back to it.
-
-One program per (request, value head, V-tile) walks all nodes; the commit is a copy of the accepted leaf's snapshot
-(`tree_gdn_commit_serial`, which does not depend on the recurrence). Exact, but it moves T x K x V x 4 bytes per head
-per layer. Kept as the benchmark's baseline and as a second oracle in tests.
+"""The baseline other engines would use for tree drafts on KDA models (SGLang-Tree's algorithm): walk the nodes in
+order, read the parent's state from a snapshot buffer, write every node's full K x V state back to it. The walk is
+the GDN one (`tree_gdn/serial.py`) with a decay per key channel; the commit is a copy of the accepted leaf's snapshot
+(`tree_gdn_commit_serial`). Exact, but it moves T x K x V x 4 bytes per head per layer: the benchmark's baseline and a
+second oracle in tests.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from hf_bole.kernels.utils import check_parents, check_shape, l2norm, on_device, use_triton
-
-
-@triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
-@triton.jit(do_not_specialize=["T"])
-def tree_kda_serial_fwd_kernel(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    parents,
-    h0,
-    o,
-    states,
-    scale,
-    T,
-    H: tl.constexpr,
-    HK: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-):
-    i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_hk = i_h // (H // HK)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    p_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] offsets inside one state
-    if USE_INITIAL_STATE:
-        b_h0 = tl.load(h0 + i_bh * K * V + p_kv, mask=m_v[None, :], other=0)
-    else:
-        b_h0 = tl.zeros([K, BV], dtype=tl.float32)
-    p_states = states + i_b * T * H * K * V + i_h * K * V
-    for i in range(T):
-        i_p = tl.load(parents + i_b * T + i)
-        if i_p >= 0:
-            b_h = tl.load(p_states + i_p * H * K * V + p_kv, mask=m_v[None, :], other=0)
-        else:
-            b_h = b_h0
-        b_q = tl.load(q + ((i_b * T + i) * HK + i_hk) * K + o_k).to(tl.float32)
-        b_k = tl.load(k + ((i_b * T + i) * HK + i_hk) * K + o_k).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_v = tl.load(v + ((i_b * T + i) * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_g = tl.load(g + ((i_b * T + i) * H + i_h) * K + o_k).to(tl.float32)  # [K]
-        b_beta = tl.load(beta + (i_b * T + i) * H + i_h).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)[:, None]
-        b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
-        b_h += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_h * (b_q * scale)[:, None], axis=0)
-        tl.store(o + ((i_b * T + i) * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(p_states + i * H * K * V + p_kv, b_h, mask=m_v[None, :])
-        tl.debug_barrier()  # a child may read this snapshot next
-
-
-def torch_tree_kda_serial(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm):
-    B, T, HK, K = k.shape
-    H, V = v.shape[-2:]
-    q, k = (x.float().repeat_interleave(H // HK, dim=2) for x in (q, k))
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    s0 = torch.zeros(B, H, K, V, device=v.device) if initial_state is None else initial_state.float()
-    states = torch.empty(B, T, H, K, V, device=v.device)
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
-    rows = torch.arange(B, device=v.device)
-    for i in range(T):
-        p = parents[:, i]
-        s = torch.where((p >= 0)[:, None, None, None], states[rows, p.clamp(min=0)], s0)
-        s = s * g[:, i].float().exp()[..., None]
-        u = beta[:, i].float()[..., None] * (v[:, i].float() - torch.einsum("bhkv,bhk->bhv", s, k[:, i]))
-        s = s + k[:, i, :, :, None] * u[:, :, None, :]
-        o[:, i] = torch.einsum("bhkv,bhk->bhv", s, q[:, i] * scale).to(v.dtype)
-        states[:, i] = s
-    return o, states
+from hf_bole.kernels.tree_gdn.serial import serial_walk
+from hf_bole.kernels.utils import check_parents, check_shape
 
 
 def tree_kda_verify_serial(
@@ -113,24 +32,9 @@ def tree_kda_verify_serial(
     `states [B, T, H, K, V]` float32, the state after every node. Commit with `tree_gdn_commit_serial`.
     """
     B, T, HK, K = k.shape
-    H, V = v.shape[-2:]
+    H = v.shape[-2]
     check_shape("q", q, (B, T, HK, K), "[B, T, Hk, K]")
     check_shape("g", g, (B, T, H, K), "[B, T, H, K]")
     check_shape("beta", beta, (B, T, H), "[B, T, H]")
     check_parents(parents, B, T)
-    scale = K**-0.5 if scale is None else float(scale)
-    if not use_triton(v):
-        return torch_tree_kda_serial(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
-    if K & (K - 1):
-        raise ValueError(f"the serial Triton kernel holds a whole key head: K must be a power of two, got K = {K}")
-    q, k, v, g, beta, parents = (x.contiguous() for x in (q, k, v, g, beta, parents))
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
-    states = torch.empty(B, T, H, K, V, dtype=torch.float32, device=v.device)
-    BV = min(32, V)
-    h0 = None if initial_state is None else initial_state.float().contiguous()
-    with on_device(v):
-        tree_kda_serial_fwd_kernel[(triton.cdiv(V, BV), B * H)](
-            q, k, v, g, beta, parents, h0, o, states, scale, T,
-            H=H, HK=HK, K=K, V=V, BV=BV, USE_QK_L2NORM=use_qk_l2norm_in_kernel, num_warps=4,
-        )  # fmt: skip
-    return o, states
+    return serial_walk(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
