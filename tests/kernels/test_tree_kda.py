@@ -42,7 +42,7 @@ CASES = [
     pytest.param("deep", 1, 128, 1, 2, 16, 16, False, id="deep-T128-d16"),
     pytest.param("deep", 2, 128, 1, 2, 32, 16, True, id="deep-T128-d16-extreme"),
     pytest.param("bushy", 2, 63, 2, 4, 32, 16, True, id="bushy-T63-extreme"),
-    pytest.param("mixed", 3, 100, 2, 6, 16, 32, False, id="mixed-T100-Hk2-H6"),
+    pytest.param("mixed", 2, 100, 2, 4, 16, 32, False, id="mixed-T100-Hk2-H4"),
 ]
 
 
@@ -50,7 +50,7 @@ CASES = [
 @pytest.mark.parametrize("kind,B,T,HK,H,K,V,extreme", CASES)
 def test_tree_kda_verify_fp32(backend, kind, B, T, HK, H, K, V, extreme):
     """Float64 agreement of fp32 inputs on random trees up to depth 16; with `extreme` decays (alpha near 0 and near
-    1 in every node) the deep tree takes a difference of cumulative log-decays 4.2e-5 off in o, a factorisation to inf."""
+    1 in every node) a difference of cumulative log-decays is 4.2e-5 off in o on the deep tree, a factorisation inf."""
     device = backend_device(backend)
     q, k, v, g, beta, h0 = kda_inputs(B, T, HK, H, K, V, device=device, seed=T, extreme=extreme)
     parents = make_parents(kind, T, B, seed=T).to(device)
