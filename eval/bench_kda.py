@@ -207,7 +207,6 @@ def time_calls(fn, sets: list, device: str, reps: int = 30) -> tuple[float, floa
         run, graphed = graph.replay, True
     except RuntimeError:
         torch.cuda.synchronize()
-        graph = None
 
         def run():
             for s in sets:
