@@ -63,13 +63,27 @@ def _fmt(x, spec: str = ".1f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+CPU_NOTE = (
+    "**On a CPU the timings are no result.** hf_bole is built for GPUs, and a CPU run's timings move with the "
+    "machine's load (on a shared 2-core machine the same command's tokens/s moved by 2x and more from run to run), so "
+    "the table gives no speed-up. Read `accepted/round` (tokens per forward of the model; plain `generate` makes one "
+    "a forward) and `exact` (outputs equal to plain greedy, token for token)."
+)
+HOUSE_QUALITY_NOTE = (
+    "The house model (15M parameters, trained for minutes: eval/house/) measures acceptance; it solves no MBPP or "
+    "GSM8K task, so `quality` is 0 for plain `generate` too and says nothing about hf_bole."
+)
+
+
 def markdown(rows: list[dict], header: dict) -> str:
-    """The results table, its settings stated above it (STYLE.md §6)."""
+    """The results table, its settings stated above it (STYLE.md §6). On a CPU it leaves out the speed-ups."""
     m, s = header["machine"], header["settings"]
     where = m["gpu"] or f"CPU ({m['cpu_threads']} threads)"
-    static = any(r.get("speedup_over_ar_static") is not None for r in rows)  # a column only where ar-static ran
-    parallel = s.get("num_processes", 1) > 1  # data-parallel: a column of the processes' throughput together
     devices = header.get("devices") or []
+    on_cpu = not any(d.startswith("cuda") for d in devices) if devices else m["gpu"] is None
+    speedup = not on_cpu  # a column of tokens/s over ar's
+    static = speedup and any(r.get("speedup_over_ar_static") is not None for r in rows)  # where ar-static ran
+    parallel = s.get("num_processes", 1) > 1  # data-parallel: a column of the processes' throughput together
     graphs = "on" if s.get("cuda_graphs") else "off"
     if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
         graphs = f"off (the model spans {', '.join(devices)})"
@@ -95,9 +109,11 @@ def markdown(rows: list[dict], header: dict) -> str:
         + (f" Prompts/s: all {s.get('num_processes')} processes together, over the busiest one's generate time." * parallel)
         + f" Command: `{s['command']}`",
         "",
-        "| dataset | mode | batch | prompts | tokens/s | speedup |" + " ÷ ar-static |" * static
+        *["", CPU_NOTE] * on_cpu,
+        "",
+        "| dataset | mode | batch | prompts | tokens/s |" + " speedup |" * speedup + " ÷ ar-static |" * static
         + " prompts/s |" * parallel + " TTFT ms | TPOT ms | accepted/round | exact | quality | peak GiB | tree state MiB |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * (static + parallel) + "---:|---:|---:|---:|---|---:|---:|",
+        "|---|---|---:|---:|---:|" + "---:|" * (speedup + static + parallel) + "---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         quality = ", ".join(f"{k} {v:.3g}" for k, v in (r["quality"] or {}).items()) or "–"
@@ -106,12 +122,15 @@ def markdown(rows: list[dict], header: dict) -> str:
         exact = f"{100 * r['exact_share']:.0f}%" if r["exact_share"] is not None else "–"
         tokens_per_s = r.get("error") or _fmt(r["output_tokens_per_s"])  # a mode that ran out of memory says so
         cells = [
-            r["dataset"], r["mode"], r["batch_size"], r["num_prompts"], tokens_per_s, _fmt(r["speedup_over_ar"], ".2f"),
-            *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static, *[_fmt(r.get("prompts_per_s"), ".2f")] * parallel,
+            r["dataset"], r["mode"], r["batch_size"], r["num_prompts"], tokens_per_s,
+            *[_fmt(r["speedup_over_ar"], ".2f")] * speedup, *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static, *[_fmt(r.get("prompts_per_s"), ".2f")] * parallel,
             _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"]),
             _fmt(r["mean_accepted_tokens"], ".2f"), exact, quality, _fmt(peak, ".2f"), _fmt(tree, ".2f"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if any(r["quality"] for r in rows):
+        lines += ["", "`quality` scores every mode's decoded text alike: a greedy mode whose outputs all equal ar's "
+                  "(`exact` 100%) scores what ar scores." + (" " + HOUSE_QUALITY_NOTE) * _is_house(s["model"])]
     lines += _phase_table(rows, "round_phase_ms", "Where a round's time goes (ms per round; CUDA: device timeline, idle "
                           "gaps included):")
     lines += _phase_table(rows, "round_host_phase_ms", "The same phases on the host clock (ms per round in their Python "
@@ -126,6 +145,12 @@ def markdown(rows: list[dict], header: dict) -> str:
                 f"{d['position']}, ar {d['reference_token']} vs {d['output_token']}: {d['explanation']}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _is_house(model: str) -> bool:
+    from eval.shapes import HOUSE_CHECKPOINT
+
+    return Path(model).resolve() == HOUSE_CHECKPOINT
 
 
 def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
@@ -143,9 +168,10 @@ def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
     return lines
 
 
-def plots(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Throughput vs batch size per mode, accepted-length histograms, speedup over `ar` per dataset, and where
-    fixed budgets were swept, each batch size's throughput against its best fixed budget (dashed: auto)."""
+def plots(rows: list[dict], out_dir: Path, speedups: bool = True) -> list[Path]:
+    """Throughput vs batch size per mode, accepted-length histograms, speedup over `ar` per dataset (unless
+    `speedups` is False: a CPU run's), and where fixed budgets were swept, each batch size's throughput against its
+    best fixed budget (dashed: auto)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -193,7 +219,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.legend()
         written.append(_save(fig, out_dir / "accept_histogram.png"))
 
-    with_speedup = [r for r in rows if r["mode"] != "ar" and r["speedup_over_ar"] is not None]
+    with_speedup = [r for r in rows if speedups and r["mode"] != "ar" and r["speedup_over_ar"] is not None]
     if with_speedup:
         series = list(dict.fromkeys((r["mode"], r["batch_size"]) for r in with_speedup))
         fig, ax = plt.subplots(figsize=(max(5, 1.5 * len(datasets) * len(series) / 2), 3.5))

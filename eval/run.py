@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", action="store_true",
         help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes",
     )
-    ap.add_argument("--output-dir", default="results/eval")
+    ap.add_argument("--output-dir", default="runs/eval", help="where the tables and plots go (runs/ is git-ignored)")
     ap.add_argument("--data-dir", default=None, help="passed to eval.data.load_prompts")
     ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (out / "results.partial.jsonl").unlink(missing_ok=True)
         table = report.markdown(rows, header)
         (out / "results.md").write_text(table)
-        report.plots(rows, out)
+        report.plots(rows, out, speedups=any(d.type == "cuda" for d in place.devices))
         print(table)
         print(f"wrote {out / 'results.jsonl'}, {out / 'results.md'} and plots")
     # Processes leave together, their process group torn down: with gloo's threads still running at interpreter
@@ -538,7 +538,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         torch.cuda.reset_peak_memory_stats(gpu)
         torch.cuda.synchronize(gpu)
     start = time.perf_counter()
-    # `generation` comes last: a caller's settings there (eval/ab_turns.py's variants) override the mode's.
+    # `generation` comes last: a caller's settings there override the mode's.
     kwargs = {**mode.generate_kwargs(drafter), **graphs, **({"bole_profile": True} if profiled else {}), **generation}
     out = model.generate(
         input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True, **extra, **kwargs
