@@ -502,9 +502,8 @@ def interleaved_runs(
 def _stop_criterion(tokenizer, stops: tuple[str, ...]) -> StopStringCriteria:
     """The criterion of `stops`, built once per process (the cache holds the tokenizer). transformers 5.17's
     StopStringCriteria keys its own cache by the vocabulary in the tokenizer's dict order, which changes from call to
-    call (5.24 sorts it): built inside each generate call it scanned the vocabulary again every time, 35-70 ms a call
-    on the H200 machine (results/speed_h200/twenty_fourth_session/), as much as a whole bole call on the house model.
-    A server builds it once; every mode gets the same criterion, through `stopping_criteria`."""
+    call (5.24 sorts it): built inside each generate call it scans the vocabulary again every time, as long as a
+    whole bole call on the house model. A server builds it once; every mode gets the same criterion, through `stopping_criteria`."""
     return StopStringCriteria(tokenizer, list(stops))
 
 
