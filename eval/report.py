@@ -27,8 +27,17 @@ def machine() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    try:
+        import fla
+
+        fla_version = getattr(fla, "__version__", "installed")
+    except ImportError:
+        fla_version = None
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    # BOLE_COMMIT names the working tree's commit where the checkout's git does not (a copy of the tree on a GPU
+    # machine): whether that tree was dirty is then unknown
+    given = os.environ.get("BOLE_COMMIT")
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cpu": platform.processor() or platform.machine(),
@@ -36,9 +45,10 @@ def machine() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "triton": triton_version,
+        "fla": fla_version,
         "python": platform.python_version(),
-        "commit": os.environ.get("BOLE_COMMIT") or commit or None,
-        "dirty": bool(dirty),
+        "commit": given or commit or None,
+        "dirty": None if given else bool(dirty),
     }
 
 
@@ -95,7 +105,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"# Results: {s['model']}",
         "",
         f"{where}, torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}, commit "
-        f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}. {s['dtype']}, temperature {s['temperature']}, "
+        f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}{', fla-core ' + m['fla'] if m.get('fla') else ''}. {s['dtype']}, temperature {s['temperature']}, "
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth {_one(s.get('chain_depth', [CHAIN_DEPTH]))}, "
         f"topk 1), SDPA cuDNN "
@@ -130,7 +140,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     if any(r["quality"] for r in rows):
         lines += ["", "`quality` scores every mode's decoded text alike: a greedy mode whose outputs all equal ar's "
-                  "(`exact` 100%) scores what ar scores." + (" " + HOUSE_QUALITY_NOTE) * _is_house(s["model"])]
+                  "(`exact` 100%) scores what ar scores." + (" " + HOUSE_QUALITY_NOTE) * is_house(s["model"])]
     lines += _phase_table(rows, "round_phase_ms", "Where a round's time goes (ms per round; CUDA: device timeline, idle "
                           "gaps included):")
     lines += _phase_table(rows, "round_host_phase_ms", "The same phases on the host clock (ms per round in their Python "
@@ -147,10 +157,9 @@ def markdown(rows: list[dict], header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _is_house(model: str) -> bool:
-    from eval.shapes import HOUSE_CHECKPOINT
-
-    return Path(model).resolve() == HOUSE_CHECKPOINT
+def is_house(model: str) -> bool:
+    """Whether `model` names the house checkpoint (eval/house/checkpoint of any clone)."""
+    return Path(model).parts[-3:] == ("eval", "house", "checkpoint")
 
 
 def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
@@ -243,7 +252,7 @@ def plots(rows: list[dict], out_dir: Path, speedups: bool = True) -> list[Path]:
         ax.legend(fontsize="small")
         written.append(_save(fig, out_dir / "speedup.png"))
 
-    swept = _budget_cells(rows)
+    swept = budget_cells(rows)
     if swept:  # a budget sweep (issue 5): each batch size's tokens/s over its best fixed budget, auto beside them
         panels = list(dict.fromkeys(key[:3] for key in swept))  # (dataset, mode, depth)
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
@@ -282,7 +291,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _budget_cells(rows: list[dict]) -> dict[tuple, dict]:
+def budget_cells(rows: list[dict]) -> dict[tuple, dict]:
     """`{(dataset, mode, depth, batch): {budget label: tokens/s}}` of the hf_bole tree modes' rows, for the
     (dataset, mode, depth, batch) cells that ran at least two fixed budgets (`--budget 16 32 64 auto`): a fixed
     budget's label is its node count, "auto"'s and "goodput"'s name their epsilon."""
@@ -301,7 +310,7 @@ def budget_sweep(rows: list[dict]) -> list[str]:
     """Markdown lines comparing budgets (issue 5): per (dataset, mode, depth, batch size) with at least two fixed
     budgets, the best fixed one against each `auto` and `goodput` row; then each fixed budget's largest shortfall from
     the best over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
-    swept = _budget_cells(rows)
+    swept = budget_cells(rows)
     if not swept:
         return []
     lines = ["", "Budgets (tokens/s; the best fixed budget of each batch size against auto):", "",

@@ -45,6 +45,7 @@ from eval.shapes import (  # noqa: E402
     spread_max_memory,
 )
 from hf_bole import BoleConfig  # noqa: E402
+from hf_bole.generation.budget import BudgetResolver  # noqa: E402
 
 FEW_SHOT = ("mbpp", "gsm8k")  # the datasets eval.data prompts with exemplars (the others are zero-shot)
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         errors = [e for e in gather_object([error]) if e is not None]  # from every process
         if accelerator.is_main_process and not reference_only:
             row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
+            row["budget_source"] = budget_source(model, mode, args, batch_size)
             rows.append({**row, "error": errors[0] if errors else None})
             report.write_jsonl(rows, header, out / "results.partial.jsonl")
 
@@ -304,6 +306,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return rows
+
+
+def budget_source(model, mode: Mode, args, batch_size: int) -> str | None:
+    """Where a drafting mode's budget comes from, as `generate` looks it up: "fixed N", "table <file> at epsilon e"
+    or "fallback"."""
+    if not mode.drafts:
+        return None
+    fields = {k: v for k, v in mode.settings().items() if k in ("budget", "epsilon", "verify", "attention") and v is not None}
+    config = BoleConfig(**fields, compile=mode.compile, cuda_graphs=args.cuda_graphs)
+    return BudgetResolver.for_model(model, config, batch_size).source
 
 
 def is_reference_only(mode, args) -> bool:

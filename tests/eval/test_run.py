@@ -74,6 +74,8 @@ def test_run_end_to_end(checkpoint, tmp_path):
     for r in rows:
         assert r["num_prompts"] == 2 and r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0
         assert r["ttft_ms"] > 0 and r["quality"] is not None
+        # where each mode's budget came from: chain verifies every row's chain, the tree modes' "auto" falls back
+        assert r["budget_source"] == {"ar": None, "chain": f"fixed {3 * r['batch_size']}"}.get(r["mode"], "fallback")
         if r["mode"] == "ar":
             assert r["exact_share"] is None and r["mean_accepted_tokens"] is None
         else:
@@ -485,7 +487,7 @@ def test_budget_sweep_plot(tmp_path):
             row(8, 16, 200.0, mode="tree-serial"), row(8, 64, 250.0, mode="tree-serial")]  # fmt: skip
     written = report.plots(rows, tmp_path)
     assert tmp_path / "budget_sweep.png" in written and (tmp_path / "budget_sweep.png").stat().st_size > 0
-    assert report._budget_cells(rows).keys() == {("mbpp", "bole", 5, 1), ("mbpp", "bole", 5, 8),
+    assert report.budget_cells(rows).keys() == {("mbpp", "bole", 5, 1), ("mbpp", "bole", 5, 8),
                                                  ("mbpp", "tree-serial", 5, 8)}  # fmt: skip
 
 
