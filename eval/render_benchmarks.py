@@ -1,10 +1,11 @@
-"""Rewrites BENCHMARKS.md's tables, and the speed-up plot (benchmarks/speedup.png), from the JSONL in benchmarks/.
+"""Rewrites BENCHMARKS.md's tables, README.md's results table and the speed-up plot (benchmarks/speedup.png) from
+the JSONL in benchmarks/.
 
     python eval/render_benchmarks.py
 
 Each table sits between `<!-- rendered: NAME -->` and `<!-- end: NAME -->` in BENCHMARKS.md and is rendered from
 `benchmarks/NAME.jsonl` (the shipped budget tables from `hf_bole/budgets/*.json`); a table whose file is missing is
-left as it is. Above each table: the GPU, the versions and the commit of every run behind it, and whether the library
+left as it is; README.md's `readme_results` section summarises the end-to-end tables. Above each table: the GPU, the versions and the commit of every run behind it, and whether the library
 (`hf_bole/`) has changed since that commit in this clone's history (then the table is not of the current code).
 `bash eval/gpu.sh` runs this after its measuring parts.
 """
@@ -24,6 +25,7 @@ from eval import report  # noqa: E402
 
 DATA = REPO / "benchmarks"
 DOC = REPO / "BENCHMARKS.md"
+README = REPO / "README.md"
 E2E = ("e2e_house_b1", "e2e_house_b8", "e2e_9b_b1", "e2e_9b_b8_b16")
 BUDGETS = ("budget_house", "budget_9b")
 MODES = ("ar", "ar-static", "chain", "tree-serial", "bole")
@@ -102,6 +104,26 @@ def e2e(rows: list[dict]) -> list[str]:
                                is not None else "–" for m in MODES[1:])  # fmt: skip
             lines.append(f"| {dataset} | {batch} | " + " | ".join(cells)
                          + f" | {ratio('ar-static')} | {ratio('chain')} | {ratio('tree-serial')} | {rounds} | {exact} |")  # fmt: skip
+    return lines
+
+
+def summary(runs: dict[str, list[dict]]) -> list[str]:
+    """README's table: every end-to-end run's tokens/s by mode, one line per model, prompts and batch size."""
+    rows = [r for name in runs for r in runs[name]]
+    lines = provenance(rows) + [
+        "",
+        "| model | prompts | batch | " + " | ".join(MODES) + " | bole ÷ ar-static | bole ÷ chain |",
+        "|---|---|---:|" + "---:|" * (len(MODES) + 2),
+    ]
+    for name, run in runs.items():
+        model = "house" if "house" in name else "9B shape"
+        for dataset in dict.fromkeys(r["dataset"] for r in run):
+            for batch in sorted({r["batch_size"] for r in run if r["dataset"] == dataset}):
+                by = {r["mode"].split()[0]: r for r in run if (r["dataset"], r["batch_size"]) == (dataset, batch)}
+                tps = {m: r["output_tokens_per_s"] for m, r in by.items() if not r.get("error")}
+                cells = [by[m].get("error") or _f(tps.get(m)) if m in by else "–" for m in MODES]
+                ratio = lambda m: f"{tps['bole'] / tps[m]:.2f}×" if tps.get("bole") and tps.get(m) else "–"  # noqa: E731
+                lines.append(f"| {model} | {dataset} | {batch} | " + " | ".join(cells) + f" | {ratio('ar-static')} | {ratio('chain')} |")
     return lines
 
 
@@ -229,10 +251,10 @@ def plot(runs: dict[str, list[dict]], path: Path) -> Path | None:
     return path
 
 
-def replace(doc: str, name: str, lines: list[str]) -> str:
+def replace(doc: str, name: str, lines: list[str], where: str = DOC.name) -> str:
     pattern = re.compile(rf"(<!-- rendered: {name} -->\n).*?(<!-- end: {name} -->)", re.S)
     if not pattern.search(doc):
-        raise SystemExit(f"{DOC.name} has no <!-- rendered: {name} --> ... <!-- end: {name} --> section")
+        raise SystemExit(f"{where} has no <!-- rendered: {name} --> ... <!-- end: {name} --> section")
     return pattern.sub(lambda m: m.group(1) + "\n".join(lines) + "\n" + m.group(2), doc)
 
 
@@ -249,6 +271,9 @@ def main() -> None:
     doc = replace(doc, "tables", shipped_tables())
     DOC.write_text(doc)
     print(f"wrote {DOC}")
+    if runs:
+        README.write_text(replace(README.read_text(), "readme_results", summary(runs), README.name))
+        print(f"wrote {README}")
     if (png := plot(runs, DATA / "speedup.png")) is not None:
         print(f"wrote {png}")
 

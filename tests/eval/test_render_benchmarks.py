@@ -28,6 +28,9 @@ def test_render(tmp_path, monkeypatch):
     data.mkdir()
     monkeypatch.setattr(render, "DATA", data)
     monkeypatch.setattr(render, "DOC", doc)
+    readme = tmp_path / "README.md"
+    readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
+    monkeypatch.setattr(render, "README", readme)
     sections = [*render.E2E, "kernels", *render.BUDGETS, "tables"]
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
@@ -56,3 +59,4 @@ def test_render(tmp_path, monkeypatch):
     assert "old e2e_9b_b1" in text and "old budget_9b" in text  # no data: left as it was
     assert "| house model | NVIDIA H200 | bfloat16 | closed_form |" in text  # the shipped tables
     assert (data / "speedup.png").stat().st_size > 0
+    assert "| house | mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.00× | 1.25× |" in readme.read_text()
