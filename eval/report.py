@@ -119,8 +119,7 @@ def markdown(rows: list[dict], header: dict) -> str:
         + (f" Prompts/s: all {s.get('num_processes')} processes together, over the busiest one's generate time." * parallel)
         + f" Command: `{s['command']}`",
         "",
-        *["", CPU_NOTE] * on_cpu,
-        "",
+        *[CPU_NOTE, ""] * on_cpu,
         "| dataset | mode | batch | prompts | tokens/s |" + " speedup |" * speedup + " ÷ ar-static |" * static
         + " prompts/s |" * parallel + " TTFT ms | TPOT ms | accepted/round | exact | quality | peak GiB | tree state MiB |",
         "|---|---|---:|---:|---:|" + "---:|" * (speedup + static + parallel) + "---:|---:|---:|---:|---|---:|---:|",

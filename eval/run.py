@@ -3,13 +3,14 @@
     python eval/run.py                                    # house model, bundled prompts, ar vs bole (CPU: minutes)
     python eval/run.py --datasets mbpp gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8 --device cuda
     python eval/run.py --shape 9B --modes ar bole --batch-sizes 1 8 --max-new-tokens 256   # random 9B, oracle drafter
-    accelerate launch eval/run.py ...                     # prompts sharded across processes, one GPU each
+    accelerate launch --multi_gpu --num_processes 2 eval/run.py ...   # prompts sharded over processes (GPUs or CPU)
     python eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8   # one model, all GPUs
 
-Modes (eval/modes.py): `ar` plain `generate`; `chain` hf_bole with topk 1, depth 3 (--chain-depth); `tree-serial`
-bole's trees verified node by node with state snapshots; `bole` the closed form. Every run is greedy unless
---temperature > 0. Writes results.jsonl, results.md and PNG plots to --output-dir and prints the table. See
-eval/README.md.
+Modes (eval/modes.py): `ar` plain `generate`; `ar-static` its static cache, compiled; `chain` hf_bole with topk 1,
+depth 3 (--chain-depth); `tree-serial` bole's trees verified node by node with state snapshots; `bole` the closed
+form. Every run is greedy unless --temperature > 0. Writes results.jsonl, results.md and PNG plots to --output-dir
+(default runs/eval, git-ignored) and prints the table; on a CPU the table gives no speed-up (its timings move with
+the machine's load). See eval/README.md.
 """
 
 from __future__ import annotations

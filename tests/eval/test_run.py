@@ -365,7 +365,7 @@ def test_first_token_timer_and_acceptance():
     assert first is not None and timer.first_token_at == first
     assert metrics.Timing(seconds=1.0, ttft=0.1).tpot(10) == pytest.approx(0.1)
 
-    stats = metrics.acceptance([1, 3, 4, 0, 4], depth=3)  # the 0 is a finished row sitting a round out
+    stats = metrics.acceptance([1, 3, 4, 0, 4], depth=3)  # the 0 is a finished row that skipped a round
     assert stats["mean_accepted_tokens"] == 3.0 and stats["accept_histogram"] == {1: 1, 3: 1, 4: 2}
     assert stats["accepted_at_depth"] == [0.75, 0.75, 0.5]
 
