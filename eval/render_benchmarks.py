@@ -5,8 +5,9 @@ the JSONL in benchmarks/.
 
 Each table sits between `<!-- rendered: NAME -->` and `<!-- end: NAME -->` in BENCHMARKS.md and is rendered from
 `benchmarks/NAME.jsonl` (the shipped budget tables from `hf_bole/budgets/*.json`); a table whose file is missing is
-left as it is; README.md's `readme_results` section summarises the end-to-end tables. Above each table: the GPU, the versions and the commit of every run behind it, and whether the library
-(`hf_bole/`) has changed since that commit in this clone's history (then the table is not of the current code).
+left as it is; README.md's `readme_results` section summarises the end-to-end tables. Above each table: the GPU,
+the versions and the commit of every run behind it, and whether the library (`hf_bole/`) has changed since that
+commit in this clone's history (then the table is not of the current code).
 `bash eval/gpu.sh` runs this after its measuring parts.
 """
 
@@ -40,43 +41,75 @@ def currency(commit: str | None) -> str:
     """Whether hf_bole/ changed after `commit`, by this clone's history."""
     if not commit:
         return "commit unknown: not known to be the current code"
-    count = subprocess.run(["git", "rev-list", "--count", f"{commit}..HEAD", "--", "hf_bole"], cwd=REPO,
-                           capture_output=True, text=True)  # fmt: skip
+    count = subprocess.run(
+        ["git", "rev-list", "--count", f"{commit}..HEAD", "--", "hf_bole"], cwd=REPO, capture_output=True, text=True
+    )
     if count.returncode != 0:
         return "a commit this clone's history lacks: not known to be the current code"
     n = int(count.stdout.strip())
-    return "hf_bole/ unchanged since: the current code" if n == 0 else f"hf_bole/ changed in {n} commits since: **not the current code**"
+    return "hf_bole/ unchanged since: the current code" if n == 0 else f"hf_bole/ changed in {n} commits since: " \
+        "**not the current code**"
 
 
 def machine_line(m: dict, what: str = "") -> str:
     versions = f"torch {m.get('torch')}, triton {m.get('triton')}, transformers {m.get('transformers')}"
-    versions += f", fla-core {m['fla']}" if m.get("fla") else ", no fla-core" if "fla" in m else ", fla-core not recorded"
+    if "fla" not in m:
+        versions += ", fla-core not recorded"
+    else:
+        versions += f", fla-core {m['fla']}" if m["fla"] else ", no fla-core"
     commit = (m.get("commit") or "?")[:7]
     dirty = " (dirty)" if m.get("dirty") else ""
     return f"- {what}**{m.get('gpu')}**, {versions}; commit `{commit}`{dirty}, {currency(m.get('commit'))}."
+
+
+MACHINE_FIELDS = ("gpu", "torch", "triton", "transformers", "fla", "commit", "dirty")
 
 
 def provenance(rows: list[dict]) -> list[str]:
     """One line per distinct machine and commit, naming the datasets it ran."""
     groups: dict[str, list[str]] = {}
     for r in rows:
-        key = json.dumps({k: r["machine"].get(k) for k in ("gpu", "torch", "triton", "transformers", "fla", "commit", "dirty")})
+        key = json.dumps({k: r["machine"][k] for k in MACHINE_FIELDS if k in r["machine"]})
         if r["dataset"] not in groups.setdefault(key, []):
             groups[key].append(r["dataset"])
-    lines = [machine_line(json.loads(key), f"{', '.join(ds)}: " if len(groups) > 1 else "") for key, ds in groups.items()]
+    lines = [
+        machine_line(json.loads(key), f"{', '.join(datasets)}: " if len(groups) > 1 else "")
+        for key, datasets in groups.items()
+    ]
     sources = {r["transcribed_from"] for r in rows if r.get("transcribed_from")}
-    lines += [f"- Transcribed from {s}." for s in sources]
-    return lines
+    return lines + [f"- Transcribed from {s}." for s in sources]
 
 
 def _f(x, spec: str = ".1f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _cells(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    """`{(dataset, batch size): {mode: row}}`, in the rows' order."""
+    cells: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["dataset"], r["batch_size"]), {})[r["mode"].split()[0]] = r
+    return cells
+
+
+def _tokens_per_s(by_mode: dict[str, dict]) -> list[str]:
+    """Each mode's tokens/s, or its error ("out of memory"), or "–" where it did not run."""
+    return [
+        (by_mode[m].get("error") or _f(by_mode[m]["output_tokens_per_s"])) if m in by_mode else "–" for m in MODES
+    ]
+
+
+def _bole_over(by_mode: dict[str, dict], mode: str, spec: str) -> str:
+    bole, other = (by_mode.get(m, {}) for m in ("bole", mode))
+    if any(r.get("error") or not r.get("output_tokens_per_s") for r in (bole, other)):
+        return "–"
+    return f"{bole['output_tokens_per_s'] / other['output_tokens_per_s']:{spec}}×"
+
+
 def e2e(rows: list[dict]) -> list[str]:
     s = rows[0]["settings"]
     timing = f"median of {s.get('repeats')} passes" + (" taken in turns" if s.get("interleave") else "")
-    sources = {}
+    sources: dict[str, set[str]] = {}
     for r in rows:
         if r.get("budget_source"):
             sources.setdefault(r["mode"].split()[0], set()).add(r["budget_source"].split(" at epsilon")[0])
@@ -92,38 +125,29 @@ def e2e(rows: list[dict]) -> list[str]:
         "| tokens a round (chain / tree-serial / bole) | outputs equal to ar (ar-static / chain / tree-serial / bole) |",
         "|---|---:|" + "---:|" * (len(MODES) + 3) + "---|---|",
     ]
-    for dataset in dict.fromkeys(r["dataset"] for r in rows):
-        for batch in sorted({r["batch_size"] for r in rows if r["dataset"] == dataset}):
-            by_mode = {r["mode"].split()[0]: r for r in rows if (r["dataset"], r["batch_size"]) == (dataset, batch)}
-            tps = {m: r["output_tokens_per_s"] if not r.get("error") else None for m, r in by_mode.items()}
-            cells = [r.get("error") or _f(r["output_tokens_per_s"]) if (r := by_mode.get(m)) else "–" for m in MODES]
-            ratio = lambda m: f"{tps['bole'] / tps[m]:.3f}×" if tps.get("bole") and tps.get(m) else "–"  # noqa: E731
-            rounds = " / ".join(_f(by_mode[m].get("mean_accepted_tokens"), ".2f") if m in by_mode else "–"
-                                for m in ("chain", "tree-serial", "bole"))  # fmt: skip
-            exact = " / ".join(f"{100 * by_mode[m]['exact_share']:.0f}%" if by_mode.get(m, {}).get("exact_share")
-                               is not None else "–" for m in MODES[1:])  # fmt: skip
-            lines.append(f"| {dataset} | {batch} | " + " | ".join(cells)
-                         + f" | {ratio('ar-static')} | {ratio('chain')} | {ratio('tree-serial')} | {rounds} | {exact} |")  # fmt: skip
+    for (dataset, batch), by_mode in _cells(rows).items():
+        ratios = [_bole_over(by_mode, m, ".3f") for m in ("ar-static", "chain", "tree-serial")]
+        rounds = [_f(by_mode[m].get("mean_accepted_tokens"), ".2f") if m in by_mode else "–"
+                  for m in ("chain", "tree-serial", "bole")]  # fmt: skip
+        shares = [by_mode.get(m, {}).get("exact_share") for m in MODES[1:]]
+        exact = ["–" if share is None else f"{100 * share:.0f}%" for share in shares]
+        cells = [dataset, batch, *_tokens_per_s(by_mode), *ratios, " / ".join(rounds), " / ".join(exact)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
 
 def summary(runs: dict[str, list[dict]]) -> list[str]:
     """README's table: every end-to-end run's tokens/s by mode, one line per model, prompts and batch size."""
-    rows = [r for name in runs for r in runs[name]]
-    lines = provenance(rows) + [
+    lines = provenance([r for rows in runs.values() for r in rows]) + [
         "",
         "| model | prompts | batch | " + " | ".join(MODES) + " | bole ÷ ar-static | bole ÷ chain |",
         "|---|---|---:|" + "---:|" * (len(MODES) + 2),
     ]
-    for name, run in runs.items():
+    for name, rows in runs.items():
         model = "house" if "house" in name else "9B shape"
-        for dataset in dict.fromkeys(r["dataset"] for r in run):
-            for batch in sorted({r["batch_size"] for r in run if r["dataset"] == dataset}):
-                by = {r["mode"].split()[0]: r for r in run if (r["dataset"], r["batch_size"]) == (dataset, batch)}
-                tps = {m: r["output_tokens_per_s"] for m, r in by.items() if not r.get("error")}
-                cells = [by[m].get("error") or _f(tps.get(m)) if m in by else "–" for m in MODES]
-                ratio = lambda m: f"{tps['bole'] / tps[m]:.2f}×" if tps.get("bole") and tps.get(m) else "–"  # noqa: E731
-                lines.append(f"| {model} | {dataset} | {batch} | " + " | ".join(cells) + f" | {ratio('ar-static')} | {ratio('chain')} |")
+        for (dataset, batch), by_mode in _cells(rows).items():
+            ratios = [_bole_over(by_mode, m, ".2f") for m in ("ar-static", "chain")]
+            lines.append("| " + " | ".join(map(str, [model, dataset, batch, *_tokens_per_s(by_mode), *ratios])) + " |")
     return lines
 
 
@@ -167,7 +191,8 @@ def budgets(rows: list[dict]) -> list[str]:
     cells = report.budget_cells(rows)
     s = rows[0]["settings"]
     prompts = "random prompts" if rows[0]["dataset"] == "random" else rows[0]["dataset"]
-    sources = sorted({r["budget_source"].split(" at epsilon")[0] for r in rows if r.get("budget_source", "").startswith(("table", "fallback"))})
+    looked_up = (r.get("budget_source") or "" for r in rows)
+    sources = sorted({b.split(" at epsilon")[0] for b in looked_up if b.startswith(("table", "fallback"))})
     auto = f"\"auto\" read {', '.join(sources)}" if sources else "\"auto\" read the table calibrated on that GPU"
     labels = sorted({b for v in cells.values() for b in v if isinstance(b, int)})
     rules = sorted({b for v in cells.values() for b in v if not isinstance(b, int)})
@@ -222,8 +247,8 @@ def plot(runs: dict[str, list[dict]], path: Path) -> Path | None:
     for name, rows in runs.items():
         model = "house model" if "house" in name else "random 9B shape, oracle drafter"
         for r in rows:
-            base = next((b for b in rows if b["mode"] == "ar" and (b["dataset"], b["batch_size"]) == (r["dataset"], r["batch_size"])), None)  # fmt: skip
-            if r["mode"] != "ar" and base and r.get("output_tokens_per_s") and base.get("output_tokens_per_s"):
+            base = _cells(rows)[r["dataset"], r["batch_size"]].get("ar", {})
+            if r["mode"] != "ar" and r.get("output_tokens_per_s") and base.get("output_tokens_per_s"):
                 speedup = r["output_tokens_per_s"] / base["output_tokens_per_s"]
                 panels.setdefault(f"{model}, {r['dataset']}", {})[(r["mode"].split()[0], r["batch_size"])] = speedup
     if not panels:

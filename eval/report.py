@@ -105,7 +105,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"# Results: {s['model']}",
         "",
         f"{where}, torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}, commit "
-        f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}{', fla-core ' + m['fla'] if m.get('fla') else ''}. {s['dtype']}, temperature {s['temperature']}, "
+        f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}"
+        f"{', fla-core ' + m['fla'] if m.get('fla') else ''}. {s['dtype']}, temperature {s['temperature']}, "
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth {_one(s.get('chain_depth', [CHAIN_DEPTH]))}, "
         f"topk 1), SDPA cuDNN "
@@ -132,7 +133,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         tokens_per_s = r.get("error") or _fmt(r["output_tokens_per_s"])  # a mode that ran out of memory says so
         cells = [
             r["dataset"], r["mode"], r["batch_size"], r["num_prompts"], tokens_per_s,
-            *[_fmt(r["speedup_over_ar"], ".2f")] * speedup, *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static, *[_fmt(r.get("prompts_per_s"), ".2f")] * parallel,
+            *[_fmt(r["speedup_over_ar"], ".2f")] * speedup, *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static,
+            *[_fmt(r.get("prompts_per_s"), ".2f")] * parallel,
             _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"]),
             _fmt(r["mean_accepted_tokens"], ".2f"), exact, quality, _fmt(peak, ".2f"), _fmt(tree, ".2f"),
         ]  # fmt: skip

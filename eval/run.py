@@ -314,7 +314,8 @@ def budget_source(model, mode: Mode, args, batch_size: int) -> str | None:
     or "fallback"."""
     if not mode.drafts:
         return None
-    fields = {k: v for k, v in mode.settings().items() if k in ("budget", "epsilon", "verify", "attention") and v is not None}
+    looked_up = ("budget", "epsilon", "verify", "attention")
+    fields = {k: v for k, v in mode.settings().items() if k in looked_up and v is not None}
     config = BoleConfig(**fields, compile=mode.compile, cuda_graphs=args.cuda_graphs)
     return BudgetResolver.for_model(model, config, batch_size).source
 

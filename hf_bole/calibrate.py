@@ -5,7 +5,8 @@
     python -m hf_bole.calibrate --shape 9B --batch-sizes 1 4 8 16 --kv-lengths 512 2048 8192 --out budget_9b.json
 
 Writes the table to `$HF_BOLE_CACHE/budgets/<key>.json` (default `~/.cache/hf_bole/budgets/`), where "auto" looks
-first (or into `--table-dir`: `hf_bole/budgets` in a clone ships it with the package), and to `--out` if given, after every (batch size, KV length) bucket it finishes and once more at the end, plus a
+first (or into `--table-dir`: `hf_bole/budgets` in a clone ships it with the package), and to `--out` if given,
+after every (batch size, KV length) bucket it finishes and once more at the end, plus a
 PNG of T_ver(N) / T_dec against N (`--plot`, default: beside the JSON; needs matplotlib). `--shape` builds a
 random-weight model of a published Qwen3.5 shape (`hf_bole.shapes`): timings do not depend on the weights, and the
 table's key is the shape's, so it serves the published checkpoint of that shape.

@@ -446,7 +446,8 @@ class BudgetResolver:
                 )
                 continue
             if table is not None:
-                _say_once(f"hf_bole: budget={config.budget!r} reads the verification budget table {folder / key.filename}")
+                path = folder / key.filename
+                _say_once(f"hf_bole: budget={config.budget!r} reads the verification budget table {path}")
                 break
         if table is None:
             _warn_once(

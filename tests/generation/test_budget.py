@@ -294,6 +294,10 @@ PUBLISHED_9B_TEXT = {
                         "rope_theta": 10000000, "partial_rotary_factor": 0.25},
 }  # fmt: skip
 VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2}
+# The 9B shape shrunk to a tiny model of the same structure.
+SMALL_9B = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, intermediate_size=96)  # fmt: skip
 
 
 def test_model_key_of_published_checkpoints_is_their_shapes(tmp_path):
@@ -324,11 +328,9 @@ def test_table_key_of_a_conditional_generation_checkpoint(tmp_path):
 
     from hf_bole.shapes import build_model, shape_config
 
-    small = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                 linear_value_head_dim=16, intermediate_size=96)  # fmt: skip
-    random_shape = build_model(shape_config("9B", **small), "cpu", torch.float32)
-    composite = Qwen3_5Config(text_config=shape_config("9B", **small).to_dict(), vision_config={**VISION, "out_hidden_size": 64})
+    random_shape = build_model(shape_config("9B", **SMALL_9B), "cpu", torch.float32)
+    vision = {**VISION, "out_hidden_size": 64}
+    composite = Qwen3_5Config(text_config=shape_config("9B", **SMALL_9B).to_dict(), vision_config=vision)
     Qwen3_5ForConditionalGeneration(composite).save_pretrained(tmp_path)
     key = TableKey.for_model(random_shape)
     for loader in (AutoModelForCausalLM, Qwen3_5ForConditionalGeneration):
@@ -670,15 +672,12 @@ def test_cli_calibrates_a_named_shape_into_a_table_dir(tmp_path, budget_cache):
     table where the cache folder would: keyed by that shape."""
     from hf_bole.shapes import shape_config
 
-    small = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                 linear_value_head_dim=16, intermediate_size=96)  # fmt: skip
     folder = tmp_path / "shape"
-    shape_config("9B", **small).save_pretrained(folder)
+    shape_config("9B", **SMALL_9B).save_pretrained(folder)
     argv = ["--shape", str(folder), "--device", "cpu", "--dtype", "fp32", "--batch-sizes", "1", "--kv-lengths", "8",
             "--nodes", "0", "2", "--warmup", "1", "--reps", "1", "--table-dir", str(tmp_path / "tables")]  # fmt: skip
     assert calibrate_main(argv) == 0
-    key = TableKey(model_key(shape_config("9B", **small)), "cpu", "float32", "closed_form", "eager")
+    key = TableKey(model_key(shape_config("9B", **SMALL_9B)), "cpu", "float32", "closed_form", "eager")
     assert find_table(key, tmp_path / "tables").key == key
     assert not budget_cache.exists()
 
