@@ -76,8 +76,8 @@ def _fmt(x, spec: str = ".1f") -> str:
 CPU_NOTE = (
     "**On a CPU the timings are no result.** hf_bole is built for GPUs, and a CPU run's timings move with the "
     "machine's load (on a shared 2-core machine the same command's tokens/s moved by 2x and more from run to run), so "
-    "the table gives no speed-up. Read `accepted/round` (tokens per forward of the model; plain `generate` makes one "
-    "a forward) and `exact` (outputs equal to plain greedy, token for token)."
+    "the table gives no speed-up and no comparison of budgets. Read `accepted/round` (tokens per forward of the "
+    "model; plain `generate` makes one a forward) and `exact` (outputs equal to plain greedy, token for token)."
 )
 HOUSE_QUALITY_NOTE = (
     "The house model (15M parameters, trained for minutes: eval/house/) measures acceptance; it solves no MBPP or "
@@ -146,7 +146,7 @@ def markdown(rows: list[dict], header: dict) -> str:
                           "gaps included):")
     lines += _phase_table(rows, "round_host_phase_ms", "The same phases on the host clock (ms per round in their Python "
                           "code; where the host's total exceeds the device's, the GPU waited for Python):")
-    lines += budget_sweep(rows)
+    lines += budget_sweep(rows) if not on_cpu else []  # a comparison of timings too
     diverged = [(r, d) for r in rows for d in r["divergences"]]
     if diverged:
         lines += ["", "Greedy outputs that differ from `ar` (first divergence, plain-forward logits there):", ""]
@@ -178,10 +178,10 @@ def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
     return lines
 
 
-def plots(rows: list[dict], out_dir: Path, speedups: bool = True) -> list[Path]:
-    """Throughput vs batch size per mode, accepted-length histograms, speedup over `ar` per dataset (unless
-    `speedups` is False: a CPU run's), and where fixed budgets were swept, each batch size's throughput against its
-    best fixed budget (dashed: auto)."""
+def plots(rows: list[dict], out_dir: Path, comparisons: bool = True) -> list[Path]:
+    """Throughput vs batch size per mode, accepted-length histograms, and unless `comparisons` is False (a CPU
+    run's) the speedup over `ar` per dataset and, where fixed budgets were swept, each batch size's throughput
+    against its best fixed budget (dashed: auto)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -229,7 +229,7 @@ def plots(rows: list[dict], out_dir: Path, speedups: bool = True) -> list[Path]:
             ax.legend()
         written.append(_save(fig, out_dir / "accept_histogram.png"))
 
-    with_speedup = [r for r in rows if speedups and r["mode"] != "ar" and r["speedup_over_ar"] is not None]
+    with_speedup = [r for r in rows if comparisons and r["mode"] != "ar" and r["speedup_over_ar"] is not None]
     if with_speedup:
         series = list(dict.fromkeys((r["mode"], r["batch_size"]) for r in with_speedup))
         fig, ax = plt.subplots(figsize=(max(5, 1.5 * len(datasets) * len(series) / 2), 3.5))
@@ -253,7 +253,7 @@ def plots(rows: list[dict], out_dir: Path, speedups: bool = True) -> list[Path]:
         ax.legend(fontsize="small")
         written.append(_save(fig, out_dir / "speedup.png"))
 
-    swept = budget_cells(rows)
+    swept = budget_cells(rows) if comparisons else {}
     if swept:  # a budget sweep (issue 5): each batch size's tokens/s over its best fixed budget, auto beside them
         panels = list(dict.fromkeys(key[:3] for key in swept))  # (dataset, mode, depth)
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (out / "results.partial.jsonl").unlink(missing_ok=True)
         table = report.markdown(rows, header)
         (out / "results.md").write_text(table)
-        report.plots(rows, out, speedups=any(d.type == "cuda" for d in place.devices))
+        report.plots(rows, out, comparisons=any(d.type == "cuda" for d in place.devices))
         print(table)
         print(f"wrote {out / 'results.jsonl'}, {out / 'results.md'} and plots")
     # Processes leave together, their process group torn down: with gloo's threads still running at interpreter
