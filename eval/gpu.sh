@@ -25,12 +25,13 @@
 #   budget-house  "auto" against fixed budgets, house model, GSM8K, batch 8 and 1  benchmarks/budget_house.jsonl
 #   budget-9b     the same on the 9B shape (its table first: cal-9B)                 benchmarks/budget_9b.jsonl
 #
-# After the parts: eval/render_benchmarks.py rewrites BENCHMARKS.md and benchmarks/speedup.png, and everything the
-# parts wrote, logs included, is packed into $OUT/gpu_results.tgz (OUT default runs/gpu); `tar -xzf
-# gpu_results.tgz` in the clone puts it in place (the logs under runs/gpu/logs/). A fla-core wheel in .whl/ is
+# After the parts: eval/render_benchmarks.py rewrites BENCHMARKS.md, README.md's results and benchmarks/speedup.png,
+# and everything the parts wrote, logs included, is packed into $OUT/gpu_results.tgz (OUT default runs/gpu); `tar
+# -xzf gpu_results.tgz` in the clone puts it in place (the logs under runs/gpu/logs/), and `python
+# eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -136,5 +137,5 @@ done
 if [ $RENDER = 1 ]; then
     step render 120 python3 eval/render_benchmarks.py
 fi
-tar -czf "$OUT/gpu_results.tgz" BENCHMARKS.md benchmarks hf_bole/budgets "$LOGS"
+tar -czf "$OUT/gpu_results.tgz" README.md BENCHMARKS.md benchmarks hf_bole/budgets "$LOGS"
 echo "packed $OUT/gpu_results.tgz; failed steps:${FAILED:- none}"
