@@ -13,7 +13,7 @@ Shapes: Qwen3.5-9B's attention (16 query heads, 4 KV heads, head dim 256) and 27
 committed length is `--fill` of the capacity, with random trees. Every op is timed as CUDA-graph replays over 4 input
 sets (distinct storages), median of 30; outputs are checked against float64 first. Writes JSON lines, prints a table.
 
-    python eval/bench_attention.py --out results/attention.jsonl
+    python eval/bench_attention.py --out runs/attention.jsonl
 """
 
 from __future__ import annotations

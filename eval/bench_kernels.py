@@ -11,7 +11,8 @@
 Each provider is timed as CUDA-graph replays over rotating input sets (so neither launch overhead nor a
 warm L2 flatters it), median of many; correctness is checked first and a failing op is not reported.
 Also times the stacked commit of all GDN layers of a Qwen3.5-9B shape. Writes JSON lines and prints a
-table. Usage: `python eval/bench_kernels.py --out results/kernels.jsonl [--quick]`.
+table. Usage: `python eval/bench_kernels.py --out runs/kernels.jsonl [--quick]` (`bash eval/gpu.sh kernels` writes
+benchmarks/kernels.jsonl, behind BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def bench_commit(NL=24, B=16, HK=16, H=32, K=128, V=128, T=64, L=8):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="results/kernels.jsonl")
+    ap.add_argument("--out", default="runs/kernels.jsonl")
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--precision", default="tf32x3")
     ap.add_argument("--shapes", nargs="+", metavar="H,B,T", help="these (H, B, T) only, e.g. 32,16,128")

@@ -1,6 +1,5 @@
-"""Batch-shared node selection on the GPU, side by side in one run: `select_nodes` (select.py, about 80 small kernels,
-as the decoding loop replayed it from a CUDA graph until the thirteenth session) against `select_nodes_triton`
-(select_kernel.py, one launch, what the loop runs now).
+"""Batch-shared node selection on the GPU, side by side in one run: `select_nodes` (select.py, the reference, about 80 small
+kernels, replayed from a CUDA graph) against `select_nodes_triton` (select_kernel.py, one launch, what the loop runs).
 
 Trees shaped like the MTP drafter's (`synthetic_draft_tree`: topk 4, depth 5 and 6, as the house model and the 9B
 runs draft), batch 1, 8 and 16, budgets 32, 64 and 128. Every output field is checked against `select_nodes` first
@@ -40,7 +39,7 @@ def check(tree: DraftTree, roots: torch.Tensor, budget: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results/select.jsonl")
+    ap.add_argument("--out", default="runs/select.jsonl")
     args = ap.parse_args()
     header = machine_header()
     rows = []

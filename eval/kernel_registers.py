@@ -2,7 +2,7 @@
 
 Triton compiles each launch config to PTX for the target, and the ptxas that ships in Triton's wheel reports
 registers, spill stores and spill loads per thread (`ptxas -v`). On an H200 both kernels ran at their register
-limit (Nsight Compute, results/kernels_h200_tenth), so spills are what a change to them should be checked for
+limit (Nsight Compute), so spills are what a change to them should be checked for
 before a GPU run. The figures come from this machine's Triton, which may differ from the GPU's. Usage:
 
     python eval/kernel_registers.py [--kernels gdn attention masks] [--tile 128] [--precision tf32x3]

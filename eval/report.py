@@ -27,8 +27,17 @@ def machine() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    try:
+        import fla
+
+        fla_version = getattr(fla, "__version__", "installed")
+    except ImportError:
+        fla_version = None
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    # BOLE_COMMIT names the working tree's commit where the checkout's git does not (a copy of the tree on a GPU
+    # machine): whether that tree was dirty is then unknown
+    given = os.environ.get("BOLE_COMMIT")
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cpu": platform.processor() or platform.machine(),
@@ -36,9 +45,10 @@ def machine() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "triton": triton_version,
+        "fla": fla_version,
         "python": platform.python_version(),
-        "commit": os.environ.get("BOLE_COMMIT") or commit or None,
-        "dirty": bool(dirty),
+        "commit": given or commit or None,
+        "dirty": None if given else bool(dirty),
     }
 
 
@@ -63,13 +73,27 @@ def _fmt(x, spec: str = ".1f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+CPU_NOTE = (
+    "**On a CPU the timings are no result.** hf_bole is built for GPUs, and a CPU run's timings move with the "
+    "machine's load (on a shared 2-core machine the same command's tokens/s moved by 2x and more from run to run), so "
+    "the table gives no speed-up and no comparison of budgets. Read `accepted/round` (tokens per forward of the "
+    "model; plain `generate` makes one a forward) and `exact` (outputs equal to plain greedy, token for token)."
+)
+HOUSE_QUALITY_NOTE = (
+    "The house model (15M parameters, trained for minutes: eval/house/) measures acceptance; it solves no MBPP or "
+    "GSM8K task, so `quality` is 0 for plain `generate` too and says nothing about hf_bole."
+)
+
+
 def markdown(rows: list[dict], header: dict) -> str:
-    """The results table, its settings stated above it (STYLE.md §6)."""
+    """The results table, its settings stated above it (STYLE.md §6). On a CPU it leaves out the speed-ups."""
     m, s = header["machine"], header["settings"]
     where = m["gpu"] or f"CPU ({m['cpu_threads']} threads)"
-    static = any(r.get("speedup_over_ar_static") is not None for r in rows)  # a column only where ar-static ran
-    parallel = s.get("num_processes", 1) > 1  # data-parallel: a column of the processes' throughput together
     devices = header.get("devices") or []
+    on_cpu = not any(d.startswith("cuda") for d in devices) if devices else m["gpu"] is None
+    speedup = not on_cpu  # a column of tokens/s over ar's
+    static = speedup and any(r.get("speedup_over_ar_static") is not None for r in rows)  # where ar-static ran
+    parallel = s.get("num_processes", 1) > 1  # data-parallel: a column of the processes' throughput together
     graphs = "on" if s.get("cuda_graphs") else "off"
     if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
         graphs = f"off (the model spans {', '.join(devices)})"
@@ -81,7 +105,8 @@ def markdown(rows: list[dict], header: dict) -> str:
         f"# Results: {s['model']}",
         "",
         f"{where}, torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}, commit "
-        f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}. {s['dtype']}, temperature {s['temperature']}, "
+        f"`{(m['commit'] or '?')[:9]}`{' (dirty)' if m['dirty'] else ''}"
+        f"{', fla-core ' + m['fla'] if m.get('fla') else ''}. {s['dtype']}, temperature {s['temperature']}, "
         f"max {s['max_new_tokens']} new tokens, drafter `{s['drafter']}`, tree depth {_one(s['depth'])} topk {s['topk']} "
         f"budget {_one(s['budget'])} epsilon {_one(s['epsilon'])} (chain: depth {_one(s.get('chain_depth', [CHAIN_DEPTH]))}, "
         f"topk 1), SDPA cuDNN "
@@ -95,9 +120,10 @@ def markdown(rows: list[dict], header: dict) -> str:
         + (f" Prompts/s: all {s.get('num_processes')} processes together, over the busiest one's generate time." * parallel)
         + f" Command: `{s['command']}`",
         "",
-        "| dataset | mode | batch | prompts | tokens/s | speedup |" + " ÷ ar-static |" * static
+        *[CPU_NOTE, ""] * on_cpu,
+        "| dataset | mode | batch | prompts | tokens/s |" + " speedup |" * speedup + " ÷ ar-static |" * static
         + " prompts/s |" * parallel + " TTFT ms | TPOT ms | accepted/round | exact | quality | peak GiB | tree state MiB |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * (static + parallel) + "---:|---:|---:|---:|---|---:|---:|",
+        "|---|---|---:|---:|---:|" + "---:|" * (speedup + static + parallel) + "---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         quality = ", ".join(f"{k} {v:.3g}" for k, v in (r["quality"] or {}).items()) or "–"
@@ -106,17 +132,21 @@ def markdown(rows: list[dict], header: dict) -> str:
         exact = f"{100 * r['exact_share']:.0f}%" if r["exact_share"] is not None else "–"
         tokens_per_s = r.get("error") or _fmt(r["output_tokens_per_s"])  # a mode that ran out of memory says so
         cells = [
-            r["dataset"], r["mode"], r["batch_size"], r["num_prompts"], tokens_per_s, _fmt(r["speedup_over_ar"], ".2f"),
-            *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static, *[_fmt(r.get("prompts_per_s"), ".2f")] * parallel,
+            r["dataset"], r["mode"], r["batch_size"], r["num_prompts"], tokens_per_s,
+            *[_fmt(r["speedup_over_ar"], ".2f")] * speedup, *[_fmt(r.get("speedup_over_ar_static"), ".2f")] * static,
+            *[_fmt(r.get("prompts_per_s"), ".2f")] * parallel,
             _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"]),
             _fmt(r["mean_accepted_tokens"], ".2f"), exact, quality, _fmt(peak, ".2f"), _fmt(tree, ".2f"),
         ]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if any(r["quality"] for r in rows):
+        lines += ["", "`quality` scores every mode's decoded text alike: a greedy mode whose outputs all equal ar's "
+                  "(`exact` 100%) scores what ar scores." + (" " + HOUSE_QUALITY_NOTE) * is_house(s["model"])]
     lines += _phase_table(rows, "round_phase_ms", "Where a round's time goes (ms per round; CUDA: device timeline, idle "
                           "gaps included):")
     lines += _phase_table(rows, "round_host_phase_ms", "The same phases on the host clock (ms per round in their Python "
                           "code; where the host's total exceeds the device's, the GPU waited for Python):")
-    lines += budget_sweep(rows)
+    lines += budget_sweep(rows) if not on_cpu else []  # a comparison of timings too
     diverged = [(r, d) for r in rows for d in r["divergences"]]
     if diverged:
         lines += ["", "Greedy outputs that differ from `ar` (first divergence, plain-forward logits there):", ""]
@@ -126,6 +156,11 @@ def markdown(rows: list[dict], header: dict) -> str:
                 f"{d['position']}, ar {d['reference_token']} vs {d['output_token']}: {d['explanation']}"
             )
     return "\n".join(lines) + "\n"
+
+
+def is_house(model: str) -> bool:
+    """Whether `model` names the house checkpoint (eval/house/checkpoint of any clone)."""
+    return Path(model).parts[-3:] == ("eval", "house", "checkpoint")
 
 
 def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
@@ -143,9 +178,10 @@ def _phase_table(rows: list[dict], key: str, title: str) -> list[str]:
     return lines
 
 
-def plots(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Throughput vs batch size per mode, accepted-length histograms, speedup over `ar` per dataset, and where
-    fixed budgets were swept, each batch size's throughput against its best fixed budget (dashed: auto)."""
+def plots(rows: list[dict], out_dir: Path, comparisons: bool = True) -> list[Path]:
+    """Throughput vs batch size per mode, accepted-length histograms, and unless `comparisons` is False (a CPU
+    run's) the speedup over `ar` per dataset and, where fixed budgets were swept, each batch size's throughput
+    against its best fixed budget (dashed: auto)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -193,7 +229,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.legend()
         written.append(_save(fig, out_dir / "accept_histogram.png"))
 
-    with_speedup = [r for r in rows if r["mode"] != "ar" and r["speedup_over_ar"] is not None]
+    with_speedup = [r for r in rows if comparisons and r["mode"] != "ar" and r["speedup_over_ar"] is not None]
     if with_speedup:
         series = list(dict.fromkeys((r["mode"], r["batch_size"]) for r in with_speedup))
         fig, ax = plt.subplots(figsize=(max(5, 1.5 * len(datasets) * len(series) / 2), 3.5))
@@ -217,7 +253,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.legend(fontsize="small")
         written.append(_save(fig, out_dir / "speedup.png"))
 
-    swept = _budget_cells(rows)
+    swept = budget_cells(rows) if comparisons else {}
     if swept:  # a budget sweep (issue 5): each batch size's tokens/s over its best fixed budget, auto beside them
         panels = list(dict.fromkeys(key[:3] for key in swept))  # (dataset, mode, depth)
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
@@ -256,7 +292,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _budget_cells(rows: list[dict]) -> dict[tuple, dict]:
+def budget_cells(rows: list[dict]) -> dict[tuple, dict]:
     """`{(dataset, mode, depth, batch): {budget label: tokens/s}}` of the hf_bole tree modes' rows, for the
     (dataset, mode, depth, batch) cells that ran at least two fixed budgets (`--budget 16 32 64 auto`): a fixed
     budget's label is its node count, "auto"'s and "goodput"'s name their epsilon."""
@@ -275,7 +311,7 @@ def budget_sweep(rows: list[dict]) -> list[str]:
     """Markdown lines comparing budgets (issue 5): per (dataset, mode, depth, batch size) with at least two fixed
     budgets, the best fixed one against each `auto` and `goodput` row; then each fixed budget's largest shortfall from
     the best over the batch sizes. Nothing unless the run swept fixed budgets (`--budget 16 32 64 auto`)."""
-    swept = _budget_cells(rows)
+    swept = budget_cells(rows)
     if not swept:
         return []
     lines = ["", "Budgets (tokens/s; the best fixed budget of each batch size against auto):", "",

@@ -3,13 +3,14 @@
     python eval/run.py                                    # house model, bundled prompts, ar vs bole (CPU: minutes)
     python eval/run.py --datasets mbpp gsm8k --modes ar chain tree-serial bole --batch-sizes 1 8 --device cuda
     python eval/run.py --shape 9B --modes ar bole --batch-sizes 1 8 --max-new-tokens 256   # random 9B, oracle drafter
-    accelerate launch eval/run.py ...                     # prompts sharded across processes, one GPU each
+    accelerate launch --multi_gpu --num_processes 2 eval/run.py ...   # prompts sharded over processes (GPUs or CPU)
     python eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8   # one model, all GPUs
 
-Modes (eval/modes.py): `ar` plain `generate`; `chain` hf_bole with topk 1, depth 3 (--chain-depth); `tree-serial`
-bole's trees verified node by node with state snapshots; `bole` the closed form. Every run is greedy unless
---temperature > 0. Writes results.jsonl, results.md and PNG plots to --output-dir and prints the table. See
-eval/README.md.
+Modes (eval/modes.py): `ar` plain `generate`; `ar-static` its static cache, compiled; `chain` hf_bole with topk 1,
+depth 3 (--chain-depth); `tree-serial` bole's trees verified node by node with state snapshots; `bole` the closed
+form. Every run is greedy unless --temperature > 0. Writes results.jsonl, results.md and PNG plots to --output-dir
+(default runs/eval, git-ignored) and prints the table; on a CPU the table gives no speed-up (its timings move with
+the machine's load). See eval/README.md.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from eval.shapes import (  # noqa: E402
     spread_max_memory,
 )
 from hf_bole import BoleConfig  # noqa: E402
+from hf_bole.generation.budget import BudgetResolver  # noqa: E402
 
 FEW_SHOT = ("mbpp", "gsm8k")  # the datasets eval.data prompts with exemplars (the others are zero-shot)
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -128,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", action="store_true",
         help="time the phases of hf_bole's rounds (bole_profile): where a round's time goes",
     )
-    ap.add_argument("--output-dir", default="results/eval")
+    ap.add_argument("--output-dir", default="runs/eval", help="where the tables and plots go (runs/ is git-ignored)")
     ap.add_argument("--data-dir", default=None, help="passed to eval.data.load_prompts")
     ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         errors = [e for e in gather_object([error]) if e is not None]  # from every process
         if accelerator.is_main_process and not reference_only:
             row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
+            row["budget_source"] = budget_source(model, mode, args, batch_size)
             rows.append({**row, "error": errors[0] if errors else None})
             report.write_jsonl(rows, header, out / "results.partial.jsonl")
 
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (out / "results.partial.jsonl").unlink(missing_ok=True)
         table = report.markdown(rows, header)
         (out / "results.md").write_text(table)
-        report.plots(rows, out)
+        report.plots(rows, out, comparisons=any(d.type == "cuda" for d in place.devices))
         print(table)
         print(f"wrote {out / 'results.jsonl'}, {out / 'results.md'} and plots")
     # Processes leave together, their process group torn down: with gloo's threads still running at interpreter
@@ -304,6 +307,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return rows
+
+
+def budget_source(model, mode: Mode, args, batch_size: int) -> str | None:
+    """Where a drafting mode's budget comes from, as `generate` looks it up: "fixed N", "table <file> at epsilon e"
+    or "fallback"."""
+    if not mode.drafts:
+        return None
+    looked_up = ("budget", "epsilon", "verify", "attention")
+    fields = {k: v for k, v in mode.settings().items() if k in looked_up and v is not None}
+    config = BoleConfig(**fields, compile=mode.compile, cuda_graphs=args.cuda_graphs)
+    return BudgetResolver.for_model(model, config, batch_size).source
 
 
 def is_reference_only(mode, args) -> bool:
@@ -502,9 +516,8 @@ def interleaved_runs(
 def _stop_criterion(tokenizer, stops: tuple[str, ...]) -> StopStringCriteria:
     """The criterion of `stops`, built once per process (the cache holds the tokenizer). transformers 5.17's
     StopStringCriteria keys its own cache by the vocabulary in the tokenizer's dict order, which changes from call to
-    call (5.24 sorts it): built inside each generate call it scanned the vocabulary again every time, 35-70 ms a call
-    on the H200 machine (results/speed_h200/twenty_fourth_session/), as much as a whole bole call on the house model.
-    A server builds it once; every mode gets the same criterion, through `stopping_criteria`."""
+    call (5.24 sorts it): built inside each generate call it scans the vocabulary again every time, as long as a
+    whole bole call on the house model. A server builds it once; every mode gets the same criterion, through `stopping_criteria`."""
     return StopStringCriteria(tokenizer, list(stops))
 
 
@@ -538,7 +551,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         torch.cuda.reset_peak_memory_stats(gpu)
         torch.cuda.synchronize(gpu)
     start = time.perf_counter()
-    # `generation` comes last: a caller's settings there (eval/ab_turns.py's variants) override the mode's.
+    # `generation` comes last: a caller's settings there override the mode's.
     kwargs = {**mode.generate_kwargs(drafter), **graphs, **({"bole_profile": True} if profiled else {}), **generation}
     out = model.generate(
         input_ids, attention_mask=attention_mask, streamer=timer, return_dict_in_generate=True, **extra, **kwargs

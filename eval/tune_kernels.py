@@ -38,7 +38,7 @@ from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels  # noqa: E40
 from hf_bole.kernels.tree_gdn.closed_form import torch_tree_gdn_verify  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 
-# The search space. Measured on an H200 (results/kernels_h200_tenth) at T = 128: 8 warps took 1.6-2x as long as 4
+# The search space. Measured on an H200 at T = 128: 8 warps took 1.6-2x as long as 4
 # in both kernels, BV = 16 1.4-1.6x, and with num_stages=2 the solve kernel strayed from float64 and the apply kernel
 # made an illegal memory access (which leaves the CUDA context unusable for every later config; cause not
 # isolated), so none of those is searched again.
@@ -109,7 +109,7 @@ def tune_shape(H: int, B: int, T: int, HK: int = 16, K: int = 128, V: int = 128,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", metavar="H,B,T", default=["32,16,128", "48,1,128"])
-    ap.add_argument("--out", default="results/tune_kernels.jsonl")
+    ap.add_argument("--out", default="runs/tune_kernels.jsonl")
     args = ap.parse_args()
     header = machine_header()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -55,6 +55,8 @@ def main():
         if not extra:
             reference = sequences
     print("identical greedy output:", torch.equal(sequences, reference))
+    if args.device == "cpu":
+        print("(on a CPU the tokens/s move with the machine's load; hf_bole is built for GPUs)")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@
     python -m hf_bole.calibrate --model Qwen/Qwen3.5-9B --dtype bf16
     python -m hf_bole.calibrate --shape 9B --batch-sizes 1 4 8 16 --kv-lengths 512 2048 8192 --out budget_9b.json
 
-Writes the table to `$HF_BOLE_CACHE/budgets/<key>.json` (default `~/.cache/hf_bole/budgets/`), where "auto" looks,
-and to `--out` if given, after every (batch size, KV length) bucket it finishes and once more at the end, plus a
+Writes the table to `$HF_BOLE_CACHE/budgets/<key>.json` (default `~/.cache/hf_bole/budgets/`), where "auto" looks
+first (or into `--table-dir`: `hf_bole/budgets` in a clone ships it with the package), and to `--out` if given,
+after every (batch size, KV length) bucket it finishes and once more at the end, plus a
 PNG of T_ver(N) / T_dec against N (`--plot`, default: beside the JSON; needs matplotlib). `--shape` builds a
-random-weight model of a published shape with the repository's `eval/shapes.py` (run from the repository root):
-timings do not depend on the weights.
+random-weight model of a published Qwen3.5 shape (`hf_bole.shapes`): timings do not depend on the weights, and the
+table's key is the shape's, so it serves the published checkpoint of that shape.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from hf_bole.config import ATTENTION_MODES, VERIFY_MODES, BoleConfig
 from hf_bole.generation.budget import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_KV_LENGTHS,
+    cache_dir,
     calibrate,
     plot_table,
 )
+from hf_bole.shapes import SHAPES, build_model, shape_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -35,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = ap.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="checkpoint folder or Hub id (loaded with AutoModelForCausalLM)")
-    source.add_argument("--shape", help="a random-weight model of eval/shapes.py: 4B, 9B, 27B, 35B-A3B, 122B-A10B, "
-                        "house, or a folder with a config.json")  # fmt: skip
+    source.add_argument("--shape", help=f"a random-weight model of a published shape ({', '.join(SHAPES)}) or of a "
+                        "checkpoint folder's config.json")  # fmt: skip
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=list(DEFAULT_BATCH_SIZES))
     ap.add_argument("--kv-lengths", nargs="+", type=int, default=list(DEFAULT_KV_LENGTHS))
     ap.add_argument("--nodes", nargs="+", type=int,
@@ -67,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, help="also write the table here")
     ap.add_argument("--plot", type=Path, help="the PNG (default: the JSON's path with .png)")
-    ap.add_argument("--no-save", action="store_true", help="do not write into the cache folder")
+    ap.add_argument("--table-dir", type=Path, help="write <key>.json here instead of the cache folder (hf_bole/budgets: "
+                    "the tables shipped with the package)")  # fmt: skip
+    ap.add_argument("--no-save", action="store_true", help="do not write into the cache folder (or --table-dir)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for name in ("batch_sizes", "kv_lengths", "warmup", "reps", "prefill_chunk", "topk", "depth"):
@@ -86,10 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_model(args: argparse.Namespace):
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     if args.shape is not None:
-        try:
-            from eval.shapes import build_model, shape_config
-        except ImportError as e:
-            raise SystemExit(f"--shape needs the repository's eval/shapes.py: run from the repository root ({e})")
         return build_model(shape_config(args.shape), device, dtype)
     from transformers import AutoModelForCausalLM
 
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args)
 
     def save(table) -> list[Path]:
-        return ([] if args.no_save else [table.save(table.default_path())]) + (
+        folder = args.table_dir or cache_dir()
+        return ([] if args.no_save else [table.save(folder / table.key.filename)]) + (
             [table.save(args.out)] if args.out is not None else []
         )
 

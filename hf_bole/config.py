@@ -46,17 +46,13 @@ class BoleConfig:
             (31 per request, at most 128) and says so once in a log line. `"goodput"` reads the same table but
             chooses every round the size of most expected tokens per millisecond, weighing the table's verify times
             against the draft probabilities of the rounds before and the measured rest of a round
-            (`hf_bole.generation.budget.GoodputRule`); it falls back the same way. On the 9B shape with an oracle
-            drafter it reached 0.93-1.02 of the best fixed budget, below "auto" (`results/budget_h200_9b/eleventh/`).
+            (`hf_bole.generation.budget.GoodputRule`); it falls back the same way.
         epsilon (`float`, *optional*, defaults to 0.3):
             The slack of `budget="auto"` (and of `"goodput"`'s first round): the budget is the most nodes whose
             verify forward costs at most `(1 + epsilon)` times the least forward a round runs, that of selection's
             floor (one node per request), `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}`
             (`hf_bole.generation.budget` says why not the roots-only step). Tables store the raw timings, so any
-            epsilon applies without measuring again. Measured against the roots-only step, on an H200, 0.3 reached
-            0.97-1.06 of the best fixed budget's throughput on the 9B shape at batch 1, 4, 8 and 16
-            (`results/budget_h200_9b/eleventh/`, as 0.25 there) and 0.96-0.99 on the house model
-            (`results/speed_h200/twenty_eighth_session/`); against the floor it has not been swept yet.
+            epsilon applies without measuring again (BENCHMARKS.md compares "auto" with fixed budgets).
         verify (`str`, *optional*, defaults to `"closed_form"`):
             How GDN layers verify the tree: `"closed_form"` (one solve over all nodes, state factors) or
             `"serial"` (node by node with a state snapshot per node, the SGLang-Tree baseline).
@@ -65,9 +61,7 @@ class BoleConfig:
             the mask computed in the kernel from the cache's lengths and the tree, the grouped query heads read each
             key once, the committed keys split over programs and only the slots in use read; its torch reference
             off CUDA), `"model"` (the model's own attention, SDPA or eager, with the tree's ancestor mask as a 4D
-            mask), or `"auto"`: `"triton"` on CUDA, `"model"` elsewhere (`resolve_attention`). On an H200 the kernel
-            took 0.02-0.64 ms where SDPA took 0.05-3.1 ms (the 9B shape's layer, 16-64 nodes, batch 1-16), and the
-            9B shape's round at batch 1 went from 397 to 421 tokens/s.
+            mask), or `"auto"`: `"triton"` on CUDA, `"model"` elsewhere (`resolve_attention`).
         drafter (`str` or object, *optional*, defaults to `"mtp"`):
             `"mtp"` (the checkpoint's multi-token-prediction head), `"ngram"` (prompt lookup, no weights), or any
             object with a `propose(ctx) -> DraftTree` method.
@@ -79,7 +73,7 @@ class BoleConfig:
             On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/graphs.py`),
             node selection from one per tree shape and budget, and the MTP drafter's round (cache extension and tree
             expansion) from one per (batch size, new entries, tree size), instead of launching their kernels one by
-            one from Python (house model on an H200: 1.6 ms per verify forward replayed, about 10 eager). The first
+            one from Python (on a small model the host's launches, not the GPU, set an eager round's pace). The first
             round of each width captures its graph. The cache and graphs stay allocated for the next call of the
             same batch size and verify mode (the returned `past_key_values` is that cache, reset by the next call);
             `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers are
@@ -90,14 +84,11 @@ class BoleConfig:
             Run the verify forward's decoder through `torch.compile`, which fuses the norms, gates and projections
             around hf_bole's tree kernels (custom ops in the one compiled graph). The first verify forwards of a
             model compile twice, static then with tree widths symbolic (seconds on a small model, minutes on a 9B
-            one); with `cuda_graphs` the compiled forward is what the graphs capture. On the 9B shape on an H200 it
-            took the verify forward from 10.5 to 7.1 ms at batch 1 and from 11.9 to 8.6 ms at batch 8
-            (`results/speed_h200/`). The MTP drafter's rounds compile too (its norms, rotary embedding and tree
-            bookkeeping fused; compiling takes seconds): on the house model at batch 1, 3.98 instead of 5.84 ms a
-            round. Compiled kernels round bf16 differently from the eager forward that plain `generate` runs, so
-            at near-ties (the two best logits within a bf16 step) the output can differ from eager greedy, as
-            transformers' own compiled decoding does (house model: 5 of 8 prompts equal, every divergence a
-            near-tie; the eager path: 8 of 8).
+            one); with `cuda_graphs` the compiled forward is what the graphs capture. The MTP drafter's rounds
+            compile too (its norms, rotary embedding and tree bookkeeping fused; compiling takes seconds). Compiled
+            kernels round bf16 differently from the eager forward that plain `generate` runs, so at near-ties (the
+            two best logits within a bf16 step) the output can differ from eager greedy, as transformers' own
+            compiled decoding does.
         compile_drafter (`bool`, *optional*, defaults to `True`):
             On CUDA, run the MTP drafter's rounds (cache extension and tree expansion) through `torch.compile`, which
             fuses the head's norms, rotary embedding and the bookkeeping between its steps into fewer kernels; with
@@ -116,9 +107,7 @@ class BoleConfig:
             each committed whole (`hf_bole/generation/prefill.py`), replayed from its CUDA graphs where `cuda_graphs`
             applies. `"plain"`: transformers' forward over the prompt, its kernels launched from Python. `"auto"`:
             chains when the verify forward replays from graphs and the chains would re-read at most 72 GB of weights
-            in all (`prefill.chain_limit`: at least 512 tokens; 512 on the 9B shape, where at batch 1 on an H200
-            they took 12 against 94 ms at 128 tokens, 47 against 59 at 512, 96 against 60 at 1024; ~900-token
-            prompts on the house model, +5% tokens/s at batch 8), plain otherwise.
+            in all (`prefill.chain_limit`: at least 512 tokens; 512 on a 9B model), plain otherwise.
             Plain whenever the call passes position ids other than `generate`'s own (each row's tokens counted from
             0), or with `verify="serial"`. Both compute the same recurrence; their kernels round differently, like
             the verify forward's against plain decoding's. A chain's forward computes logits at every node, kept in

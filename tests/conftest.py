@@ -25,6 +25,10 @@ if os.environ.get("HF_BOLE_TEST_DEVICE"):
     torch.set_default_device(os.environ["HF_BOLE_TEST_DEVICE"])
 
 _empty, _empty_like = torch.empty, torch.empty_like
+# torch's device context (`with torch.device("meta")`) records which functions construct tensors at its first use:
+# used once here, it records torch's own `empty`, not the wrappers below (which it would then not place).
+with torch.device("meta"):
+    torch.empty(0)
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ SELF_CONTAINED = (
     "hf_bole.kernels.tree_gdn.closed_form",
     "hf_bole.kernels.tree_gdn.commit",
     "hf_bole.kernels.tree_gdn.tree_conv",
+    "hf_bole.shapes",
 )
 
 

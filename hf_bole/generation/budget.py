@@ -16,25 +16,24 @@ requests as in the decoding loop.
 
 `T_dec` is `T_ver(batch size)`: the forward of selection's floor, each request's best root child, the least a round
 verifies (`select_nodes`), timed the same way. DESIGN.md's decode step, the roots-only forward, is cheaper than any
-forward a round runs, by a cost that comes with the tree's width, not with its nodes. On the house model at batch 1 on
-an H200 (results/speed_h200/thirty_first_session) the roots-only forward took 0.44 ms and 8 nodes 0.57, and a round
-that verified the floor spent 0.56 ms in its forward. Against the roots-only step no tree fit in 1.3 steps, the
-budget fell to the floor, and bole decoded 987 tokens/s where the chain drafter did 1617. Against 0.56 ms, 32 nodes
-(0.64 ms) fit and 64 (0.76) did not, and 32 is the batch-1 budget that ran fastest in the twenty-seventh session's
-sweep. Every budget is thus at least the batch size; `N = 0` (roots only) is measured for the plot, not chosen.
+forward a round runs, by a cost that comes with the tree's width, not with its nodes: against it a small model's
+budget can fall to the floor although a tree of a few dozen nodes costs a round little more than the floor's forward.
+Every budget is thus at least the batch size; `N = 0` (roots only) is measured for the plot, not chosen.
 
 A table is keyed by the model's text config (`model_key`), the device name, the dtype, the verify mode and the
 launch ("graphs" or "eager"), and holds one entry per (batch size, KV length) bucket with the raw timings, so a
-different epsilon applies at look-up without measuring again. Tables live in `$HF_BOLE_CACHE/budgets/` (default
-`~/.cache/hf_bole/budgets/`), one JSON file per key (`TableKey.filename`). Look-up takes, in each batch bucket, the
+different epsilon applies at look-up without measuring again. One JSON file per key (`TableKey.filename`); "auto"
+reads the first it finds in `table_dirs()`: the user's `$HF_BOLE_CACHE/budgets/` (default
+`~/.cache/hf_bole/budgets/`), where `python -m hf_bole.calibrate` writes, then the tables shipped in the package
+(`hf_bole/budgets/`). The key holds the shape, not the weights, so a table measured on a random-weight model of a
+published shape (`hf_bole.shapes`) serves that checkpoint. Look-up takes, in each batch bucket, the
 KV bucket at or below the longest active request's committed length (the smallest bucket when below all of them):
 KV bucket i covers the range up to the next one, which is optimistic (a longer context turns compute-bound a little
 sooner), so put KV buckets where the budget changes fast. Between two batch buckets the epsilon rule's budget follows
 the line between theirs, by the number of active requests (outside them, the nearest bucket's; `GoodputRule` reads
 the bucket at or below): a batch shrinks as its rows finish, and the budget can rise with the batch as well as fall.
-On an H200 the house model's 1-, 4- and 8-request budgets at epsilon 0.3 were 32, 64 and 384 nodes (against the
-roots-only step, results/speed_h200/twenty_seventh_session): with the bucket at or below, a batch of 8 would verify 64
-nodes once one row had finished and 32 once five had.
+With budgets of 32, 64 and 384 nodes at 1, 4 and 8 requests, the bucket at or below would verify 64 nodes for a
+batch of 8 once one row had finished and 32 once five had.
 
 Example:
 
@@ -80,6 +79,7 @@ from hf_bole.models.placement import placement
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
 logger = logging.getLogger(__name__)
+PACKAGE_TABLES = Path(__file__).resolve().parents[1] / "budgets"  # the tables shipped with hf_bole
 
 # 2: keyed by how forwards launch (CUDA graphs or eager) too; 3: T_dec is the floor's forward; 4: replayed forwards
 # timed at `row_width`'s bucket, no longer at the widest row's
@@ -101,6 +101,12 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         logger.warning(message)
+
+
+def _say_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.info(message)
 
 
 def choose_budget(nodes: Sequence[int], t_ver: Sequence[float], t_dec: float, epsilon: float) -> int:
@@ -181,17 +187,33 @@ def fallback_budget(active_rows: int) -> int:
 
 
 def cache_dir() -> Path:
-    """Where tables live: `$HF_BOLE_CACHE/budgets`, by default `~/.cache/hf_bole/budgets`."""
+    """Where `python -m hf_bole.calibrate` writes tables: `$HF_BOLE_CACHE/budgets`, by default
+    `~/.cache/hf_bole/budgets`."""
     return Path(os.environ.get("HF_BOLE_CACHE") or Path.home() / ".cache" / "hf_bole").expanduser() / "budgets"
+
+
+def table_dirs() -> list[Path]:
+    """Where "auto" looks for a table, in order: the user's `cache_dir()`, then the tables shipped with hf_bole."""
+    return [cache_dir(), PACKAGE_TABLES]
 
 
 def model_key(config) -> str:
     """A name for the cost-relevant shape of a model: `<model_type>-h<hidden>-l<layers>-<hash of the shape fields>`.
-    Takes a model or its config (composite configs use their text config)."""
+    Takes a model or its config (composite configs use their text config). A field the config's class does not
+    define counts as unset: a checkpoint's config.json may carry keys its class ignores (`intermediate_size` in a
+    mixture-of-experts config), which change nothing about the forward."""
     config = getattr(config, "config", config).get_text_config(decoder=True)
-    shape = {name: getattr(config, name, None) for name in _SHAPE_FIELDS}
+    defined = _defined_fields(type(config))
+    shape = {name: getattr(config, name, None) if name in defined else None for name in _SHAPE_FIELDS}
     digest = hashlib.sha1(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return f"{config.model_type}-h{config.hidden_size}-l{config.num_hidden_layers}-{digest}"
+
+
+@functools.cache
+def _defined_fields(config_class: type) -> frozenset[str]:
+    """The shape fields a config class sets itself (on a default instance)."""
+    default = config_class()
+    return frozenset(name for name in _SHAPE_FIELDS if hasattr(default, name))
 
 
 def device_name(device: torch.device | str) -> str:
@@ -311,13 +333,15 @@ class BudgetTable:
 
 
 def find_table(key: TableKey, folder: str | Path | None = None) -> BudgetTable | None:
-    """The stored table for `key` in `folder` (default `cache_dir()`), or None. Read once per file version."""
-    path = Path(folder) / key.filename if folder is not None else cache_dir() / key.filename
-    try:
-        mtime = path.stat().st_mtime_ns
-    except FileNotFoundError:
-        return None
-    return _load_cached(path, mtime)
+    """The stored table for `key` in `folder` (default: the first of `table_dirs()` that holds one), or None. Read
+    once per file version."""
+    for path in [Path(folder) / key.filename] if folder is not None else [d / key.filename for d in table_dirs()]:
+        try:
+            mtime = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            continue
+        return _load_cached(path, mtime)
+    return None
 
 
 _TABLES: dict[tuple[Path, int], BudgetTable] = {}
@@ -411,19 +435,25 @@ class BudgetResolver:
             )
             return cls.fallback(batch_size)
         key = TableKey.for_model(model, config.verify, config.cuda_graphs, config.compile, config.attention)
-        try:
-            table = find_table(key)
-        except ValueError as unreadable:  # an older format (its T_dec meant another forward), or not a table
-            _warn_once(
-                f"hf_bole: the verification budget table {cache_dir() / key.filename} cannot be used ({unreadable}); "
-                f"{fallback}. Measure it again with {_calibrate_command(model, key, config)}."
-            )
-            return cls.fallback(batch_size)
+        table = None
+        for folder in table_dirs():
+            try:
+                table = find_table(key, folder)
+            except ValueError as unreadable:  # an older format (its T_dec meant another forward), or not a table
+                _warn_once(
+                    f"hf_bole: the verification budget table {folder / key.filename} cannot be used ({unreadable}); "
+                    f"skipped. Measure it again with {_calibrate_command(model, key, config)}."
+                )
+                continue
+            if table is not None:
+                path = folder / key.filename
+                _say_once(f"hf_bole: budget={config.budget!r} reads the verification budget table {path}")
+                break
         if table is None:
             _warn_once(
-                f"hf_bole: no verification budget table {cache_dir() / key.filename} for this model, GPU "
-                f"({key.device}), dtype, verify mode and launch ({key.launch}); {fallback}. Measure one with "
-                f"{_calibrate_command(model, key, config)}."
+                f"hf_bole: no verification budget table {key.filename} for this model, GPU ({key.device}), dtype, "
+                f"verify mode and launch ({key.launch}) in {' or '.join(str(d) for d in table_dirs())}; {fallback}. "
+                f"Measure one with {_calibrate_command(model, key, config)}."
             )
             return cls.fallback(batch_size)
         if config.budget == GOODPUT_BUDGET:
@@ -748,10 +778,8 @@ def capacities(batch_size: int, tree_nodes: int = ROW_CAP) -> list[int]:
 
     A forward's cost steps up where the rows' width (root included) passes a power of two, not with each node: the
     verify kernels pad a row's nodes to a power-of-two tile (the GDN solve to at least 32), and the graphs run at
-    the buckets. Timed only inside the steps, the budget rule stops short of a step's edge or just past it. On the
-    house model on an H200 (results/speed_h200/thirty_eighth_session): at batch 1 the thirty-third session's grid
-    chose 32 nodes, which run at width 64 (0.603 ms a forward), where 31 fill width 32 (0.570 ms); at batch 8 it
-    chose 384 (width 64) and this grid 248 (width 32), and bole ran 14589.9 tokens/s against 14204.2 at 384.
+    the buckets. Timed only inside the steps, the budget rule stops short of a step's edge or just past it: 32 nodes
+    at batch 1 run at width 64, where 31 fill width 32 for less.
 
     Example:
 
@@ -890,4 +918,5 @@ __all__ = [
     "model_key",
     "plot_table",
     "synthetic_draft_tree",
+    "table_dirs",
 ]

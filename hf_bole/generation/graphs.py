@@ -2,7 +2,7 @@
 width, kept across `generate` calls together with the cache whose addresses the graphs hold.
 
 A verify forward launches hundreds of kernels from Python (every layer, the GDN seams, the LM head); on a small or
-mid-size model the GPU then waits for the host most of the time (`results/profile_h200.md`). Replaying a captured
+mid-size model the GPU then waits for the host most of the time. Replaying a captured
 graph launches them all at once. Nothing in the forward reads the device on the host (tested), its shapes depend
 only on the batch size, the tree width and the cache's capacity, and the cache's state lives in tensors that keep
 their addresses; so a graph captured once per width is valid for every later round of that width. Tree widths
@@ -53,10 +53,7 @@ def row_width(budget: int, rows: int, max_width: int) -> int:
     Decided on the host before selection, so no round waits for the device to learn how wide its trees came out (the
     cut to the widest row kept that it replaces was such a read); selection caps every row there, and the forward
     runs at that width, a CUDA graph's. A cap costs a row nodes only where the batch-shared budget would pile more than
-    its even share onto it. On the house model at batch 8 under a budget of 192 (MBPP, H200, bf16), capping rows at 31
-    nodes left 5.85 tokens a round against 5.94, took the verify forward from 64 columns (the widest row passes 32 in
-    92% of rounds) to 32 and from 0.93 to 0.78 ms; tree-serial at 64 nodes, capped at 15, ran 9.9% faster without its
-    read (results/speed_h200/thirty_third_session).
+    its even share onto it, and then the tree keeps most of its accepted tokens while its forward runs narrower.
     """
     return width_bucket(-(-budget // max(rows, 1)) + 1, max_width)
 
@@ -324,8 +321,8 @@ class TailGraphs:
 class CommitGraphs:
     """`cache.commit(path, check_values=False)` replayed from a CUDA graph per (path shape, tree round): the prefill
     chains' commits (`generation/prefill.py`), whose paths are whole chains. Launched from Python a commit is about a
-    dozen launches, three of them Triton kernels; with the chain's other launches it kept the host at about 1.5 ms a
-    chain, for 0.8 ms of GPU work, at batch 1 on the house model (results/speed_h200/fortieth_session).
+    dozen launches, three of them Triton kernels; with the chain's other launches it kept the host busier than the
+    GPU on a small model.
 
     The tree round is the verify forward's replayed just before (`VerifyGraphs` keeps one per width), whose buffers
     the commit reads where they are. As in `TailGraphs`, the first call of a key runs eagerly, the second captures

@@ -832,7 +832,7 @@ def _suffix_stops(suffix: tuple, window: int, seq: torch.Tensor, ends: torch.Ten
     ends row b's sequence `seq[b, :ends[b, j]]` (`ends`: `[B, L]`, at least `window`). Ends past the sequence give
     meaningless entries."""
     B, L = ends.shape
-    # A round's host time is mostly launches like these (results/speed_h200/thirty_third_session): one add for the
+    # A round's host time is mostly launches like these: one add for the
     # columns, one criterion call per criterion (a single one holds every stop string of a request).
     offsets = _cached_arange(window, seq.device, -window)  # [W]
     columns = (ends[..., None] + offsets).clamp_(max=seq.shape[1] - 1)  # [B, L, W], ends >= window

@@ -4,12 +4,9 @@ A prompt is a tree too: a chain, each token the child of the one before. Fed thr
 at most `MAX_NODES` tokens, each committed whole, it leaves the cache exactly where transformers' own forward over
 the prompt leaves it (the same recurrence, computed in closed form). What differs is what launches it. The eager
 forward launches its kernels one by one from Python; a chain of a bucketed width replays the verify forward's CUDA
-graph. On the 9B shape at batch 1 on an H200 (results/speed_h200/sixteenth_session/) the eager forward took 94 ms
-over a 128-token prompt and 59 ms over 512 tokens, the chains 12 ms and 47 ms, and 96 ms against 60 ms at 1024: each
-chain reads every weight once more, so past a few chains the one eager forward is faster. The house model (30 MB of
-weights) is the other end: its ~900-token MBPP prompts, 8 chains, raised bole's tokens/s by 5% at batch 8 and 6% at
-batch 1 over the eager forward (results/speed_h200/twenty_third_session/). So "auto" bounds the weights the chains
-re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`).
+graph. Each chain reads every weight once more, so on a large model past a few chains the one eager forward is
+faster, while a small model's long prompts gain from the graphs whatever their length. So "auto" bounds the weights
+the chains re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A round's work after its verify forward: commit each row's accepted path and hand the drafter what it has not seen.
 
 On the host it is about twenty launches of small kernels (the acceptance kernel, the KV move, the stacked GDN commit,
-the conv windows, the drafter's next inputs), about 0.6 ms of Python a round for about 0.05 ms of GPU work
-(`results/speed_h200/twenty_fifth_session`). Greedy acceptance without logits processors reads nothing but the
+the conv windows, the drafter's next inputs), more Python than GPU work. Greedy acceptance without logits processors reads nothing but the
 verify forward's logits, so `greedy_tail` (acceptance included) replays from one CUDA graph
 (`hf_bole.generation.graphs.TailGraphs`); sampling and processors accept eagerly and then run `round_tail`.
 """

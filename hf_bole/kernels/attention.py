@@ -1,11 +1,10 @@
 """Tree attention for the full-attention layers of a verify forward: split over the keys, grouped heads, the mask
 computed in the kernel.
 
-Why: transformers' SDPA path gives every full-attention layer of the 9B shape 31 us a round on an H200 at batch 1
-(results/speed_h200/tenth_session): with an arbitrary mask SDPA takes its memory-efficient kernel, which runs one
-program per (row, head, 32 queries) and walks every key slot of the storage in it, 16 programs on a 132-SM GPU. Before
-it, `repeat_kv` copies the layer's keys and values to every query head (two copies of 3.6 us a layer in the
-seventeenth session's kernel log), and SDPA turns the boolean mask into an additive one.
+Why: with an arbitrary mask transformers' SDPA path takes the memory-efficient kernel, which runs one program per
+(row, head, 32 queries) and walks every key slot of the storage in it: 16 programs on a 132-SM GPU for a 9B model at
+batch 1. Before it, `repeat_kv` copies the layer's keys and values to every query head, and SDPA turns the boolean
+mask into an additive one.
 
 This kernel reads the keys once per key head, in place in the cache's storage, and spreads them over programs:
 - the `H / Hkv` query heads that share a key head are one block of `REP * N` query rows (row `r`: head
@@ -21,9 +20,8 @@ This kernel reads the keys once per key head, in place in the cache's storage, a
 
 `masked_attention` runs the same split and merge with the mask given instead, `[B, Q, L]`, for a few queries a row:
 the MTP drafter's steps, whose tree sits in scratch slots before the committed entries. Its batched matmuls before
-(`torch.baddbmm`, masked softmax, `torch.bmm`) cost 48 us a step over the house model's 1300-slot drafter cache at
-batch 8 on an H200, most of it cuBLAS's `gemmSN` kernel for the second product, which walks every slot in one
-program per (row, key head) (the twenty-ninth session's kernel log): 0.24 ms of a round's 0.91 ms of drafting.
+(`torch.baddbmm`, masked softmax, `torch.bmm`) spent most of a step in cuBLAS's kernel for the second product, which
+walks every slot in one program per (row, key head).
 
 Numerics: scores and sums in float32, the probabilities rounded to the value dtype for the second product (as
 flash attention does); within 1e-5 (float32) and 1e-2 (bf16, fp16) of float64 in tests/kernels/test_attention.py, and
@@ -259,12 +257,9 @@ def _merge_tiles(M: int, block_d: int, num_splits: int) -> tuple[int, int]:
     """(query rows, splits) a merge program takes a step, for `M` query rows a key head over `num_splits` splits.
 
     Why chunks of splits for small tiles only: a merge that takes one split a step waits on each step's loads in
-    turn. On an H200 (results/speed_h200/thirty_seventh_session/merge_ab.jsonl, split and merge together, bf16,
-    1040 slots) the house model's drafter step at batch 1 took 19.7 us a call over 64 splits of 2 query rows, the
-    merge most of it, and 6.4 us in chunks of 64 splits; 4 queries (8 rows, chunks of 16) took 21.6 and 13.0 us, and
-    at batch 8 (8 splits) 14.0 us both ways. Larger tiles lost in chunks: the 9B shape's drafter step (16 rows, head
-    dim 256, chunks of 2) took 66.7 us against 24.3, and the verify's 32-node trees 24.1 against 22.5 (house) and 33.7
-    against 24.2 (9B); those keep one split a step.
+    turn. On an H200 a small model's drafter step (a few query rows over many splits) ran about three times faster
+    with its splits merged in chunks, while larger tiles (a 9B model's head dim of 256, 32-node verify trees) ran
+    slower in chunks; those keep one split a step.
     """
     rows = max(2, min(MERGE_BLOCK_M, triton.next_power_of_2(M)))
     if rows * block_d > MERGE_SMALL_TILE:

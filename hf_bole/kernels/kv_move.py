@@ -1,8 +1,8 @@
 """The accepted path's keys and values moved to the committed slots, for every full-attention layer in one launch.
 
 Why: `BoleCache.commit` moved them with a gather and a scatter per storage, over index tensors as large as the moved
-entries (int64 per element), and a few small kernels before them for the slots: about 25 us a round on an H200 for
-the 9B shape's 8 layers at batch 1 (results/speed_h200/seventeenth_session), where the entries themselves are 230 KB.
+entries (int64 per element), and a few small kernels before them for the slots: far more time than moving the
+entries themselves takes.
 
 One program per (layer, row, KV head) moves the path's `L` rows of its keys and values, `BLOCK_L <= 16` at a time
 in registers (`[BLOCK_L, BLOCK_D]` tiles; a prefill chain's path is 128 long): it loads a chunk, waits for every

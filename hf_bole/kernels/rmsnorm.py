@@ -2,8 +2,8 @@
 and the final norm (`weight` stored as an offset from 1), and the GDN layers' norm gated by SiLU of `z`.
 
 Why: transformers runs each as about ten elementwise kernels (cast, square, mean, add, rsqrt, products, casts).
-The house model's verify forward has 27 of them a round, ~190 of its 513 kernels on an H200 (the twenty-ninth
-session's kernel log), each a few microseconds at a few thousand rows. One program here normalises `ROWS` rows in
+A small model's verify forward has dozens of them a round, over a third of its kernels, each a few microseconds at
+a few thousand rows. One program here normalises `ROWS` rows in
 registers, in float32 with transformers' roundings:
 
     rms_norm:        (x * rsqrt(mean(x^2) + eps) * (1 + w)).to(x.dtype)                 all in float32

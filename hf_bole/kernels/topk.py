@@ -2,9 +2,7 @@
 top-k over the vocabulary, one launch per split of the row and one merge.
 
 Why: `torch.topk` with a small `k` over a row of thousands runs a radix select and then sorts what it found, two
-kernels of about 30 and 4 us a call for the house model's 32 rows of 8192 on an H200 (the twenty-ninth session's
-kernel log: 0.27 ms of a batch-8 round's 0.91 ms of drafting kernels, 8 calls at depth 5), and the log-softmax
-before it is a third. Here each program holds `BLOCK` entries of a row in registers, takes their max and exp-sum and
+kernels a call, a large share of a small model's drafting round, and the log-softmax before it is a third. Here each program holds `BLOCK` entries of a row in registers, takes their max and exp-sum and
 picks its `k` best by `k` max-reductions; a merge program per row combines the splits' sums into the log-sum-exp
 and picks the row's `k` best among the splits' `splits * k`. A row that fits one block is done in one launch.
 

@@ -3,9 +3,8 @@
 A verify forward multiplies a few dozen tree nodes by every weight of the model, so each GEMM is bound by reading
 its weight, and a small one by its launch and split-K reduction besides. Qwen3.5's layers run several projections
 of one input one after the other: a GDN layer four (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), an attention
-layer three (q, k, v), an MLP two (gate, up). On the 9B shape on an H200 (32 nodes, the thirteenth session's kernel
-log) a GDN layer's four input projections took 46 µs for their 101 MB of weights, 12 µs of it in_proj_b and
-in_proj_a with 32 outputs each, where the MLP's gate projection, 100 MB in one GEMM, took 28 µs.
+layer three (q, k, v), an MLP two (gate, up). On a 9B model a GDN layer's four input projections take far longer
+than one GEMM over as many bytes of weights, in_proj_b and in_proj_a (32 outputs each) a large share of it.
 
 `fuse_projections(decoder)` copies each such group's weights into one buffer `[sum of out_features, in_features]`
 and makes the Linears' weights views of it, once per model. The plain forward then computes exactly what it did

@@ -67,10 +67,9 @@ def mtp_attention(
     `masked_attention` kernel.
 
     Why: with a boolean mask SDPA takes its memory-efficient kernel, one program per (row, head, block of queries)
-    walking every key slot of the storage, so its time grows with the cache: on an H200, for the house model's
-    drafter at batch 8, about 50 us a call over 273 slots and 107 us over 529, five calls a round (the twenty-first
-    session's kernel log). Batched matmuls and a masked softmax took 48 us a step over 1300 slots (the twenty-ninth
-    session's), cuBLAS walking every slot in one program per (row, key head) for the second product. The kernel
+    walking every key slot of the storage, so its time grows with the cache, several calls a round. Batched matmuls
+    and a masked softmax fared no better, cuBLAS walking every slot in one program per (row, key head) for the
+    second product. The kernel
     reads the keys in place, once per key head for all its query heads, split over the GPU's programs. A prompt's
     extension (many queries, `few_queries=False`) keeps SDPA. No dropout: the drafter never trains.
 

@@ -322,8 +322,7 @@ def _compiled(decoder: torch.nn.Module):
 
     torch.compile's default shapes: the first call compiles static, the first with another tree width or cache
     capacity compiles once more with those sizes symbolic, for all later ones. `dynamic=True` from the first call
-    was tried (seventh session): on the 9B shape on an H200 its compile had not finished after 270 s, where this
-    one's two compiles fit in a 9-minute run with everything else (results/speed_h200/seventh_session)."""
+    compiled for far longer on a 9B model than these two compiles together."""
     if decoder not in _COMPILED:
         # A generate call that compiles looks hung: say what it waits for, and how to do it ahead of time.
         logger.warning(

@@ -2,8 +2,7 @@
 
 transformers' `apply_rotary_pos_emb` runs about twelve elementwise kernels per full-attention layer (the products,
 `rotate_half`'s negation and `cat`, the sum, the `cat` of the pass-through dims, for q and for k): 24 of a house-model
-verify forward's ~258 kernels, 96 on the 9B shape's eight attention layers. One launch each took bole on the 9B shape
-at batch 1 from 568.6 to 586.7 tokens/s on an H200 (results/speed_h200/thirty_second_session).
+verify forward's ~258 kernels, 96 on the 9B shape's eight attention layers; here they are one launch each.
 
 Inside `rotary_fused()`, which an eager `tree_forward` enters, the Qwen3.5 modeling modules' `apply_rotary_pos_emb`
 (a module global their attention layers look up at every call) is a stand-in that calls `rotary` (bit for bit the

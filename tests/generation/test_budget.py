@@ -39,8 +39,10 @@ NODES = [0, 16, 32, 64]
 
 @pytest.fixture(autouse=True)
 def budget_cache(tmp_path, monkeypatch):
-    """Every test gets an empty table folder and forgets the warnings already given."""
+    """Every test gets an empty table folder and an empty folder of shipped tables, and forgets the log lines
+    already given."""
     monkeypatch.setenv("HF_BOLE_CACHE", str(tmp_path / "hf_bole_cache"))
+    monkeypatch.setattr(budget_module, "PACKAGE_TABLES", tmp_path / "shipped")
     monkeypatch.setattr(budget_module, "_WARNED", set())
     return tmp_path / "hf_bole_cache" / "budgets"
 
@@ -278,6 +280,64 @@ def test_model_key():
     assert model_key(tiny.text_config("moe")).startswith("qwen3_5_moe_text-h64-l4-")
 
 
+# The text config of Qwen/Qwen3.5-9B's config.json (a Qwen3_5ForConditionalGeneration checkpoint): fields that set a
+# forward's cost beside ones that do not (rope details, gates, dtypes).
+PUBLISHED_9B_TEXT = {
+    "model_type": "qwen3_5_text", "attention_bias": False, "attn_output_gate": True, "eos_token_id": 248044,
+    "full_attention_interval": 4, "head_dim": 256, "hidden_size": 4096, "intermediate_size": 12288,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 32,
+    "rms_norm_eps": 1e-06, "vocab_size": 248320, "mamba_ssm_dtype": "float32", "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False, "tie_word_embeddings": False, "dtype": "bfloat16",
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                        "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+}  # fmt: skip
+VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2}
+# The 9B shape shrunk to a tiny model of the same structure.
+SMALL_9B = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, intermediate_size=96)  # fmt: skip
+
+
+def test_model_key_of_published_checkpoints_is_their_shapes(tmp_path):
+    """A table measured on a random-weight shape (`python -m hf_bole.calibrate --shape 9B`) serves the published
+    checkpoint: its config.json wraps the text config in a vision-language one and carries fields that cost nothing.
+    A mixture-of-experts config may carry `intermediate_size`, which its class does not define: it counts as unset."""
+    from transformers import AutoConfig
+
+    from hf_bole.shapes import shape_config
+
+    checkpoint = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                  "text_config": PUBLISHED_9B_TEXT, "vision_config": {**VISION, "out_hidden_size": 4096}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(checkpoint))
+    assert model_key(AutoConfig.from_pretrained(tmp_path)) == model_key(shape_config("9B"))
+    assert model_key(shape_config(str(tmp_path))) == model_key(shape_config("9B"))  # calibrate --shape <folder>
+    moe = shape_config("35B-A3B")
+    text = {**moe.to_dict(), "intermediate_size": 5632, "attn_output_gate": True}
+    composite = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                 "text_config": text, "vision_config": {**VISION, "out_hidden_size": 2048}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(composite))
+    assert model_key(AutoConfig.from_pretrained(tmp_path)) == model_key(moe)
+
+
+def test_table_key_of_a_conditional_generation_checkpoint(tmp_path):
+    """The real Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: loaded either way (as users load them, through
+    AutoModelForCausalLM or as that class), the key is that of a random Qwen3_5ForCausalLM of the same text config."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from hf_bole.shapes import build_model, shape_config
+
+    random_shape = build_model(shape_config("9B", **SMALL_9B), "cpu", torch.float32)
+    vision = {**VISION, "out_hidden_size": 64}
+    composite = Qwen3_5Config(text_config=shape_config("9B", **SMALL_9B).to_dict(), vision_config=vision)
+    Qwen3_5ForConditionalGeneration(composite).save_pretrained(tmp_path)
+    key = TableKey.for_model(random_shape)
+    for loader in (AutoModelForCausalLM, Qwen3_5ForConditionalGeneration):
+        loaded = loader.from_pretrained(tmp_path, dtype=torch.float32, device_map="cpu")  # where random_shape is
+        assert TableKey.for_model(loaded) == key, loader.__name__
+
+
 def _fake_gpu_model(monkeypatch):
     monkeypatch.setattr(budget_module, "device_name", lambda device: "NVIDIA Test GPU")
     gpu = torch.device("cuda", 0)
@@ -358,10 +418,43 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
     assert TableKey.for_model(model, attention="model").launch == "graphs"
     assert TableKey.for_model(model, attention="triton") == key
     _table(key).save(_table(key).default_path())
-    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+    with caplog.at_level(logging.INFO, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
-    assert not caplog.records
+        BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"hf_bole: budget='auto' reads the verification budget table {_table(key).default_path()}")
+    ]  # once
     assert resolver(1, 512) == 64 and resolver(4, 4096) == 16  # chosen again at epsilon 0.3
+
+
+def test_auto_finds_a_shipped_table_after_the_users(monkeypatch, caplog):
+    """The tables shipped in the package (hf_bole/budgets/) are read when the user's cache folder holds none for the
+    key; one in the cache folder (the user's own calibration) comes first. The log line says which file is read."""
+    model = _fake_gpu_model(monkeypatch)
+    key = TableKey.for_model(model)
+    shipped_path = _table(key).save(budget_module.PACKAGE_TABLES / key.filename)  # at epsilon 0.3: 64 at batch 1
+    with caplog.at_level(logging.INFO, logger="hf_bole.generation.budget"):
+        resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
+    assert str(shipped_path) in caplog.records[-1].getMessage() and resolver(1, 512) == 64
+    own = _table(key)
+    own.entries[0].t_ver[-1] = 9.0  # and 32 in the user's
+    own_path = own.save(own.default_path())
+    with caplog.at_level(logging.INFO, logger="hf_bole.generation.budget"):
+        resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
+    assert str(own_path) in caplog.records[-1].getMessage() and resolver(1, 512) == 32
+
+
+def test_package_ships_the_house_table():
+    """The house model's H200 table is package data, keyed by the house checkpoint's shape."""
+    from transformers import AutoConfig
+
+    from eval.shapes import HOUSE_CHECKPOINT
+
+    folder = budget_module.Path(budget_module.__file__).resolve().parents[1] / "budgets"
+    key = TableKey(model_key(AutoConfig.from_pretrained(HOUSE_CHECKPOINT)), "NVIDIA H200", "bfloat16", "closed_form",
+                   "triton-attention-graphs")  # fmt: skip
+    table = find_table(key, folder)
+    assert table is not None and table.key == key and {e.batch_size for e in table.entries} == {1, 4, 8, 16}
 
 
 def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
@@ -376,9 +469,12 @@ def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=4)
     assert resolver.source == "fallback" and resolver(2, 1000) == 62
-    message = caplog.records[-1].getMessage()
+    message = caplog.records[0].getMessage()
     assert str(path) in message and "format 3 is not 4" in message
     assert "Measure it again with `python -m hf_bole.calibrate --model <checkpoint>" in message
+    # a usable table shipped with the package is then read
+    table.save(budget_module.PACKAGE_TABLES / path.name)
+    assert BudgetResolver.for_model(model, BoleConfig(), batch_size=4).source.startswith("table ")
 
 
 def test_auto_on_cpu_uses_fallback(caplog):
@@ -568,6 +664,22 @@ def test_cli_saves_after_every_bucket(dense, tmp_path, budget_cache, monkeypatch
     key = TableKey(model_key(dense.config), "cpu", "float32", "closed_form", "eager")
     for table in (BudgetTable.load(out), find_table(key)):
         assert [(e.batch_size, e.nodes) for e in table.entries] == [(1, [0, 1, 4])]
+
+
+@pytest.mark.usefixtures("torch_gdn")
+def test_cli_calibrates_a_named_shape_into_a_table_dir(tmp_path, budget_cache):
+    """`--shape` builds the published shape from the package alone (no repository), and `--table-dir` takes the
+    table where the cache folder would: keyed by that shape."""
+    from hf_bole.shapes import shape_config
+
+    folder = tmp_path / "shape"
+    shape_config("9B", **SMALL_9B).save_pretrained(folder)
+    argv = ["--shape", str(folder), "--device", "cpu", "--dtype", "fp32", "--batch-sizes", "1", "--kv-lengths", "8",
+            "--nodes", "0", "2", "--warmup", "1", "--reps", "1", "--table-dir", str(tmp_path / "tables")]  # fmt: skip
+    assert calibrate_main(argv) == 0
+    key = TableKey(model_key(shape_config("9B", **SMALL_9B)), "cpu", "float32", "closed_form", "eager")
+    assert find_table(key, tmp_path / "tables").key == key
+    assert not budget_cache.exists()
 
 
 def test_cli_rejects(capsys):

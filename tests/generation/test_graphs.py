@@ -231,7 +231,7 @@ def test_shape_graphs_capture_behind_queued_work_in_one_pool():
 def test_cuda_graphs_generate_matches_plain(verify, kind):
     """Greedy output with replayed verify forwards equals plain generate, over two calls that share the cache; a
     mixture of experts under transformers' batched_mm experts is captured too (grouped_mm only in bf16, whose
-    near-ties would make this comparison flaky: the 35B-A3B shape's runs in results/speed_h200 cover it)."""
+    near-ties would make this comparison flaky: the end-to-end runs of the 35B-A3B shape on a GPU cover it)."""
     model = build_model(kind)
     if kind == "moe":
         model.set_experts_implementation("batched_mm")

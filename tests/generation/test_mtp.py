@@ -566,7 +566,7 @@ def test_fused_projections_compile_whole(monkeypatch):
 def test_every_drafter_compiles_past_dynamos_own_limit(monkeypatch, caplog):
     """dynamo counts compiles per code object, so drafters of every depth share `_round`'s: with its limit reached
     (1 here, 8 by default) later drafters drafted uncompiled with a log line only (on an H200, trees of depth 8 and
-    deeper in a sweep, results/speed_h200/thirty_sixth_session). hf_bole's limit is its own; past it a drafter says
+    deeper in a sweep of depths). hf_bole's limit is its own; past it a drafter says
     so and drafts the same trees uncompiled."""
     from torch._dynamo.testing import CompileCounter
 

@@ -88,7 +88,7 @@ def test_full_tile_prune_narrows_only_the_full_tile():
 
 
 # bf16 inputs also meet their bound with the float32 products in one TF32 pass: on an H200, o 1.7e-3 and u 4.2e-4
-# off float64, and the layer in 28% less time at B = 16, T = 128, H = 32 (results/speed_h200/twentieth_session). The
+# off float64, and the layer in 28% less time at B = 16, T = 128, H = 32. The
 # interpreter computes float32 products whatever the precision: there this checks only the argument's way in.
 @pytest.mark.parametrize(
     "backend,precision",

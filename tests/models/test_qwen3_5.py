@@ -252,7 +252,7 @@ def test_compile_serves_every_width_from_its_second_graph(monkeypatch, caplog):
 
 
 def test_compiled_tree_forward_hands_its_kernels_no_views_of_storage_later_layers_write(monkeypatch):
-    """What made inductor copy whole stacked buffers (seventeenth session, results/speed_h200): the traced graph
+    """What made inductor copy whole stacked buffers (seen in a compiled round's kernel log): the traced graph
     writes the tree's KV through the mutating op `hf_bole::write_tree_kv`, which inductor calls in place, never by
     `scatter_` into a view that attention then reads; and the tree conv reads its input from a tensor of its own,
     not from a view of the conv inputs every GDN layer writes into one buffer."""
@@ -296,7 +296,7 @@ def test_inductor_graph_with_the_capacity_symbolic_keeps_every_attention_layer(m
     """Through inductor, as `bole_compile` runs it: the graph compiled for a second cache capacity (the next prompt's
     length) has the capacity and the tree width symbolic. Given each attention layer's view of the KV stack to write
     into, that graph passed every layer's view at offset 0 (the first layer's), so the second layer read wrong keys:
-    house-model logits off by 1-2, greedy outputs off plain `generate` from the second prompt on (twentieth session).
+    house-model logits off by 1-2, greedy outputs off plain `generate` from the second prompt on.
     The write op now takes the whole stack and the layer's index. What the commit then builds from the round (GDN
     states, conv windows, KV) must match too."""
     import hf_bole.models.qwen3_5 as adapter

@@ -47,8 +47,7 @@ _CAPACITY_STEP = 256
 _EXTEND_CHUNK = 128
 # torch.compile's compiles of `_round` allowed in one process. dynamo counts them per code object, so every drafter
 # (one per depth, topk and launch) shares them; past its default of 8 it ran rounds eagerly with a log line only. In
-# a sweep of chains of depth 3-12 and trees of 6-12 on an H200 the trees of depth 8 and more drafted that way: bole
-# fell from 13525 tokens/s at depth 6 to 9114 at depth 8 (results/speed_h200/thirty_sixth_session).
+# a sweep of chains of depth 3-12 and trees of 6-12 the trees of depth 8 and more drafted that way, a third slower.
 _RECOMPILE_LIMIT = 64
 
 
@@ -87,8 +86,7 @@ class MTPDrafter:
         fuse_projections (`bool`, *optional*, defaults to `False`):
             Run the head's projections that read one input (attention's q, k and v, the MLP's gate and up) as one
             GEMM each (`hf_bole/models/fused.py`), as the verify forward does; see `BoleConfig.fuse_projections`.
-            Fewer launches a step: on an H200 at batch 1 an MTP forward in a drafting round ran about 42 kernels, 8 of
-            them GEMMs of about 2.7 us (results/speed_h200/thirty_seventh_session).
+            Fewer launches a step: at batch 1 an MTP forward is mostly small kernels, its GEMMs among them.
 
     Example:
         ```python
@@ -419,8 +417,7 @@ class MTPDrafter:
     ) -> None:
         """`_extend` of a prompt's entries `[B, A]`, `_EXTEND_CHUNK` columns at a time, each chunk replayed from one
         CUDA graph per batch size (over the cache's whole length, as `_propose_graphed`'s). Eager, the extension
-        launches about 130 kernels from Python; the drafter's first call, which it dominated, took 3.7-4.1 ms of a
-        14-16 ms first token at batch 1 on the house model (results/speed_h200/fortieth_session). A chunk's replay
+        launches about 130 kernels from Python, most of the drafter's first call on a small model; a chunk's replay
         is one launch."""
         B, A = next_tokens.shape
         pad = -A % _EXTEND_CHUNK

@@ -3,8 +3,8 @@ the cache's slots), each in one Triton launch, with torch paths that are the spe
 
 Why: before every verify forward the decoding round builds, from the tree's parent pointers and the KV cache's
 bookkeeping, the ancestor mask, every node's position id and the attention mask over the cache's slots
-(`BoleCache.tree_mode`). In torch (`tree_masks_torch`) that is about 40 small kernels, ~95 us a round on an H200 inside
-a CUDA graph, almost all of it launch latency: ceil(log2 T) batched matmuls of the repeated squaring alone take 15.
+(`BoleCache.tree_mode`). In torch (`tree_masks_torch`) that is about 40 small kernels, almost all of their time
+launch latency even inside a CUDA graph: ceil(log2 T) batched matmuls of the repeated squaring alone take 15.
 `tree_masks` writes the same three tensors in one launch, and `tree_ancestor_mask` / `tree_depths` (which drafting,
 selection and acceptance call) take the same kernel's first program alone.
 

@@ -28,9 +28,9 @@ import triton.language as tl
 
 from hf_bole.kernels.utils import autotune_configs, dim_contiguous, is_interpreter, on_device, token_major, use_pdl
 
-# Launch configs, from `eval/tune_kernels.py` on an H200 (results/kernels_h200_tenth, kernels_h200_eleventh). At
+# Launch configs, from `eval/tune_kernels.py` on an H200. At
 # T = 128 both kernels hold [64, 64] float32 tiles, two programs of 4 warps per SM, and 8 warps took 1.6-2x as long;
-# the 8-warp configs serve the smaller tiles (T <= 64), where the tenth session's runs without them were 5-10%
+# the 8-warp configs serve the smaller tiles (T <= 64), where runs without them were 5-10%
 # slower. The solve kernel's Gram loop is fastest in one step (BK = 128). The apply kernel's BV = 64 halves how often
 # the workspace is read (B = 16, T = 128: 0.209 against 0.235 ms at BV = 32), BV = 32 doubles the programs a small
 # batch spreads over the GPU (B = 1: 31.1 against 39.1 us). num_stages stays 1: with 2 (Triton 3.6) the solve kernel's
@@ -49,7 +49,7 @@ WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 
 def full_tile_prune(BK: int, num_warps: int):
     """An autotuner's `early_config_prune`: at BT = 128 only the configs of this `BK` and `num_warps`, all of them at
-    smaller tiles. At BT = 128 the H200's sweep (results/kernels_h200_eleventh/ab) found the same BK and warps best
+    smaller tiles. At BT = 128 the H200's sweep (`eval/tune_kernels.py`) found the same BK and warps best
     at both target shapes, so the tuner is left to choose BV only (64 at B = 16, 32 at B = 1). Timed alone, the apply
     kernel ran BK = 64 fastest at B = 1, but beside the solve kernel it overlaps (programmatic dependent launch) that
     was 5% slower than BK = 32 (32.7 against 31.1 us)."""

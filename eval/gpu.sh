@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The GPU work behind BENCHMARKS.md and the shipped budget tables, by part. On one GPU, from the repository root:
+#
+#     BOLE_COMMIT=$(git rev-parse --short HEAD) bash eval/gpu.sh PART...
+#
+# (BOLE_COMMIT names the commit of the working tree where the checkout's .git may lag behind it, as on a copy of the
+# tree.) Every step has a time limit; a step cut short keeps what it finished (the harness's partial rows, the
+# calibration's finished buckets). Parts, with what they write:
+#
+#   tests       the test suite on CUDA: tests/kernels, then tests/models, cache, generation and
+#               test_custom_generate.py with HF_BOLE_TEST_DEVICE=cuda                                (logs only)
+#   calibrate   the budget tables of the published 9B, 27B and 35B-A3B shapes on this GPU, bf16: more than one
+#               10-minute command, so cal-9B, cal-27B, cal-35B-A3B one each (cal-house: the house checkpoint)
+#                                                                                  hf_bole/budgets/<key>.json
+#   auto        bole_budget="auto" on a random-weight 9B shape in bf16 must read a table in hf_bole/budgets/ (the
+#               log line), not calibrate or fall back                                                 (log only)
+#   house1      end to end on the house model, MBPP, batch 1: ar, ar-static, chain, tree-serial, bole
+#                                                                                benchmarks/e2e_house_b1.jsonl
+#   house8      the same at batch 8                                              benchmarks/e2e_house_b8.jsonl
+#   9b1         end to end on the random 9B shape, oracle drafter, batch 1: ar, ar-static, chain, tree-serial, bole
+#                                                                                  benchmarks/e2e_9b_b1.jsonl
+#   9b816       the same at batch 8 and 16, without ar-static (MODES_9B816)   benchmarks/e2e_9b_b8_b16.jsonl
+#   kernels     one GDN layer's tree verify (serial walk, fla chain, closed form) and the commit
+#                                                                                     benchmarks/kernels.jsonl
+#   budget-house  "auto" against fixed budgets, house model, GSM8K, batch 8 and 1  benchmarks/budget_house.jsonl
+#   budget-9b     the same on the 9B shape (its table first: cal-9B)                 benchmarks/budget_9b.jsonl
+#
+# After the parts: eval/render_benchmarks.py rewrites BENCHMARKS.md, README.md's results and benchmarks/speedup.png,
+# and everything the parts wrote, logs included, is packed into $OUT/gpu_results.tgz (OUT default runs/gpu); `tar
+# -xzf gpu_results.tgz` in the clone puts it in place (the logs under runs/gpu/logs/), and `python
+# eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
+# installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
+set -uo pipefail
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
+OUT=${OUT:-runs/gpu}
+LOGS=runs/gpu/logs
+mkdir -p "$OUT" "$LOGS" benchmarks
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
+export BOLE_COMMIT=${BOLE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
+    export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
+fi
+# installed, not only importable: transformers checks custom_generate/requirements.txt's hf-bole (tests)
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers, importlib.util as u; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__, 'fla', u.find_spec('fla') is not None)"
+echo "commit $BOLE_COMMIT"
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rf --tb=short $XDIST"
+FAILED=""
+RENDER=0
+
+step() {  # step NAME SECONDS COMMAND...: the command under a time limit, its log in $LOGS/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most $limit s)"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    [ $rc = 0 ] || FAILED="$FAILED $name($rc)"
+    echo "exit $rc, $((SECONDS - start)) s" | tee -a "$LOGS/$name.log"
+    grep -E "passed|failed|FAILED|Error|wrote|reads the|found|^\| " "$LOGS/$name.log" | grep -v -e "|---" | tail -25
+}
+harness() {  # harness NAME SECONDS ARGS...: eval/run.py, its rows into benchmarks/NAME.jsonl (a cut-short run's too)
+    local name=$1 limit=$2
+    shift 2
+    rm -rf "/tmp/$name"
+    step "$name" "$limit" python3 eval/run.py --output-dir "/tmp/$name" "$@"
+    cp "/tmp/$name/results.jsonl" "benchmarks/$name.jsonl" 2>/dev/null \
+        || cp "/tmp/$name/results.partial.jsonl" "benchmarks/$name.jsonl" 2>/dev/null
+    cp "/tmp/$name/results.md" "$LOGS/$name.md" 2>/dev/null
+    RENDER=1
+}
+calibrate() {  # calibrate SHAPE SECONDS: a table of batch sizes 1, 4, 8, 16 at a KV length of 1024, into the package
+    local source="--shape $1"
+    [ "$1" = house ] && source="--model eval/house/checkpoint"
+    step "cal-$1" "$2" python3 -m hf_bole.calibrate $source --dtype bf16 --batch-sizes 1 4 8 16 --kv-lengths 1024 \
+        --reps 5 --table-dir hf_bole/budgets --plot "$LOGS/cal-$1.png"
+    RENDER=1
+}
+HOUSE="--datasets mbpp --num-prompts 8 --max-new-tokens 128 --depth 10 --chain-depth 10 --repeats 3 --interleave"
+SHAPE9B="--shape 9B --max-new-tokens 128 --depth 6 --chain-depth 6 --repeats 3 --interleave"
+
+for PART in "$@"; do
+case $PART in
+tests)
+    step tests_kernels 200 $PYTEST tests/kernels
+    step tests_models 300 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation \
+        tests/test_custom_generate.py
+    ;;
+calibrate)
+    calibrate 9B 200
+    calibrate 27B 300
+    calibrate 35B-A3B 300
+    ;;
+cal-9B) calibrate 9B 200 ;;
+cal-27B) calibrate 27B 300 ;;
+cal-35B-A3B) calibrate 35B-A3B 300 ;;
+cal-house) calibrate house 200 ;;
+auto)
+    step auto 150 python3 eval/check_auto_budget.py --shape 9B
+    ;;
+house1)
+    harness e2e_house_b1 400 $HOUSE --batch-sizes 1 --modes ${MODES_HOUSE:-ar ar-static chain tree-serial bole}
+    ;;
+house8)
+    harness e2e_house_b8 400 $HOUSE --batch-sizes 8 --modes ${MODES_HOUSE:-ar ar-static chain tree-serial bole}
+    ;;
+9b1)
+    harness e2e_9b_b1 420 $SHAPE9B --batch-sizes 1 --num-prompts 2 --modes ${MODES_9B1:-ar ar-static chain tree-serial bole}
+    ;;
+9b816)
+    harness e2e_9b_b8_b16 480 $SHAPE9B --batch-sizes 8 16 --num-prompts 16 --modes ${MODES_9B816:-ar chain tree-serial bole}
+    ;;
+kernels)
+    step kernels 240 python3 eval/bench_kernels.py --out benchmarks/kernels.jsonl --providers serial fla bole \
+        --shapes 32,1,16 48,1,128 32,8,64 32,16,128
+    RENDER=1
+    ;;
+budget-house)
+    harness budget_house 540 --datasets gsm8k --modes bole --batch-sizes 8 1 --num-prompts 8 --max-new-tokens 96 \
+        --budget 32 128 248 auto --repeats 3 --interleave
+    ;;
+budget-9b)
+    harness budget_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 8 1 --num-prompts 8 --max-new-tokens 96 \
+        --budget 16 32 64 128 auto --repeats 3 --interleave
+    ;;
+*)
+    echo "unknown part $PART"
+    FAILED="$FAILED $PART(unknown)"
+    ;;
+esac
+done
+
+if [ $RENDER = 1 ]; then
+    step render 120 python3 eval/render_benchmarks.py
+fi
+tar -czf "$OUT/gpu_results.tgz" README.md BENCHMARKS.md benchmarks hf_bole/budgets "$LOGS"
+echo "packed $OUT/gpu_results.tgz; failed steps:${FAILED:- none}"

@@ -1,0 +1,307 @@
+"""Rewrites BENCHMARKS.md's tables, README.md's results table and the speed-up plot (benchmarks/speedup.png) from
+the JSONL in benchmarks/.
+
+    python eval/render_benchmarks.py
+
+Each table sits between `<!-- rendered: NAME -->` and `<!-- end: NAME -->` in BENCHMARKS.md and is rendered from
+`benchmarks/NAME.jsonl` (the shipped budget tables from `hf_bole/budgets/*.json`); a table whose file is missing is
+left as it is; README.md's `readme_results` section summarises the end-to-end tables. Above each table: the GPU,
+the versions and the commit of every run behind it, and whether the library (`hf_bole/`) has changed since that
+commit in this clone's history (then the table is not of the current code).
+`bash eval/gpu.sh` runs this after its measuring parts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eval import report  # noqa: E402
+
+DATA = REPO / "benchmarks"
+DOC = REPO / "BENCHMARKS.md"
+README = REPO / "README.md"
+E2E = ("e2e_house_b1", "e2e_house_b8", "e2e_9b_b1", "e2e_9b_b8_b16")
+BUDGETS = ("budget_house", "budget_9b")
+MODES = ("ar", "ar-static", "chain", "tree-serial", "bole")
+
+
+def load(name: str) -> list[dict]:
+    path = DATA / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def currency(commit: str | None) -> str:
+    """Whether hf_bole/ changed after `commit`, by this clone's history."""
+    if not commit:
+        return "commit unknown: not known to be the current code"
+    count = subprocess.run(
+        ["git", "rev-list", "--count", f"{commit}..HEAD", "--", "hf_bole"], cwd=REPO, capture_output=True, text=True
+    )
+    if count.returncode != 0:
+        return "a commit this clone's history lacks: not known to be the current code"
+    n = int(count.stdout.strip())
+    return "hf_bole/ unchanged since: the current code" if n == 0 else f"hf_bole/ changed in {n} commits since: " \
+        "**not the current code**"
+
+
+def machine_line(m: dict, what: str = "") -> str:
+    versions = f"torch {m.get('torch')}, triton {m.get('triton')}, transformers {m.get('transformers')}"
+    if "fla" not in m:
+        versions += ", fla-core not recorded"
+    else:
+        versions += f", fla-core {m['fla']}" if m["fla"] else ", no fla-core"
+    commit = (m.get("commit") or "?")[:7]
+    dirty = " (dirty)" if m.get("dirty") else ""
+    return f"- {what}**{m.get('gpu')}**, {versions}; commit `{commit}`{dirty}, {currency(m.get('commit'))}."
+
+
+MACHINE_FIELDS = ("gpu", "torch", "triton", "transformers", "fla", "commit", "dirty")
+
+
+def provenance(rows: list[dict]) -> list[str]:
+    """One line per distinct machine and commit, naming the datasets it ran."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        key = json.dumps({k: r["machine"][k] for k in MACHINE_FIELDS if k in r["machine"]})
+        if r["dataset"] not in groups.setdefault(key, []):
+            groups[key].append(r["dataset"])
+    lines = [
+        machine_line(json.loads(key), f"{', '.join(datasets)}: " if len(groups) > 1 else "")
+        for key, datasets in groups.items()
+    ]
+    sources = {r["transcribed_from"] for r in rows if r.get("transcribed_from")}
+    return lines + [f"- Transcribed from {s}." for s in sources]
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _cells(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    """`{(dataset, batch size): {mode: row}}`, in the rows' order."""
+    cells: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["dataset"], r["batch_size"]), {})[r["mode"].split()[0]] = r
+    return cells
+
+
+def _tokens_per_s(by_mode: dict[str, dict]) -> list[str]:
+    """Each mode's tokens/s, or its error ("out of memory"), or "–" where it did not run."""
+    return [
+        (by_mode[m].get("error") or _f(by_mode[m]["output_tokens_per_s"])) if m in by_mode else "–" for m in MODES
+    ]
+
+
+def _bole_over(by_mode: dict[str, dict], mode: str, spec: str) -> str:
+    bole, other = (by_mode.get(m, {}) for m in ("bole", mode))
+    if any(r.get("error") or not r.get("output_tokens_per_s") for r in (bole, other)):
+        return "–"
+    return f"{bole['output_tokens_per_s'] / other['output_tokens_per_s']:{spec}}×"
+
+
+def e2e(rows: list[dict]) -> list[str]:
+    s = rows[0]["settings"]
+    timing = f"median of {s.get('repeats')} passes" + (" taken in turns" if s.get("interleave") else "")
+    sources: dict[str, set[str]] = {}
+    for r in rows:
+        if r.get("budget_source"):
+            sources.setdefault(r["mode"].split()[0], set()).add(r["budget_source"].split(" at epsilon")[0])
+    budget = "; ".join(f"{m}: {', '.join(sorted(v))}" for m, v in sources.items()) or "as set"
+    lines = provenance(rows) + [
+        f"- {s.get('dtype')}, greedy, {rows[0]['num_prompts']} prompts a row, at most {s.get('max_new_tokens')} new "
+        f"tokens, drafter {s.get('drafter')}; bole and tree-serial depth {s['depth'][0]}, top-{s.get('topk')}; chain "
+        f"depth {(s.get('chain_depth') or [3])[0]}; budget {s['budget'][0]} (ε {s['epsilon'][0]}), from {budget}; "
+        f"CUDA graphs {'on' if s.get('cuda_graphs', True) else 'off'}; tokens/s over the generate calls' wall time, "
+        f"prefill included, {timing}.",
+        "",
+        "| dataset | batch | " + " | ".join(MODES) + " | bole ÷ ar-static | bole ÷ chain | bole ÷ tree-serial "
+        "| tokens a round (chain / tree-serial / bole) | outputs equal to ar (ar-static / chain / tree-serial / bole) |",
+        "|---|---:|" + "---:|" * (len(MODES) + 3) + "---|---|",
+    ]
+    for (dataset, batch), by_mode in _cells(rows).items():
+        ratios = [_bole_over(by_mode, m, ".3f") for m in ("ar-static", "chain", "tree-serial")]
+        rounds = [_f(by_mode[m].get("mean_accepted_tokens"), ".2f") if m in by_mode else "–"
+                  for m in ("chain", "tree-serial", "bole")]  # fmt: skip
+        shares = [by_mode.get(m, {}).get("exact_share") for m in MODES[1:]]
+        exact = ["–" if share is None else f"{100 * share:.0f}%" for share in shares]
+        cells = [dataset, batch, *_tokens_per_s(by_mode), *ratios, " / ".join(rounds), " / ".join(exact)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
+def summary(runs: dict[str, list[dict]]) -> list[str]:
+    """README's table: every end-to-end run's tokens/s by mode, one line per model, prompts and batch size."""
+    lines = provenance([r for rows in runs.values() for r in rows]) + [
+        "",
+        "| model | prompts | batch | " + " | ".join(MODES) + " | bole ÷ ar-static | bole ÷ chain |",
+        "|---|---|---:|" + "---:|" * (len(MODES) + 2),
+    ]
+    for name, rows in runs.items():
+        model = "house" if "house" in name else "9B shape"
+        for (dataset, batch), by_mode in _cells(rows).items():
+            ratios = [_bole_over(by_mode, m, ".2f") for m in ("ar-static", "chain")]
+            lines.append("| " + " | ".join(map(str, [model, dataset, batch, *_tokens_per_s(by_mode), *ratios])) + " |")
+    return lines
+
+
+def kernels(rows: list[dict]) -> list[str]:
+    head = rows[0]
+    h = head["header"]
+    verify = [r for r in rows[1:] if r.get("op") == "verify"]
+    commit = next((r for r in rows[1:] if r.get("op") == "commit"), None)
+    lines = [
+        machine_line({**h, "fla": h.get("fla")}),
+        f"- One GDN layer: Hk = {verify[0]['HK']} key heads, K = V = {verify[0]['K']}, bf16 q/k/v, fp32 state, random "
+        f"trees re-hung to depth ≤ {verify[0]['depth']}, products at {verify[0]['precision']}; each time the median of "
+        "CUDA-graph replays over rotating inputs (3× the L2 cache), correctness checked against float64 first.",
+        "",
+        "| value heads | batch | tree nodes | serial ms | fla chain ms | bole ms | serial ÷ bole | fla chain ÷ bole "
+        "| snapshots MiB | bole factors MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    shapes = list(dict.fromkeys((r["H"], r["B"], r["T"]) for r in verify))
+    for H, B, T in shapes:
+        by = {r["provider"]: r for r in verify if (r["H"], r["B"], r["T"]) == (H, B, T)}
+        ms = {p: by[p].get("ms") for p in ("serial", "fla", "bole") if p in by}
+        cell = lambda p: "OOM" if by.get(p, {}).get("oom") else _f(ms.get(p), ".3f")  # noqa: E731
+        over = lambda p: f"{ms[p] / ms['bole']:.1f}×" if ms.get(p) and ms.get("bole") else "–"  # noqa: E731
+        snap = B * T * H * verify[0]["K"] * verify[0]["V"] * 4 / 2**20
+        factors = by.get("bole", {}).get("transient_bytes")
+        lines.append(f"| {H} | {B} | {T} | {cell('serial')} | {cell('fla')} | {cell('bole')} | {over('serial')} | "
+                     f"{over('fla')} | {snap:.0f} | {_f(factors / 2**20 if factors else None, '.1f')} |")  # fmt: skip
+    if commit:
+        lines += ["", f"Commit (Eq. 10) of all {commit['NL']} GDN layers at once, batch {commit['B']}, {commit['H']} "
+                  f"value heads, an accepted path of {commit['L']}: {commit['ms']:.3f} ms ({commit['GBps']:.0f} GB/s, "
+                  f"{commit['pct_of_copy']:.0f}% of a device copy's)."]  # fmt: skip
+    return lines
+
+
+def _model(settings: dict) -> str:
+    return "the house model" if report.is_house(settings["model"]) else settings["model"]
+
+
+def budgets(rows: list[dict]) -> list[str]:
+    cells = report.budget_cells(rows)
+    s = rows[0]["settings"]
+    prompts = "random prompts" if rows[0]["dataset"] == "random" else rows[0]["dataset"]
+    looked_up = (r.get("budget_source") or "" for r in rows)
+    sources = sorted({b.split(" at epsilon")[0] for b in looked_up if b.startswith(("table", "fallback"))})
+    auto = f"\"auto\" read {', '.join(sources)}" if sources else "\"auto\" read the table calibrated on that GPU"
+    labels = sorted({b for v in cells.values() for b in v if isinstance(b, int)})
+    rules = sorted({b for v in cells.values() for b in v if not isinstance(b, int)})
+    timing = f"median of {s.get('repeats')} passes" + (" taken in turns" if s.get("interleave") else "")
+    lines = provenance(rows) + [
+        f"- {_model(s)}, {prompts}, {rows[0]['num_prompts']} prompts, at most {s.get('max_new_tokens')} new tokens, "
+        f"{s.get('dtype')}, greedy, drafter {s.get('drafter')}, bole depth {s['depth'][0]}; tokens/s, {timing}; {auto}.",
+        "",
+        "| batch | " + " | ".join(f"{b} nodes" for b in labels) + " | " + " | ".join(rules) + " | "
+        + " | ".join(f"{r} ÷ best fixed" for r in rules) + " |",
+        "|---:|" + "---:|" * (len(labels) + 2 * len(rules)),
+    ]
+    for (_, _, _, batch), tps in sorted(cells.items(), key=lambda kv: -kv[0][3]):
+        best = max(t for b, t in tps.items() if isinstance(b, int))
+        fixed = [f"**{tps[b]:.1f}**" if tps.get(b) == best else _f(tps.get(b)) for b in labels]
+        lines.append(f"| {batch} | " + " | ".join(fixed) + " | " + " | ".join(_f(tps.get(r)) for r in rules) + " | "
+                     + " | ".join(f"{tps[r] / best:.2f}" if tps.get(r) else "–" for r in rules) + " |")  # fmt: skip
+    return lines
+
+
+def shipped_tables() -> list[str]:
+    from hf_bole.generation.budget import PACKAGE_TABLES, BudgetTable, model_key
+    from hf_bole.shapes import SHAPES, shape_config
+
+    from eval.shapes import shape_config as eval_shape_config
+
+    names = {model_key(shape_config(name)): name for name in SHAPES}
+    names[model_key(eval_shape_config("house"))] = "house model"
+    lines = [
+        "| model | GPU | dtype | verify | launch | budget at ε = 0.3 by batch size | KV length | measured with |",
+        "|---|---|---|---|---|---|---:|---|",
+    ]
+    for path in sorted(PACKAGE_TABLES.glob("*.json")):
+        t = BudgetTable.load(path)
+        by_batch = " / ".join(f"{e.batch_size}: {e.choose(0.3)}" for e in sorted(t.entries, key=lambda e: e.batch_size))
+        kv = ", ".join(map(str, sorted({e.kv_length for e in t.entries})))
+        v = t.meta.get("versions", {})
+        made = f"torch {v.get('torch')}, transformers {v.get('transformers')}, {t.meta.get('created', '?')[:10]}"
+        lines.append(f"| {names.get(t.key.model, t.key.model)} | {t.key.device} | {t.key.dtype} | {t.key.verify} | "
+                     f"{t.key.launch} | {by_batch} | {kv} | {made} |")  # fmt: skip
+    return lines
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> Path | None:
+    """Tokens/s over ar's, per mode and batch size, one panel per model and prompt set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[str, dict[tuple[str, int], float]] = {}  # "model, prompts" -> (mode, batch) -> speed-up
+    for name, rows in runs.items():
+        model = "house model" if "house" in name else "random 9B shape, oracle drafter"
+        for r in rows:
+            base = _cells(rows)[r["dataset"], r["batch_size"]].get("ar", {})
+            if r["mode"] != "ar" and r.get("output_tokens_per_s") and base.get("output_tokens_per_s"):
+                speedup = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+                panels.setdefault(f"{model}, {r['dataset']}", {})[(r["mode"].split()[0], r["batch_size"])] = speedup
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharey=True)
+    for ax, (title, values) in zip(axes[0], panels.items()):
+        batches = sorted({b for _, b in values})
+        modes = [m for m in MODES[1:] if any(k[0] == m for k in values)]
+        width = 0.8 / len(modes)
+        for k, mode in enumerate(modes):
+            xs = [i + k * width for i in range(len(batches))]
+            ax.bar(xs, [values.get((mode, b), 0) for b in batches], width=width, label=mode)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set(title=title, yscale="log")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+    axes[0][0].set_ylabel("tokens/s ÷ plain generate (ar)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small")
+    measured = sorted({f"{r['machine'].get('gpu')}, commit {(r['machine'].get('commit') or '?')[:7]}"
+                       for rows in runs.values() for r in rows})  # fmt: skip
+    fig.suptitle("; ".join(measured) + " (BENCHMARKS.md)", fontsize="small")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def replace(doc: str, name: str, lines: list[str], where: str = DOC.name) -> str:
+    pattern = re.compile(rf"(<!-- rendered: {name} -->\n).*?(<!-- end: {name} -->)", re.S)
+    if not pattern.search(doc):
+        raise SystemExit(f"{where} has no <!-- rendered: {name} --> ... <!-- end: {name} --> section")
+    return pattern.sub(lambda m: m.group(1) + "\n".join(lines) + "\n" + m.group(2), doc)
+
+
+def main() -> None:
+    doc = DOC.read_text()
+    runs = {name: rows for name in E2E if (rows := load(name))}
+    for name, rows in runs.items():
+        doc = replace(doc, name, e2e(rows))
+    if rows := load("kernels"):
+        doc = replace(doc, "kernels", kernels(rows))
+    for name in BUDGETS:
+        if rows := load(name):
+            doc = replace(doc, name, budgets(rows))
+    doc = replace(doc, "tables", shipped_tables())
+    DOC.write_text(doc)
+    print(f"wrote {DOC}")
+    if runs:
+        README.write_text(replace(README.read_text(), "readme_results", summary(runs), README.name))
+        print(f"wrote {README}")
+    if (png := plot(runs, DATA / "speedup.png")) is not None:
+        print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()
