@@ -871,5 +871,9 @@ class BoleCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self._batch_size, device=self.device).repeat_interleave(repeats))
 
-    def activate_past_recording(self) -> None:
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers 5.25's GDN conv counts a one-token decode's token in its cache layer's own counter: a BoleCache
+        counts every row's tokens in `lengths` (advanced by the attention layers' `update`), so nothing to do."""
+
+    def activate_past_recording(self, **kwargs) -> None:
         raise NotImplementedError("BoleCache does not record past states: it commits only accepted tree paths")
