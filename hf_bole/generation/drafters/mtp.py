@@ -19,7 +19,6 @@ shallower node first).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -35,8 +34,8 @@ from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.ops import row_topk
 from hf_bole.kernels.topk import MAX_K, naive_row_topk
 from hf_bole.models import attention_backends, graph_unsafe_experts
-from hf_bole.models.fused import projections_fused
 from hf_bole.models.mtp import Qwen3_5MTP
+from hf_bole.models.twin import tree_twin
 
 logger = logging.get_logger(__name__)
 
@@ -142,6 +141,7 @@ class MTPDrafter:
         self._graph_pool = None
         self.compile = compile
         self.fuse_projections = fuse_projections
+        self._head = mtp  # what a drafting step calls: `mtp`, or its twin with fused projections (set by `propose`)
         # made on first use: compiling happens on the first call, and a drafter that never drafts compiles nothing
         self._compiled_round = None
 
@@ -234,8 +234,9 @@ class MTPDrafter:
             positions = committed[:, None] - new_mask.sum(1, keepdim=True) + new_mask.cumsum(1) - 1
         inputs = (hidden, ctx.next_tokens, new_mask, positions, committed)
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
-        fused = projections_fused(self.mtp) if self.fuse_projections else contextlib.nullcontext()
-        with fused, attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
+        # The head's twin with its projection groups fused (`models/twin.py`), or the head itself.
+        twin = tree_twin(self.mtp, projections=self.fuse_projections, norms=False)
+        with twin.entered() as self._head, attention_backends():  # not cuDNN: query and key lengths change every call
             cache.num_keys = cache.offset + longest  # attend over the slots in use only, not the whole capacity
             if not self._is_round(num_new):
                 # A prompt: every entry but each row's last depth + 1 extends the cache first (eagerly, or in chunks
@@ -331,7 +332,7 @@ class MTPDrafter:
         # Under accelerate's device_map the target's embedding may run on another device than the head (which sits
         # with the LM head): its small output comes here (no copy on one device).
         embeds = self.embed_tokens(tokens).to(hidden.device)
-        return self.mtp(
+        return self._head(
             embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries,
             key_lengths=key_lengths,
         )  # fmt: skip
