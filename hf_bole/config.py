@@ -119,8 +119,11 @@ class BoleConfig:
             in all (`prefill.chain_limit`: at least 512 tokens; 512 on the 9B shape, where at batch 1 on an H200
             they took 12 against 94 ms at 128 tokens, 47 against 59 at 512, 96 against 60 at 1024; ~900-token
             prompts on the house model, +5% tokens/s at batch 8), plain otherwise.
-            Plain whenever the call passes position ids other than `generate`'s own (each row's tokens counted from
-            0), or with `verify="serial"`. Both compute the same recurrence; their kernels round differently, like
+            "auto" takes plain, and "chains" raises a ValueError, for a batch chains would not prefill as
+            transformers' forward does: padding after a row's first token (right padding, a hole in the mask; the
+            forward runs it through the GDN layers), a row of padding alone, or position ids other than `generate`'s
+            own (each row's tokens counted from 0); "auto" also with `verify="serial"`, which "chains" refuses. Both
+            compute the same recurrence; their kernels round differently, like
             the verify forward's against plain decoding's. A chain's forward computes logits at every node, kept in
             its graph's memory: `[B, 128, vocab]`, 1 GiB at batch 16 with Qwen3.5's 248k-token vocabulary in bf16.
         pipeline (`bool`, *optional*, defaults to `True`):
@@ -186,12 +189,22 @@ class BoleConfig:
             raise ValueError(f"BoleConfig.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"BoleConfig.attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        if self.prefill == "chains" and self.verify == "serial":
+            raise ValueError(
+                "BoleConfig.prefill='chains' runs the prompt through the closed-form verify forward; verify='serial' "
+                "would keep a state snapshot per prompt token: pass prefill='plain' or 'auto' with it"
+            )
         if isinstance(self.drafter, str):
             if self.drafter not in BUILTIN_DRAFTERS:
                 raise ValueError(
                     f"BoleConfig.drafter must be one of {BUILTIN_DRAFTERS} or an object with a "
                     f"`propose(ctx) -> DraftTree` method, got {self.drafter!r}"
                 )
+        elif isinstance(self.drafter, type):
+            raise ValueError(
+                f"BoleConfig.drafter must be a drafter object, got the class {self.drafter.__name__}: pass an "
+                f"instance (e.g. {self.drafter.__name__}(...)), or 'ngram' for the n-gram drafter"
+            )
         elif not callable(getattr(self.drafter, "propose", None)):
             raise ValueError(
                 f"BoleConfig.drafter must be one of {BUILTIN_DRAFTERS} or an object with a "
