@@ -18,11 +18,12 @@ import dataclasses
 import functools
 import inspect
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import Cache, GenerationConfig
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -55,7 +56,7 @@ from hf_bole.generation.graphs import (
     trimmed,
 )
 from hf_bole.generation.phases import PhaseTimer
-from hf_bole.generation.prefill import chain_prefill, use_chains, weight_bytes
+from hf_bole.generation.prefill import chain_prefill, unchainable, use_chains, weight_bytes
 from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tail import round_tail
 from hf_bole.generation.tree import DraftTree
@@ -81,6 +82,12 @@ _ASSISTANT_ERROR = (
     "hf_bole drafts with its own drafter: drop assistant_model / prompt_lookup_num_tokens and choose one with "
     "bole_drafter ('mtp', 'ngram' or an object with propose(ctx) -> DraftTree)"
 )
+_CACHE_ERROR = (
+    "hf_bole builds its own BoleCache for every request and does not continue from a cache: drop {name}= (a cache "
+    "returned by an earlier generate call included) and pass the whole conversation as input_ids"
+)
+# Names `generate` takes a cache by (5.17-5.25).
+_CACHE_ARGS = ("cache", "past_key_values", "cache_params")
 # Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -155,7 +162,10 @@ def generate(model, *args, **kwargs):
         # Called by `model.generate` as the decoding method: inputs, processors and criteria are prepared.
         dropped = {name: frame.f_locals.get(name) for name in _DROPPED_GENERATE_ARGS}
         kwargs.pop("tokenizer", None)  # stop strings are criteria by now (see `install_generate_hooks`)
-        return _decode(model, *args, **kwargs, **dropped)
+        # Under `torch.inference_mode()` too, the call makes normal tensors: what it keeps for the model's next calls
+        # (caches, graphs, the MTP drafter, fused weights) must take their in-place writes outside inference mode.
+        with _model_lock(model), torch.inference_mode(False):
+            return _decode(model, *args, **kwargs, **dropped)
     # Called with `model.generate`'s own arguments (directly, by name, or from a Hub folder): let transformers
     # prepare them and call back as the decoding method.
     kwargs.pop("custom_generate", None)
@@ -165,6 +175,9 @@ def generate(model, *args, **kwargs):
     BoleConfig.from_generate_kwargs(kwargs, kwargs.get("generation_config"))
     if kwargs.get("assistant_model") is not None:  # transformers would refuse it with a less helpful message
         raise ValueError(_ASSISTANT_ERROR)
+    for name in _CACHE_ARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(_CACHE_ERROR.format(name=name))
     return model.generate(*args, custom_generate=generate, **kwargs)
 
 
@@ -230,9 +243,23 @@ def release(model) -> None:
     >>> hf_bole.release(model)  # before loading something else onto the GPU
     ```
     """
-    drop_graphs(model)
-    _MTP_DRAFTERS.pop(model, None)
-    _WRITES.pop(model, None)
+    with _model_lock(model):
+        drop_graphs(model)
+        _MTP_DRAFTERS.pop(model, None)
+        _WRITES.pop(model, None)
+
+
+# model -> the lock its `generate` calls hold, one call at a time: they share what hf_bole keeps for the model (the
+# kept caches and graphs, the token writes, the MTP drafter with its cache).
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _model_lock(model) -> threading.RLock:
+    with _LOCKS_LOCK:
+        if model not in _LOCKS:
+            _LOCKS[model] = threading.RLock()
+        return _LOCKS[model]
 
 
 def _make_drafter(model, config: BoleConfig, device: torch.device):
@@ -274,9 +301,11 @@ def _check_request(model, generation_config: GenerationConfig, model_kwargs: dic
     for flag in _UNSUPPORTED_OUTPUTS:
         if getattr(generation_config, flag, False):
             raise ValueError(f"hf_bole does not return per-step tensors: {flag}=True is not supported")
-    # `generate` puts a fresh cache of its own here; one the user passed carries `_is_user_defined`.
-    if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
-        raise ValueError("hf_bole builds its own BoleCache for the request; do not pass past_key_values")
+    # `generate` puts a fresh cache of its own here, under `cache` (5.24 on) or `past_key_values`; one the user
+    # passed, under either name, carries `_is_user_defined`.
+    for name, value in model_kwargs.items():
+        if isinstance(value, Cache) and getattr(value, "_is_user_defined", False):
+            raise ValueError(_CACHE_ERROR.format(name=name))
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_bole needs input_ids (it drafts and verifies tokens); inputs_embeds is not supported")
     for key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
@@ -387,11 +416,15 @@ def _decode(
     # per_row + 1 more.
     capacity = P + max_new + (1 + lag) * step + per_row + 1
     chains = use_chains(bole.prefill, graphed, P, bole.verify, weight_bytes(model))
-    if chains:  # one host read: a chain numbers each row's tokens from 0 (as generate's own position ids do), and a
-        # row of padding alone has none
-        chains = bool((((position_ids == counted) | ~mask).all() & mask.any(-1).all()))
+    reason = unchainable(mask, position_ids) if chains else None
+    if reason is not None and bole.prefill == "chains":
+        raise ValueError(
+            f"bole_prefill='chains' would not prefill this batch as transformers' forward does: {reason}; pass "
+            f"bole_prefill='plain' (or 'auto', which chooses it here)"
+        )
+    chains = chains and reason is None
     # Read before the prefill is queued, not after: a read then would wait for it.
-    left_pad = (P - mask.sum(-1)).tolist()
+    prompt_columns = None if pipelined else _prompt_columns(mask)
     if chains:
         capacity += MAX_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens before it
     if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
@@ -474,7 +507,7 @@ def _decode(
         # Upper bounds from the host's counts, which lag the device by the rounds still queued.
         longest = max(n for n, a in zip(state.n_gen, active) if a) + step * len(queued)
         ctx = DraftContext(
-            sequences=None if pipelined else [seq[b, left_pad[b] : P + state.n_gen[b]] for b in range(B)],
+            sequences=None if pipelined else _sequences(seq, prompt_columns, P, state.n_gen),
             max_nodes=per_row,
             hidden_states=new_hidden,
             next_tokens=new_tokens,
@@ -698,6 +731,25 @@ class _Rows:
             if self.n_gen[b] < T_out:
                 out[b, self.P + self.n_gen[b] :] = self.pad
         return out
+
+
+def _prompt_columns(mask: torch.Tensor) -> list[slice | torch.Tensor]:
+    """Where each row's prompt tokens sit in `seq` (`mask`: `[B, P]` bool, True at them): after the row's left
+    padding (a slice), or, with padding after its first token, the mask's columns (`[n]`). One host read."""
+    B, P = mask.shape
+    pad, left = torch.stack([P - mask.sum(-1), (mask[:, 1:] >= mask[:, :-1]).all(-1).long()]).tolist()
+    return [slice(p, None) if l else mask[b].nonzero().flatten() for b, (p, l) in enumerate(zip(pad, left))]
+
+
+def _sequences(seq: torch.Tensor, prompt_columns: list, P: int, n_gen: list[int]) -> list[torch.Tensor]:
+    """Each row's committed ids for the drafter (`DraftContext.sequences`) from `seq` (`[B, width]`): its prompt
+    tokens (`prompt_columns`) and the `n_gen` it generated, from one copy of the columns in use, so that a drafter
+    writing into them changes nothing of the output."""
+    block = seq[:, : P + max(n_gen)].clone()
+    return [
+        block[b, columns.start : P + n] if isinstance(columns, slice) else torch.cat([block[b, columns], block[b, P : P + n]])
+        for b, (columns, n) in enumerate(zip(prompt_columns, n_gen))
+    ]
 
 
 def _upload(flags: list[bool], device: torch.device) -> torch.Tensor:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_bole
 from hf_bole.config import BoleConfig
@@ -241,6 +242,69 @@ def test_release_frees_what_calls_keep(dense_with_mtp):
     assert torch.equal(again, first) and model in loop._MTP_DRAFTERS
 
 
+def _in_threads(*calls) -> list:
+    """Runs each call in a thread of its own, all at once; returns their results (or what they raised)."""
+    results = [None] * len(calls)
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def test_plain_forwards_in_another_thread_are_untouched(dense):
+    """While hf_bole generates in one thread, plain forwards of the same model in another give their logits bit for
+    bit (tree mode runs a twin of the decoder and never swaps the model's modules), and hf_bole's output stays plain
+    greedy's."""
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        expected = dense(ids).logits
+    ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    drafter = oracle_for(dense, PROMPTS)
+    done = threading.Event()
+
+    def forwards() -> list:
+        seen = []
+        with torch.no_grad():
+            while not done.is_set() and len(seen) < 1000:
+                try:
+                    seen.append(torch.equal(dense(ids).logits, expected))
+                except Exception as e:  # noqa: BLE001 - handed to the test
+                    seen.append(e)
+        return seen
+
+    def calls() -> list:
+        try:
+            return [bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=drafter, bole_budget=64)
+                    for _ in range(3)]  # fmt: skip
+        finally:
+            done.set()
+
+    seen, outs = _in_threads(forwards, calls)
+    assert not isinstance(outs, Exception), outs
+    assert all(torch.equal(out, ref) for out in outs)
+    assert seen and all(s is True for s in seen), [s for s in seen if s is not True][:3]
+
+
+def test_calls_from_two_threads_match_plain(dense_with_mtp):
+    """Two threads generating with one model at once (its MTP drafter and kept state shared: the calls take turns)
+    each get plain greedy's output."""
+    ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    call = lambda: bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)  # noqa: E731
+    for out in _in_threads(call, call, call):
+        assert not isinstance(out, Exception), out
+        assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_greedy_matches_plain_tree_attention(dense, backend, monkeypatch):
     """bole_attention="triton": every full-attention layer of every verify forward attends through tree_attention
@@ -351,6 +415,95 @@ def test_greedy_matches_plain_with_prefill_chains(dense_with_mtp, drafter, monke
     dense_with_mtp.generate(ids, attention_mask=mask, position_ids=positions, pad_token_id=0, max_new_tokens=2,
                             custom_generate="hf_bole", bole_prefill="chains", **settings)  # fmt: skip
     assert chained == [1]
+
+
+@pytest.mark.parametrize(
+    "mask", [[[1, 1, 1, 1, 0, 0, 0]], [[1, 1, 0, 0, 1, 1, 1]], [[0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0]]],
+    ids=["right", "hole", "mixed"],
+)
+def test_padding_not_on_the_left(dense, mask):
+    """Right padding, or a hole in the mask: the plain prefill decodes as plain `generate` does (the padding goes
+    through the GDN layers there, which chains would skip); "chains" refuses the batch, "auto" takes plain."""
+    mask = torch.tensor(mask)
+    ids = torch.tensor([[5, 17, 33, 2, 41, 9, 60]] * mask.shape[0])
+    kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=NEW, do_sample=False)
+    ref = dense.generate(ids, **kwargs)
+    for prefill in ("plain", "auto"):
+        out = dense.generate(ids, custom_generate="hf_bole", bole_drafter="ngram", bole_prefill=prefill, **kwargs)
+        assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="bole_prefill='chains' would not prefill this batch.*padding after"):
+        dense.generate(ids, custom_generate="hf_bole", bole_drafter="ngram", bole_prefill="chains", **kwargs)
+    with pytest.raises(ValueError, match="position ids do not number"):
+        dense.generate(ids[:1], custom_generate="hf_bole", bole_drafter="ngram", bole_prefill="chains",
+                       position_ids=torch.arange(7)[None] + 3, max_new_tokens=3)  # fmt: skip
+
+
+def test_drafter_writing_into_its_context_changes_nothing(dense):
+    """A drafter that overwrites the sequences it is handed (and reads them) leaves the output plain greedy's."""
+
+    class Scribbler(hf_bole.NgramDrafter):
+        def propose(self, ctx):
+            tree = super().propose(ctx)
+            for sequence in ctx.sequences:
+                sequence.fill_(7)
+            return tree
+
+    ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    out = bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=Scribbler(hf_bole.BoleConfig()))
+    assert torch.equal(out, ref)
+
+
+def test_drafter_sequences_hold_the_prompt_tokens_wherever_the_padding_is(dense):
+    """`ctx.sequences` is each row's prompt without its padding (left, right or inside), then its generated tokens."""
+    seen = []
+
+    class Recording(hf_bole.NgramDrafter):
+        def propose(self, ctx):
+            seen.append([s.tolist() for s in ctx.sequences])
+            return super().propose(ctx)
+
+    ids = torch.tensor([[5, 17, 33, 2, 41, 9, 60]] * 3)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+    out = dense.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=4, do_sample=False,
+                         custom_generate="hf_bole", bole_drafter=Recording(hf_bole.BoleConfig()))  # fmt: skip
+    first = seen[0]
+    assert first == [[33, 2, 41, 9, 60, *out[0, 7:8].tolist()], [5, 17, 41, 9, 60, *out[1, 7:8].tolist()],
+                     [5, 17, 33, 2, *out[2, 7:8].tolist()]]  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ["name", "callable"])
+def test_a_cache_passed_in_is_refused(dense, entry):
+    """`past_key_values=` / `cache=` (a new cache, or one an earlier call returned) would be ignored: refused, by
+    either entry point; the model decodes as before afterwards."""
+    custom = "hf_bole" if entry == "name" else hf_bole.generate
+    ref = plain(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False)
+    returned = bole(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, bole_drafter="ngram",
+                    return_dict_in_generate=True).past_key_values  # fmt: skip
+    from_plain = plain(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    config = dense.config.get_text_config(decoder=True)
+    for name, cache in [("past_key_values", DynamicCache(config=config)), ("cache", DynamicCache(config=config)),
+                        ("past_key_values", returned), ("past_key_values", from_plain.past_key_values)]:  # fmt: skip
+        with pytest.raises(ValueError, match="does not continue from a cache: drop (past_key_values|cache)="):
+            bole(dense, PROMPTS[:1], max_new_tokens=4, bole_drafter="ngram", custom_generate=custom, **{name: cache})
+    assert torch.equal(bole(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, bole_drafter="ngram"), ref)
+
+
+def test_inference_mode(dense_with_mtp):
+    """Under `torch.inference_mode()` as plain `generate` works there, also for the model's first hf_bole call (what
+    it keeps for later calls, and the fused weights, are normal tensors); later calls outside it work, and so does a
+    forward with grad."""
+    model = dense_with_mtp
+    hf_bole.release(model)
+    ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    settings = dict(max_new_tokens=NEW, do_sample=False, bole_depth=2, bole_topk=2)
+    with torch.inference_mode():
+        assert torch.equal(bole(model, PROMPTS, **settings), ref)
+        assert torch.equal(bole(model, PROMPTS, bole_drafter="ngram", **settings), ref)
+    assert torch.equal(bole(model, PROMPTS, **settings), ref)
+    with torch.inference_mode():
+        assert torch.equal(bole(model, PROMPTS, **settings), ref)
+    model(torch.tensor([PROMPTS[0]])).logits.sum().backward()
+    model.zero_grad(set_to_none=True)
 
 
 def test_entry_points(dense):
