@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast
 
 import hf_bole
 from hf_bole.config import BoleConfig
@@ -741,6 +741,31 @@ def _tokenizer():
 
 def _char(i: int) -> str:
     return chr(ord("a") + i) if i < 26 else chr(0x4E00 + i)
+
+
+class RowBias:
+    """A processor that treats batch rows differently: at every third length, token `7 * row + 3` of row `row` wins."""
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] % 3 == 0:
+            rows = torch.arange(scores.shape[0], device=scores.device)
+            scores = scores.clone()
+            scores[rows, 7 * rows + 3] += 100
+        return scores
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "ngram"])
+def test_processors_that_treat_rows_differently_match_plain(dense, drafter):
+    """A logits processor that reads a row's place in the batch, and `prefix_allowed_tokens_fn`, which is told it:
+    each node is scored in its row's place, so greedy output is plain greedy's."""
+    allowed = lambda b, ids: list(range(10 * b + 1, 10 * b + 40))  # noqa: E731 - each row its own tokens
+    for kwargs in (dict(logits_processor=LogitsProcessorList([RowBias()])), dict(prefix_allowed_tokens_fn=allowed)):
+        ref = plain(dense, PROMPTS[:3], max_new_tokens=NEW, do_sample=False, **kwargs)
+        P = ref.shape[1] - NEW
+        chosen = OracleDrafter(PROMPTS[:3], ref[:, P:].tolist()) if drafter == "oracle" else "ngram"
+        out = bole(dense, PROMPTS[:3], max_new_tokens=NEW, do_sample=False, bole_drafter=chosen, bole_budget=64,
+                   **kwargs)  # fmt: skip
+        assert torch.equal(out, ref)
 
 
 def test_stopping_stop_strings(dense):
