@@ -74,14 +74,16 @@ from hf_bole.models import (
 logger = logging.get_logger(__name__)
 
 CUSTOM_GENERATE_NAME = "hf_bole"
-# Arguments of `GenerationMixin.generate` that transformers (5.17-5.24) does not forward to a `custom_generate`
+# Arguments of `GenerationMixin.generate` that transformers (5.17-5.25) does not forward to a `custom_generate`
 # callable; the loop reads them from the calling frame so that a streamer still streams and a forbidden
 # assistant still raises.
 _DROPPED_GENERATE_ARGS = ("streamer", "assistant_model", "synced_gpus")
 _ASSISTANT_ERROR = (
-    "hf_bole drafts with its own drafter: drop assistant_model / prompt_lookup_num_tokens and choose one with "
-    "bole_drafter ('mtp', 'ngram' or an object with propose(ctx) -> DraftTree)"
+    "hf_bole drafts with its own drafter: drop {name} and choose one with bole_drafter ('mtp', the checkpoint's "
+    "MTP head; 'ngram', prompt lookup; or an object with propose(ctx) -> DraftTree)"
 )
+# GenerationConfig settings that ask transformers for its own assisted decoding (some only in later versions).
+_ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type")
 _CACHE_ERROR = (
     "hf_bole builds its own BoleCache for every request and does not continue from a cache: drop {name}= (a cache "
     "returned by an earlier generate call included) and pass the whole conversation as input_ids"
@@ -173,11 +175,9 @@ def generate(model, *args, **kwargs):
     # Settings are read again in `_decode`; checking them here names a misspelt `bole_*` argument, which
     # transformers would only report as an unused model kwarg.
     BoleConfig.from_generate_kwargs(kwargs, kwargs.get("generation_config"))
-    if kwargs.get("assistant_model") is not None:  # transformers would refuse it with a less helpful message
-        raise ValueError(_ASSISTANT_ERROR)
-    for name in _CACHE_ARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(_CACHE_ERROR.format(name=name))
+    # transformers would refuse these with a less helpful message, or run without them.
+    _check_assisted(kwargs.get("assistant_model"), kwargs, kwargs.get("generation_config"), model.generation_config)
+    _check_cache_args(kwargs)
     return model.generate(*args, custom_generate=generate, **kwargs)
 
 
@@ -194,12 +194,13 @@ generate.__signature__ = inspect.Signature(
 
 
 def install_generate_hooks() -> None:
-    """Two hooks on transformers' `GenerationMixin` (5.17-5.24), installed once by `import hf_bole`:
+    """Two hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
 
     - `model.generate(..., custom_generate="hf_bole")` resolves to `generate` from any working directory and without
       `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo);
     - `tokenizer=` reaches the stopping criteria when `custom_generate` is hf_bole's callable: transformers drops it
-      for every callable, so stop strings would fail with "could not locate a tokenizer".
+      for every callable, so stop strings would fail with "could not locate a tokenizer"; and arguments asking for
+      transformers' assisted decoding are refused with hf_bole's message before transformers checks them.
     """
     load = GenerationMixin.load_custom_generate
     if getattr(load, "__hf_bole_original__", None) is None:
@@ -213,11 +214,19 @@ def install_generate_hooks() -> None:
         load_custom_generate.__hf_bole_original__ = load
         GenerationMixin.load_custom_generate = load_custom_generate
 
-    extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)  # 5.17-5.24 have it
+    extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)  # 5.17-5.25 have it
     if extract is not None and getattr(extract, "__hf_bole_original__", None) is None:
 
         @functools.wraps(extract)
         def extract_generation_mode_kwargs(self, custom_generate, kwargs, *args, **more):
+            if custom_generate is generate:
+                # Before transformers checks the generation mode (5.17-5.24 refuse assisted decoding of stateful
+                # models with their own message): the arguments of the `generate` call making it.
+                frame = sys._getframe(1)
+                passed = frame.f_locals if frame.f_code is inspect.unwrap(GenerationMixin.generate).__code__ else {}
+                assistant = more.get("assistant_model", args[1] if len(args) > 1 else None)
+                _check_assisted(assistant, kwargs, passed.get("generation_config"), self.generation_config)
+                _check_cache_args(kwargs)
             tokenizer = kwargs.get("tokenizer")
             extracted = extract(self, custom_generate, kwargs, *args, **more)
             if custom_generate is generate and tokenizer is not None:
@@ -271,6 +280,11 @@ def _make_drafter(model, config: BoleConfig, device: torch.device):
 
         # Compiled drafting proposes what eager drafting does up to rounding, and the verify forward decides.
         compiled = config.compile or (config.compile_drafter and device.type == "cuda")
+        # Settings it cannot run are named as such, not as the missing weights below.
+        MTPDrafter.check_settings(
+            model.config.get_text_config(decoder=True), config.depth, config.topk,
+            model.get_output_embeddings().weight.shape[0],
+        )  # fmt: skip
         per_model = _MTP_DRAFTERS.setdefault(model, {})
         key = (config.depth, config.topk, config.cuda_graphs, compiled, config.fuse_projections)
         if key not in per_model:
@@ -294,8 +308,7 @@ def _check_request(model, generation_config: GenerationConfig, model_kwargs: dic
         raise ValueError(f"hf_bole decodes one sequence per row; num_beams={generation_config.num_beams} is not supported")
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("hf_bole returns one sequence per row; repeat the prompts instead of num_return_sequences")
-    if dropped.get("assistant_model") is not None or generation_config.prompt_lookup_num_tokens is not None:
-        raise ValueError(_ASSISTANT_ERROR)
+    _check_assisted(dropped.get("assistant_model"), {}, generation_config)
     if dropped.get("synced_gpus"):
         raise ValueError("hf_bole does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     for flag in _UNSUPPORTED_OUTPUTS:
@@ -311,6 +324,24 @@ def _check_request(model, generation_config: GenerationConfig, model_kwargs: dic
     for key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
         if model_kwargs.get(key) is not None:
             raise ValueError(f"hf_bole verifies text-only requests; `{key}` is not supported")
+
+
+def _check_cache_args(kwargs: dict) -> None:
+    """Refuses a cache among `generate`'s keyword arguments `kwargs`, by any name a transformers version takes."""
+    for name in _CACHE_ARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(_CACHE_ERROR.format(name=name))
+
+
+def _check_assisted(assistant_model, kwargs: dict, *configs) -> None:
+    """Refuses an assistant model, and settings of `kwargs` or `configs` (GenerationConfigs, or None) that ask for
+    transformers' assisted decoding."""
+    if assistant_model is not None:
+        raise ValueError(_ASSISTANT_ERROR.format(name="assistant_model"))
+    for name in _ASSISTED_SETTINGS:
+        values = [kwargs.get(name)] + [getattr(config, name, None) for config in configs if config is not None]
+        if any(value not in (None, False) for value in values):
+            raise ValueError(_ASSISTANT_ERROR.format(name=name))
 
 
 class _Stopping:
@@ -384,6 +415,11 @@ def _decode(
     device, in_device = place.output_device, place.input_device
     input_ids = input_ids.to(device)
     B, P = input_ids.shape
+    if P == 0:
+        raise ValueError(
+            f"hf_bole continues a prompt: input_ids has {B} rows of 0 tokens; give every row at least one token "
+            f"(e.g. the tokenizer's BOS token)"
+        )
     max_new = generation_config.max_length - P
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast
+from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast
 
 import hf_bole
 from hf_bole.config import BoleConfig
@@ -1068,6 +1068,40 @@ def test_errors(dense):
                                          intermediate_size=32)).eval()  # fmt: skip
     with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
         bole(llama, prompts, max_new_tokens=3, bole_drafter="ngram")
+
+
+@pytest.mark.parametrize("entry", ["name", "callable"])
+def test_bad_requests_are_refused_up_front(dense_with_mtp, entry):
+    """Settings and inputs hf_bole cannot run are named in a ValueError before anything runs, by either entry point,
+    and the model decodes as before afterwards."""
+    model, prompts = dense_with_mtp, PROMPTS[:1]
+    custom = "hf_bole" if entry == "name" else hf_bole.generate
+    run = lambda **kwargs: bole(model, prompts, max_new_tokens=3, custom_generate=custom, **kwargs)  # noqa: E731
+    # the MTP drafter's attention takes 128 query rows a key head: 2 query heads per key head here
+    with pytest.raises(ValueError, match=r"bole_depth=64 is more than.*bole_depth <= 63"):
+        run(bole_depth=64, bole_topk=1)
+    with pytest.raises(ValueError, match=r"bole_topk=65 is more than.*bole_topk <= 64"):
+        run(bole_depth=2, bole_topk=65)
+    with pytest.raises(ValueError, match=r"bole_topk=200 exceeds the vocabulary \(97 tokens\)"):
+        run(bole_topk=200)
+    with pytest.raises(ValueError, match="got the class NgramDrafter: pass an instance"):
+        run(bole_drafter=hf_bole.NgramDrafter)
+    for kwargs in (dict(prompt_lookup_num_tokens=3), dict(generation_config=GenerationConfig(prompt_lookup_num_tokens=3)),
+                   dict(use_mtp=True)):  # fmt: skip
+        with pytest.raises(ValueError, match="hf_bole drafts with its own drafter: drop (prompt_lookup_num_tokens|use_mtp)"):
+            run(**kwargs)
+    with pytest.raises(ValueError, match="input_ids has 1 rows of 0 tokens"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3, custom_generate=custom,
+                       bole_drafter="ngram")  # fmt: skip
+
+    class OnMeta:
+        def propose(self, ctx):
+            return DraftTree(*(torch.zeros(ctx.batch_size, 2, dtype=d, device="meta") for d in (torch.long, torch.long,
+                                                                                                  torch.float)))  # fmt: skip
+
+    with pytest.raises(ValueError, match="OnMeta.propose returned an invalid DraftTree: .*meta device"):
+        run(bole_drafter=OnMeta())
+    assert torch.equal(run(do_sample=False, bole_depth=3), plain(model, prompts, max_new_tokens=3, do_sample=False))
 
 
 def _offload_map(num_layers: int, on_disk_from: int) -> dict[str, str]:

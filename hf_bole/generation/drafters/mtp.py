@@ -31,6 +31,7 @@ from transformers.utils import logging
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
+from hf_bole.kernels.attention import MAX_NODES as MAX_QUERY_ROWS
 from hf_bole.kernels.ops import row_topk
 from hf_bole.kernels.topk import MAX_K, naive_row_topk
 from hf_bole.models import attention_backends, graph_unsafe_experts
@@ -110,13 +111,9 @@ class MTPDrafter:
         compile: bool = False,
         fuse_projections: bool = False,
     ):
-        if depth < 1 or topk < 1 or (max_nodes is not None and max_nodes < 1):
-            raise ValueError(
-                f"MTPDrafter needs depth >= 1, topk >= 1 and max_nodes >= 1 (or None), got {depth}, {topk}, {max_nodes}"
-            )
-        vocab_size = lm_head.weight.shape[0]
-        if topk > vocab_size:
-            raise ValueError(f"MTPDrafter topk={topk} exceeds the vocabulary size {vocab_size}")
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"MTPDrafter needs max_nodes >= 1 (or None), got {max_nodes}")
+        self.check_settings(mtp.config, depth, topk, lm_head.weight.shape[0])
         self.mtp, self.embed_tokens, self.lm_head, self.rotary_emb = mtp, embed_tokens, lm_head, rotary_emb
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         if topk > MAX_K:
@@ -144,6 +141,32 @@ class MTPDrafter:
         self._head = mtp  # what a drafting step calls: `mtp`, or its twin with fused projections (set by `propose`)
         # made on first use: compiling happens on the first call, and a drafter that never drafts compiles nothing
         self._compiled_round = None
+
+    @staticmethod
+    def check_settings(config, depth: int, topk: int, vocab_size: int) -> None:
+        """Raises a `ValueError` for a `depth` or `topk` the drafter cannot run with a model of text config `config`
+        and `vocab_size` tokens: a round's steps attend in one `masked_attention` call each, of at most
+        `MAX_QUERY_ROWS` query rows per key head (the cache's extension by the accepted path, `depth + 1` entries; each
+        level's expansion, `topk` nodes; each entry once per query head of a key head)."""
+        if depth < 1 or topk < 1:
+            raise ValueError(f"MTPDrafter needs depth >= 1 and topk >= 1, got {depth} and {topk}")
+        if topk > vocab_size:
+            raise ValueError(
+                f"bole_topk={topk} exceeds the vocabulary ({vocab_size} tokens): the MTP drafter gives every node "
+                f"its topk likeliest tokens as children"
+            )
+        group = config.num_attention_heads // config.num_key_value_heads
+        most = MAX_QUERY_ROWS // group
+        for name, value, limit, what in (
+            ("depth", depth, most - 1, "extends its cache by depth + 1 entries a round"),
+            ("topk", topk, most, "expands topk nodes a level"),
+        ):
+            if value > limit:
+                raise ValueError(
+                    f"bole_{name}={value} is more than the MTP drafter takes on this model: it {what} in one attention "
+                    f"call of at most {MAX_QUERY_ROWS} query rows per key head, and this model has {group} query heads "
+                    f"per key head, so bole_{name} <= {limit}"
+                )
 
     @classmethod
     def from_model(
@@ -173,8 +196,11 @@ class MTPDrafter:
                 The `mtp.*` tensors themselves (checkpoint key layout).
 
         Raises:
-            `ValueError`: the checkpoint has no `mtp.*` weights (use `bole_drafter="ngram"` then).
+            `ValueError`: the checkpoint has no `mtp.*` weights (use `bole_drafter="ngram"` then), or the drafter
+            cannot run `depth` or `topk` on this model (`check_settings`).
         """
+        vocab_size = model.get_output_embeddings().weight.shape[0]
+        cls.check_settings(model.config.get_text_config(decoder=True), depth, topk, vocab_size)
         mtp = Qwen3_5MTP.from_pretrained(model, pretrained, state_dict=state_dict)
         return cls(
             mtp,
