@@ -789,6 +789,11 @@ class BoleCache(Cache):
         reason = f"a tree of {num_nodes} nodes after the longest row ({self._length_bound} tokens)"
         self._ensure_capacity(self._length_bound + num_nodes, reason)
 
+    def reserve(self, slots: int) -> None:
+        """Allocates `slots` KV slots per row now, so that forwards up to there need not grow the storage (a cache of
+        `max_cache_len=None` grows on demand, doubling; a fixed one refuses more than it holds)."""
+        self._ensure_capacity(slots, f"reserve({slots})")
+
     def _ensure_capacity(self, needed: int, reason: str = "this forward") -> None:
         C = self.capacity
         if needed <= C:

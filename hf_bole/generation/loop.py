@@ -90,6 +90,8 @@ _CACHE_ERROR = (
 )
 # Names `generate` takes a cache by (5.17-5.25).
 _CACHE_ARGS = ("cache", "past_key_values", "cache_params")
+# Generated tokens a call makes room for up front (the cache's slots, the sequences' columns); longer calls grow them.
+INITIAL_ROOM = CAPACITY_STEP
 # Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -448,9 +450,11 @@ def _decode(
     step = max_depth + 1 if max_depth is not None else per_row + 1
     lag = 1 if pipelined else 0
 
-    # Committed slots never exceed prompt + max_new + one round's overshoot per round in flight; the tree needs
-    # per_row + 1 more.
-    capacity = P + max_new + (1 + lag) * step + per_row + 1
+    # Room for the first `room` generated tokens: committed slots then reach prompt + room + one round's overshoot
+    # per round in flight, and the tree needs per_row + 1 more. Past it the cache and the sequences grow (doubling),
+    # so that a call takes memory and time for the tokens it generates, not for max_new_tokens.
+    room = min(max_new, INITIAL_ROOM)
+    capacity = P + room + (1 + lag) * step + per_row + 1
     chains = use_chains(bole.prefill, graphed, P, bole.verify, weight_bytes(model))
     reason = unchainable(mask, position_ids) if chains else None
     if reason is not None and bole.prefill == "chains":
@@ -480,7 +484,8 @@ def _decode(
         # Greedy without processors reads nothing but the logits: the round's tail replays from a graph too.
         tails = verify_forward.tail if not do_sample and not logits_processor else None
     else:
-        cache = BoleCache.for_model(model, B, max_cache_len=capacity)
+        cache = BoleCache.for_model(model, B)  # grows on demand
+        cache.reserve(capacity)
         verify_forward = functools.partial(
             tree_forward, model, cache, verify=bole.verify, compile=bole.compile,
             fuse_projections=bole.fuse_projections, attention=bole.attention,
@@ -504,11 +509,10 @@ def _decode(
     scores = logits_processor(input_ids, logits) if logits_processor else logits
     first = sample_tokens(scores) if do_sample else scores.argmax(-1)  # [B]
 
-    # seq: every row as plain decoding's `input_ids` holds it (`_Writes`), with room for a round past `max_new`
+    # writes.seq: every row as plain decoding's `input_ids` holds it (`_Writes`), with room for a round past `room`
     writes = _Writes.for_call(
-        model, input_ids, P + max_new + lag * step + per_row + 3, pad_token, stopping, graphed and device.type == "cuda"
+        model, input_ids, P + room + lag * step + per_row + 3, pad_token, stopping, graphed and device.type == "cuda"
     )
-    seq = writes.seq
     prompt_lengths = mask.sum(-1)  # [B] on the device
     state = _Rows(B, P, max_new, stopping, writes)
     # The first token is read like a round's tokens: pipelined, after the first round is queued (behind the prefill).
@@ -543,7 +547,7 @@ def _decode(
         # Upper bounds from the host's counts, which lag the device by the rounds still queued.
         longest = max(n for n, a in zip(state.n_gen, active) if a) + step * len(queued)
         ctx = DraftContext(
-            sequences=None if pipelined else _sequences(seq, prompt_columns, P, state.n_gen),
+            sequences=None if pipelined else _sequences(writes.seq, prompt_columns, P, state.n_gen),
             max_nodes=per_row,
             hidden_states=new_hidden,
             next_tokens=new_tokens,
@@ -588,7 +592,7 @@ def _decode(
         else:
             contexts = None
             if not is_context_free(logits_processor):
-                contexts = [seq[b, : P + state.n_gen[b]] for b in range(B)]
+                contexts = [writes.seq[b, : P + state.n_gen[b]] for b in range(B)]
             if do_sample:
                 accepted = accept_sampling(verify, process_logits(logits_processor, out.logits, verify, contexts))
             else:
@@ -703,8 +707,12 @@ class _Rows:
 
     def __init__(self, B: int, P: int, max_new: int, stopping: _Stopping, writes: _Writes):
         self.B, self.P, self.max_new, self.stopping, self.pad = B, P, max_new, stopping, writes.pad
-        self.seq, self.generated, self._append = writes.seq, writes.generated, writes.append
+        self.writes, self.generated = writes, writes.generated
         self.n_gen = [0] * B
+        # What the writes' sequences may hold, on the host: each row's tokens written as far as read, and the widths
+        # of the writes not read yet (`_Writes.reserve` keeps room for them).
+        self.written = [0] * B
+        self.unread = 0
         self.tokens: list[list[int]] = [[] for _ in range(B)]
         self.finished_at: list[int | None] = [None] * B  # generated length when a stopping criterion fired
         self.frozen = [False] * B  # finished and padded from then on, as plain decoding does with an EOS criterion
@@ -724,7 +732,9 @@ class _Rows:
         """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row of `seq` on the device
         and starts copying them, with what the stop strings say of them, to the host; `read` takes them from
         there. Reads nothing on the host."""
-        host = self._append(tokens, lengths).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
+        self.unread += tokens.shape[1]
+        self.writes.reserve(self.P + max(self.written) + self.unread)
+        host = self.writes.append(tokens, lengths).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
         ready = torch.cuda.Event() if tokens.is_cuda else _Done()
         ready.record()
         return _Written(host, ready, tokens.shape[1], bool(self.stopping.suffix))
@@ -734,8 +744,10 @@ class _Rows:
         (the loop's one wait for the GPU); returns how many tokens each row accepted (0 for rows already done)."""
         written.ready.synchronize()
         host, L = written.host.tolist(), written.width
+        self.unread -= L
         counted = []
         for b, row in enumerate(host):
+            self.written[b] += row[0]
             limit = self.limit()
             if self.frozen[b] or self.n_gen[b] >= limit:
                 counted.append(0)
@@ -745,7 +757,7 @@ class _Rows:
             if self.finished_at[b] is None:
                 suffix = row[1 + L : 1 + L + len(tokens)] if written.suffix else None
                 stop = self.stopping.first_stop(
-                    tokens, self.P + self.n_gen[b], suffix, lambda n, b=b: self.seq[b : b + 1, :n]
+                    tokens, self.P + self.n_gen[b], suffix, lambda n, b=b: self.writes.seq[b : b + 1, :n]
                 )
                 if stop is not None:
                     self.finished_at[b] = self.n_gen[b] + stop + 1
@@ -762,7 +774,7 @@ class _Rows:
 
     def sequences(self, T_out: int) -> torch.LongTensor:
         """`[B, P + T_out]`: the prompt, each row's tokens, and padding after a row that finished with EOS."""
-        out = self.seq[:, : self.P + T_out].clone()
+        out = self.writes.seq[:, : self.P + T_out].clone()
         for b in range(self.B):
             if self.n_gen[b] < T_out:
                 out[b, self.P + self.n_gen[b] :] = self.pad
@@ -819,8 +831,27 @@ class _Writes:
         # row that stopped inside a round's path (the row is done then).
         self.generated = torch.zeros(B, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)  # the call's prompt width P
-        append = functools.partial(_append, self.seq, self.generated, self.start, self.suffix, self.window, pad)
-        self.append = ShapeGraphs(append) if graphed else append
+        self.graphed = graphed
+        self._bind()
+
+    def _bind(self) -> None:
+        """`append`: `_append` on `seq` (replayed from graphs with `graphed`, which hold its address)."""
+        append = functools.partial(_append, self.seq, self.generated, self.start, self.suffix, self.window, self.pad)
+        self.append = ShapeGraphs(append) if self.graphed else append
+
+    def reserve(self, width: int) -> None:
+        """Makes `seq` hold `width` columns before its spare one: a copy into one twice as wide (in steps of
+        `CAPACITY_STEP` with graphs, captured again), so that a call's sequences grow with its tokens, not with
+        `max_new_tokens`. Queued on the device after the writes before it."""
+        if width < self.seq.shape[1]:
+            return
+        B, old = self.seq.shape
+        new = max(width + 1, 2 * old)
+        new = -(-new // CAPACITY_STEP) * CAPACITY_STEP if self.graphed else new
+        seq = torch.full((B, new), self.pad, dtype=torch.long, device=self.seq.device)
+        seq[:, :old] = self.seq
+        self.seq = seq
+        self._bind()
 
     @classmethod
     def for_call(

@@ -506,6 +506,45 @@ def test_inference_mode(dense_with_mtp):
     model.zero_grad(set_to_none=True)
 
 
+def test_memory_follows_the_tokens_generated_not_max_new_tokens(dense, monkeypatch):
+    """`max_new_tokens=100000` and an EOS a few tokens in: the cache and the sequences are sized for the tokens made
+    (plus a fixed room), not for max_new_tokens, and the output is plain greedy's."""
+    widths = []
+    init = loop._Writes.__init__
+    monkeypatch.setattr(loop._Writes, "__init__", lambda self, B, width, *a: widths.append(width) or init(self, B, width, *a))
+    probe = plain(dense, PROMPTS, max_new_tokens=12, do_sample=False)
+    eos = probe[:, -6].tolist()  # every row stops where it first makes one of these
+    ref = plain(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos)
+    assert ref.shape[1] <= probe.shape[1]
+    out = bole(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos, bole_drafter="ngram",
+               return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.past_key_values.capacity <= 1024 and widths and max(widths) <= 1024
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_cache_and_sequences_grow_with_the_tokens(dense, monkeypatch, graphed):
+    """With room for 2 tokens up front, the cache and the sequences grow (doubling) in the middle of the call,
+    pipelined or not, from graphs (on a CPU recorded calls stand in for CUDA graphs) or not: plain greedy's output.
+    (A recorded verify forward runs the forward's Python again, which makes a new round for a width other than the
+    last one's, where a CUDA graph writes into its own: with graphs only the oracle, whose trees keep one width.)"""
+    from tests.generation.recorded_graph import recording_capture, recording_queued_capture
+
+    monkeypatch.setattr(loop, "INITIAL_ROOM", 2)
+    if graphed:
+        monkeypatch.setattr(loop, "captures", lambda model, cuda_graphs: True)
+        monkeypatch.setattr(graphs, "capture", recording_capture([]))
+        monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
+        monkeypatch.setattr(graphs, "CAPACITY_STEP", 16)
+    new = 70
+    ref = plain(dense, PROMPTS, max_new_tokens=new, do_sample=False)
+    for drafter in (oracle_for(dense, PROMPTS, new=new), *(() if graphed else ("ngram",))):  # pipelined, and not
+        out = bole(dense, PROMPTS, max_new_tokens=new, do_sample=False, bole_drafter=drafter, bole_budget=64,
+                   return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(out.sequences, ref)
+        assert out.past_key_values.capacity >= 7 + new
+
+
 def test_entry_points(dense):
     prompts = PROMPTS[:2]
     ref = plain(dense, prompts, max_new_tokens=6, do_sample=False)
