@@ -717,6 +717,11 @@ class _Rows:
         self.finished_at: list[int | None] = [None] * B  # generated length when a stopping criterion fired
         self.frozen = [False] * B  # finished and padded from then on, as plain decoding does with an EOS criterion
 
+    @property
+    def seq(self) -> torch.Tensor:
+        """`[B, width]` every row's sequence on the device (`_Writes.seq`: a wider copy after it grew)."""
+        return self.writes.seq
+
     def limit(self) -> int:
         """How many tokens rows need: `max_new`, or, once every row has finished, the last one to finish
         (plain decoding stops there; rows that are not padded keep producing real tokens until then)."""
@@ -757,7 +762,7 @@ class _Rows:
             if self.finished_at[b] is None:
                 suffix = row[1 + L : 1 + L + len(tokens)] if written.suffix else None
                 stop = self.stopping.first_stop(
-                    tokens, self.P + self.n_gen[b], suffix, lambda n, b=b: self.writes.seq[b : b + 1, :n]
+                    tokens, self.P + self.n_gen[b], suffix, lambda n, b=b: self.seq[b : b + 1, :n]
                 )
                 if stop is not None:
                     self.finished_at[b] = self.n_gen[b] + stop + 1
@@ -774,7 +779,7 @@ class _Rows:
 
     def sequences(self, T_out: int) -> torch.LongTensor:
         """`[B, P + T_out]`: the prompt, each row's tokens, and padding after a row that finished with EOS."""
-        out = self.writes.seq[:, : self.P + T_out].clone()
+        out = self.seq[:, : self.P + T_out].clone()
         for b in range(self.B):
             if self.n_gen[b] < T_out:
                 out[b, self.P + self.n_gen[b] :] = self.pad
