@@ -14,11 +14,12 @@ import time
 
 import pytest
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_bole.generation import DraftContext, DraftTree, loop
 from hf_bole.generation.prefill import unchainable
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
+from tests.generation.test_loop import RowBias, _char, _tokenizer
 from tests.models import tiny
 
 SECONDS = float(os.environ.get("HF_BOLE_FUZZ_SECONDS", 30))
@@ -81,15 +82,27 @@ class RandomTreeDrafter:
         return tokens, parents, logp
 
 
-class RowBias:
-    """Treats batch rows differently: at every third length, token `7 * row + 3` of row `row` wins."""
+class Recording:
+    """A streamer that keeps what it is given."""
 
-    def __call__(self, input_ids, scores):
-        if input_ids.shape[1] % 3 == 0:
-            rows = torch.arange(scores.shape[0], device=scores.device)
-            scores = scores.clone()
-            scores[rows, 7 * rows + 3] += 100
-        return scores
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+class StopsOn(StoppingCriteria):
+    """A user's criterion (called with each row's ids, token by token): stops a row on `token`."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +158,17 @@ def _case(seed: int, models) -> tuple[dict, str]:
     elif processors == "min_new":
         common["min_new_tokens"] = rng.randint(1, 6)
     probe = model.generate(ids, **common)
-    if rng.random() < 0.5 and probe.shape[1] > ids.shape[1] + 1:  # stop early at tokens plain greedy makes
-        common["eos_token_id"] = sorted({int(t) for t in probe[:, rng.randint(ids.shape[1], probe.shape[1] - 1)]})
-    ref = model.generate(ids, **common)
+    made = probe[:, ids.shape[1] :]  # stop early at tokens plain greedy makes
+    stop = rng.choice(["none", "eos", "eos", "string", "user"]) if made.shape[1] > 1 else "none"
+    if stop == "eos":
+        common["eos_token_id"] = sorted({int(t) for t in made[:, rng.randrange(made.shape[1])]})
+    elif stop == "string":
+        b, j = rng.randrange(rows), rng.randrange(made.shape[1] - 1)
+        common.update(tokenizer=_tokenizer(), stop_strings=["".join(_char(int(t)) for t in made[b, j : j + 2])])
+    elif stop == "user":
+        common["stopping_criteria"] = StoppingCriteriaList([StopsOn(int(made[rng.randrange(rows), -1]))])
+    streamers = [Recording(), Recording()] if rng.random() < 0.3 else [None, None]
+    ref = model.generate(ids, streamer=streamers[0], **common)
 
     settings = dict(
         bole_depth=rng.randint(1, 6),
@@ -170,13 +191,15 @@ def _case(seed: int, models) -> tuple[dict, str]:
         drafter = RandomTreeDrafter(seed, real, continuations, max_depth, truth=rng.random())
     settings["bole_drafter"] = drafter
     described = {"seed": seed, "model": kind, "rows": rows, "padding": padding, "processors": processors, "room": room,
-                 **{k: v for k, v in common.items() if k not in ("attention_mask", "logits_processor")},
+                 "stop": stop, "streamer": streamers[0] is not None,
+                 **{k: v for k, v in common.items()
+                    if k not in ("attention_mask", "logits_processor", "tokenizer", "stopping_criteria")},
                  **{k: (type(v).__name__ if k == "bole_drafter" and not isinstance(v, str) else v)
                     for k, v in settings.items()}}  # fmt: skip
     initial_room = loop.INITIAL_ROOM
     try:
         loop.INITIAL_ROOM = room
-        out = model.generate(ids, custom_generate="hf_bole", **common, **settings)
+        out = model.generate(ids, custom_generate="hf_bole", streamer=streamers[1], **common, **settings)
     except ValueError as e:
         chainable = unchainable(mask.bool(), tiny.generate_positions(mask)) is None
         if settings.get("bole_prefill") == "chains" and not chainable and "bole_prefill='chains'" in str(e):
@@ -185,6 +208,8 @@ def _case(seed: int, models) -> tuple[dict, str]:
     finally:
         loop.INITIAL_ROOM = initial_room
     assert torch.equal(out, ref), f"case {described}:\nhf_bole {out.tolist()}\nplain   {ref.tolist()}"
+    if streamers[0] is not None:
+        assert streamers[1].puts == streamers[0].puts and streamers[1].ended, f"case {described}: streamed"
     return described, "ok"
 
 
