@@ -80,8 +80,10 @@ class BoleConfig:
             node selection from one per tree shape and budget, and the MTP drafter's round (cache extension and tree
             expansion) from one per (batch size, new entries, tree size), instead of launching their kernels one by
             one from Python (house model on an H200: 1.6 ms per verify forward replayed, about 10 eager). The first
-            round of each width captures its graph. The cache and graphs stay allocated for the next call of the
-            same batch size and verify mode (the returned `past_key_values` is that cache, reset by the next call);
+            round of each width captures its graph, and again after the cache grew (a call makes room for 512
+            generated tokens up front and doubles it as needed). The cache and graphs stay allocated for the next
+            call of the same batch size and verify mode (the returned `past_key_values` is that cache, reset by the
+            next call);
             `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers are
             captured under transformers' `experts_implementation="grouped_mm"` (its default; bf16 weights only:
             torch's grouped_mm reads the routing on the host in other dtypes) or `"batched_mm"`; otherwise (as under

@@ -169,8 +169,9 @@ class VerifyGraphs:
     """`tree_forward(model, cache, input_ids, parents, verify, compile, fuse_projections, attention)` replayed from a
     CUDA graph per tree width.
 
-    The graphs hold the cache's storage's addresses: when a tree does not fit and the cache grows (`max_cache_len=None`),
-    every graph of the cache (these, its tails' and its commits') is dropped and captured again.
+    The graphs hold the cache's storage's addresses: when a tree does not fit and the cache grows
+    (`max_cache_len=None`), every graph of the cache (these, its tails' and its commits') is dropped and captured
+    again.
 
     Args:
         model: a Qwen3.5 model hf_bole supports, on a CUDA device.

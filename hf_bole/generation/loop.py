@@ -147,7 +147,8 @@ def generate(model, *args, **kwargs):
     streamers, left-padded batches, sampling), plus the tree settings of [`BoleConfig`] as `bole_<field>`
     keyword arguments (or `GenerationConfig` attributes): `bole_depth`, `bole_topk`, `bole_budget`,
     `bole_verify`, `bole_drafter`, ... Greedy output equals plain `generate` token for token; sampling keeps the
-    model's distribution.
+    model's distribution. Calls with one model from several threads run one at a time (they share what hf_bole keeps
+    for the model); plain forwards of the model in other threads meanwhile compute what they always do.
 
     Returns:
         What `model.generate` returns; with `return_dict_in_generate=True` a [`BoleGenerateOutput`], which adds
@@ -800,7 +801,9 @@ def _sequences(seq: torch.Tensor, prompt_columns: list, P: int, n_gen: list[int]
     writing into them changes nothing of the output."""
     block = seq[:, : P + max(n_gen)].clone()
     return [
-        block[b, columns.start : P + n] if isinstance(columns, slice) else torch.cat([block[b, columns], block[b, P : P + n]])
+        block[b, columns.start : P + n]
+        if isinstance(columns, slice)
+        else torch.cat([block[b, columns], block[b, P : P + n]])
         for b, (columns, n) in enumerate(zip(prompt_columns, n_gen))
     ]
 

@@ -69,10 +69,8 @@ def unchainable(mask: torch.Tensor, position_ids: torch.Tensor) -> str | None:
         position_ids: `[B, P]` (or `[..., B, P]`, mRoPE) the forward's position ids.
     """
     counted = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] each token's place among its row's tokens
-    left_padded, tokens, counts = (
-        torch.stack([(mask[:, 1:] >= mask[:, :-1]).all(), mask.any(-1).all(), ((position_ids == counted) | ~mask).all()])
-        .tolist()
-    )
+    checks = [(mask[:, 1:] >= mask[:, :-1]).all(), mask.any(-1).all(), ((position_ids == counted) | ~mask).all()]
+    left_padded, tokens, counts = torch.stack(checks).tolist()
     if not left_padded:
         return "the attention mask has padding after a row's first token (right padding, or a hole), which chains skip"
     if not tokens:

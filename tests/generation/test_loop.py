@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+)
 
 import hf_bole
 from hf_bole.config import BoleConfig
@@ -300,7 +307,9 @@ def test_calls_from_two_threads_match_plain(dense_with_mtp):
     """Two threads generating with one model at once (its MTP drafter and kept state shared: the calls take turns)
     each get plain greedy's output."""
     ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
-    call = lambda: bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)  # noqa: E731
+    def call():
+        return bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
+
     for out in _in_threads(call, call, call):
         assert not isinstance(out, Exception), out
         assert torch.equal(out, ref)
@@ -514,7 +523,7 @@ def test_memory_follows_the_tokens_generated_not_max_new_tokens(dense, monkeypat
     (plus a fixed room), not for max_new_tokens, and the output is plain greedy's."""
     widths = []
     init = loop._Writes.__init__
-    monkeypatch.setattr(loop._Writes, "__init__", lambda self, B, width, *a: widths.append(width) or init(self, B, width, *a))
+    monkeypatch.setattr(loop._Writes, "__init__", lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a))
     probe = plain(dense, PROMPTS, max_new_tokens=12, do_sample=False)
     eos = probe[:, -6].tolist()  # every row stops where it first makes one of these
     ref = plain(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos)
@@ -1128,9 +1137,9 @@ def test_bad_requests_are_refused_up_front(dense_with_mtp, entry):
         run(bole_topk=200)
     with pytest.raises(ValueError, match="got the class NgramDrafter: pass an instance"):
         run(bole_drafter=hf_bole.NgramDrafter)
-    for kwargs in (dict(prompt_lookup_num_tokens=3), dict(generation_config=GenerationConfig(prompt_lookup_num_tokens=3)),
-                   dict(use_mtp=True)):  # fmt: skip
-        with pytest.raises(ValueError, match="hf_bole drafts with its own drafter: drop (prompt_lookup_num_tokens|use_mtp)"):
+    lookup = GenerationConfig(prompt_lookup_num_tokens=3)
+    for kwargs in (dict(prompt_lookup_num_tokens=3), dict(generation_config=lookup), dict(use_mtp=True)):
+        with pytest.raises(ValueError, match="drafts with its own drafter: drop (prompt_lookup_num_tokens|use_mtp)"):
             run(**kwargs)
     with pytest.raises(ValueError, match="input_ids has 1 rows of 0 tokens"):
         model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3, custom_generate=custom,
@@ -1138,8 +1147,8 @@ def test_bad_requests_are_refused_up_front(dense_with_mtp, entry):
 
     class OnMeta:
         def propose(self, ctx):
-            return DraftTree(*(torch.zeros(ctx.batch_size, 2, dtype=d, device="meta") for d in (torch.long, torch.long,
-                                                                                                  torch.float)))  # fmt: skip
+            dtypes = (torch.long, torch.long, torch.float)
+            return DraftTree(*(torch.zeros(ctx.batch_size, 2, dtype=d, device="meta") for d in dtypes))
 
     with pytest.raises(ValueError, match="OnMeta.propose returned an invalid DraftTree: .*meta device"):
         run(bole_drafter=OnMeta())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_bole.models import fused, tree_forward
+from hf_bole.models import fused
 from hf_bole.models.twin import tree_twin
 from tests.models.tiny import build_model, random_tree_logits
 
@@ -84,7 +84,7 @@ def test_threads_keep_their_own_products():
         for part in group.parts[2:]:
             part(xs[i])
 
-    threads = [threading.Thread(target=run, args=(0, second, first)), threading.Thread(target=run, args=(1, first, second))]
+    threads = [threading.Thread(target=run, args=args) for args in ((0, second, first), (1, first, second))]
     for thread in threads:
         thread.start()
     for thread in threads:
