@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,28 +30,34 @@ from hf_bole.models.norms import norm_stand_ins
 
 @dataclass(eq=False)
 class _Seen:
-    """A module's attributes (and, for a copied one, its children) when the twin was made: kept alive, so that their
-    ids are not reused."""
+    """A module's attributes when the twin was made (kept alive, so that their ids are not reused): of a copied module
+    all of them and its children, of a module stood in for how many (what accelerate's hooks add); its weights are
+    checked apart (`_Group.intact`), and a norm's stand-in reads its weight at every call."""
 
     module: nn.Module
-    keys: tuple[str, ...]
-    values: tuple
-    children: tuple | None  # (names, modules) of a copied module
+    size: int
+    values: tuple | None  # a copied module's attributes
+    children: tuple | None  # a copied module's children
 
     @classmethod
     def of(cls, module: nn.Module, copied: bool) -> _Seen:
         d = module.__dict__
-        children = (tuple(module._modules), tuple(module._modules.values())) if copied else None
-        return cls(module, tuple(d), tuple(d.values()), children)
+        if not copied:
+            return cls(module, len(d), None, None)
+        return cls(module, len(d), tuple(d.values()), tuple(module._modules.values()))
 
     def unchanged(self) -> bool:
         d = self.module.__dict__
-        if tuple(d) != self.keys or not all(map(operator.is_, d.values(), self.values)):
+        if len(d) != self.size:
             return False
-        if self.children is None:
+        if self.values is None:
             return True
-        modules = self.module._modules
-        return tuple(modules) == self.children[0] and all(map(operator.is_, modules.values(), self.children[1]))
+        children = self.module._modules
+        return (
+            all(map(operator.is_, d.values(), self.values))
+            and len(children) == len(self.children)
+            and all(map(operator.is_, children.values(), self.children))
+        )
 
 
 @dataclass(eq=False)
@@ -78,21 +85,23 @@ class Twin:
 
 # decoder -> {(projections, norms): Twin} (the twins hold the decoder's modules, never the decoder itself)
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
 def tree_twin(decoder: nn.Module, projections: bool, norms: bool) -> Twin:
     """The twin of `decoder` a tree forward runs: with its projection groups fused (`projections`) and its Qwen3.5
     RMSNorms as one kernel each (`norms`); `decoder` itself when neither. Made once, and again when `decoder` changed
     since (`Twin.fresh`)."""
-    held = _TWINS.setdefault(decoder, {})
-    twin = held.get((projections, norms))
-    if twin is not None and twin.fresh():
+    with _LOCK:  # one thread makes it (and fuses the weights), the others wait for it
+        held = _TWINS.setdefault(decoder, {})
+        twin = held.get((projections, norms))
+        if twin is not None and twin.fresh():
+            return twin
+        stand_ins, groups = projection_stand_ins(decoder) if projections else ({}, [])
+        if norms:
+            stand_ins.update(norm_stand_ins(decoder))
+        twin = held[projections, norms] = _make(decoder, stand_ins, groups)
         return twin
-    stand_ins, groups = projection_stand_ins(decoder) if projections else ({}, [])
-    if norms:
-        stand_ins.update(norm_stand_ins(decoder))
-    twin = held[projections, norms] = _make(decoder, stand_ins, groups)
-    return twin
 
 
 def _make(root: nn.Module, stand_ins: dict[tuple[nn.Module, str], nn.Module], groups: list[_Group]) -> Twin:
