@@ -74,8 +74,10 @@ class BoleConfig:
             node selection from one per tree shape and budget, and the MTP drafter's round (cache extension and tree
             expansion) from one per (batch size, new entries, tree size), instead of launching their kernels one by
             one from Python (on a small model the host's launches, not the GPU, set an eager round's pace). The first
-            round of each width captures its graph. The cache and graphs stay allocated for the next call of the
-            same batch size and verify mode (the returned `past_key_values` is that cache, reset by the next call);
+            round of each width captures its graph, and again after the cache grew (a call makes room for 512
+            generated tokens up front and doubles it as needed). The cache and graphs stay allocated for the next
+            call of the same batch size and verify mode (the returned `past_key_values` is that cache, reset by the
+            next call);
             `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers are
             captured under transformers' `experts_implementation="grouped_mm"` (its default; bf16 weights only:
             torch's grouped_mm reads the routing on the host in other dtypes) or `"batched_mm"`; otherwise (as under
@@ -108,8 +110,11 @@ class BoleConfig:
             applies. `"plain"`: transformers' forward over the prompt, its kernels launched from Python. `"auto"`:
             chains when the verify forward replays from graphs and the chains would re-read at most 72 GB of weights
             in all (`prefill.chain_limit`: at least 512 tokens; 512 on a 9B model), plain otherwise.
-            Plain whenever the call passes position ids other than `generate`'s own (each row's tokens counted from
-            0), or with `verify="serial"`. Both compute the same recurrence; their kernels round differently, like
+            "auto" takes plain, and "chains" raises a ValueError, for a batch chains would not prefill as
+            transformers' forward does: padding after a row's first token (right padding, a hole in the mask; the
+            forward runs it through the GDN layers), a row of padding alone, or position ids other than `generate`'s
+            own (each row's tokens counted from 0); "auto" also with `verify="serial"`, which "chains" refuses. Both
+            compute the same recurrence; their kernels round differently, like
             the verify forward's against plain decoding's. A chain's forward computes logits at every node, kept in
             its graph's memory: `[B, 128, vocab]`, 1 GiB at batch 16 with Qwen3.5's 248k-token vocabulary in bf16.
         pipeline (`bool`, *optional*, defaults to `True`):
@@ -175,12 +180,22 @@ class BoleConfig:
             raise ValueError(f"BoleConfig.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"BoleConfig.attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        if self.prefill == "chains" and self.verify == "serial":
+            raise ValueError(
+                "BoleConfig.prefill='chains' runs the prompt through the closed-form verify forward; verify='serial' "
+                "would keep a state snapshot per prompt token: pass prefill='plain' or 'auto' with it"
+            )
         if isinstance(self.drafter, str):
             if self.drafter not in BUILTIN_DRAFTERS:
                 raise ValueError(
                     f"BoleConfig.drafter must be one of {BUILTIN_DRAFTERS} or an object with a "
                     f"`propose(ctx) -> DraftTree` method, got {self.drafter!r}"
                 )
+        elif isinstance(self.drafter, type):
+            raise ValueError(
+                f"BoleConfig.drafter must be a drafter object, got the class {self.drafter.__name__}: pass an "
+                f"instance (e.g. {self.drafter.__name__}(...)), or 'ngram' for the n-gram drafter"
+            )
         elif not callable(getattr(self.drafter, "propose", None)):
             raise ValueError(
                 f"BoleConfig.drafter must be one of {BUILTIN_DRAFTERS} or an object with a "

@@ -789,6 +789,11 @@ class BoleCache(Cache):
         reason = f"a tree of {num_nodes} nodes after the longest row ({self._length_bound} tokens)"
         self._ensure_capacity(self._length_bound + num_nodes, reason)
 
+    def reserve(self, slots: int) -> None:
+        """Allocates `slots` KV slots per row now, so that forwards up to there need not grow the storage (a cache of
+        `max_cache_len=None` grows on demand, doubling; a fixed one refuses more than it holds)."""
+        self._ensure_capacity(slots, f"reserve({slots})")
+
     def _ensure_capacity(self, needed: int, reason: str = "this forward") -> None:
         C = self.capacity
         if needed <= C:
@@ -871,5 +876,9 @@ class BoleCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self._batch_size, device=self.device).repeat_interleave(repeats))
 
-    def activate_past_recording(self) -> None:
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers 5.25's GDN conv counts a one-token decode's token in its cache layer's own counter: a BoleCache
+        counts every row's tokens in `lengths` (advanced by the attention layers' `update`), so nothing to do."""
+
+    def activate_past_recording(self, **kwargs) -> None:
         raise NotImplementedError("BoleCache does not record past states: it commits only accepted tree paths")

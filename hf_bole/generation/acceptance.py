@@ -200,15 +200,35 @@ CONTEXT_FREE_PROCESSORS: tuple[type, ...] = tuple(
     if hasattr(lp, name)
 )
 
-# Processors that index requests by their row in `input_ids` or keep state across calls: scoring tree nodes in
-# groups would silently change what they compute.
+# Processors that compute each row of the scores from that row of `input_ids` alone (its ids and its length),
+# whatever its place in the batch (checked against transformers' generation/logits_process.py): the tree's nodes of
+# one sequence length can go through them in one call, whatever their rows. Any other processor may treat batch rows
+# differently (a `prefix_allowed_tokens_fn`, a user's processor): it is called with each node in its row's place.
+ROW_WISE_PROCESSORS: tuple[type, ...] = CONTEXT_FREE_PROCESSORS + tuple(
+    getattr(lp, name)
+    for name in (
+        "RepetitionPenaltyLogitsProcessor",  # a per-row `prompt_ignore_length` is re-indexed by node (`_for_rows`)
+        "NoRepeatNGramLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "NoBadWordsLogitsProcessor",
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor",
+        "ExponentialDecayLengthPenalty",
+        "SuppressTokensAtBeginLogitsProcessor",
+    )
+    if hasattr(lp, name)
+)
+
+# Processors that need other rows of the batch or keep state across calls: scoring tree nodes would silently change
+# what they compute.
 _UNSUPPORTED_PROCESSORS: dict[str, str] = {
-    "PrefixConstrainedLogitsProcessor": "it looks requests up by their row in the batch",
     "ClassifierFreeGuidanceLogitsProcessor": "it needs the conditional and unconditional batch halves",
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it runs the model on its own cache once per step",
     "SynthIDTextWatermarkLogitsProcessor": "it keeps watermark state across steps",
-    "EncoderRepetitionPenaltyLogitsProcessor": "it looks requests up by their row in the batch",
-    "EncoderNoRepeatNGramLogitsProcessor": "it looks requests up by their row in the batch",
+    "EncoderRepetitionPenaltyLogitsProcessor": "it reads the encoder's input, which a decoder-only model has none of",
+    "EncoderNoRepeatNGramLogitsProcessor": "it reads the encoder's input, which a decoder-only model has none of",
 }
 
 
@@ -236,9 +256,12 @@ def process_logits(
     step that node predicts: to fp32 copies of the logits, with `input_ids` equal to the node's full sequence.
 
     When every processor is context-free (temperature, top-k, top-p, min-p, ...) all nodes go through one batched
-    call. Otherwise nodes are grouped by sequence length, every node's sequence is built as its row's context
-    followed by the tokens on its path below the root, and the processors run once per group (a host loop over
-    distinct lengths, at most batch size x tree depth).
+    call. Otherwise every node's sequence is built as its row's context followed by the tokens on its path below the
+    root. When every processor computes a row from that row alone (`ROW_WISE_PROCESSORS`), nodes are grouped by
+    sequence length and the processors run once per group (a host loop over distinct lengths, at most batch size x
+    tree depth). Any other processor may treat batch rows differently, so it gets `input_ids` as plain decoding
+    holds them: `[batch_size, length]`, each call holding one node of each row (of one length) in its row's place
+    and padding (token 0) in the rows without one, as many calls as the most nodes of one length in a row.
 
     Args:
         logits_processor (`LogitsProcessorList`, *optional*): the processors `generate` built.
@@ -264,29 +287,59 @@ def process_logits(
         names = ", ".join(type(p).__name__ for p in logits_processor if type(p) not in CONTEXT_FREE_PROCESSORS)
         raise ValueError(f"process_logits needs `contexts`: {names} read the sequence")
 
-    # paths[b, i, k]: the token at depth k on node i's path (k = 0 is the root, already the context's last id).
-    anc = tree.ancestor_mask()
-    slot = torch.where(anc, tree.depths[:, None, :], T)  # [B, T, T]
-    paths = torch.zeros(B, T, T + 1, dtype=torch.long, device=logits.device)
-    paths.scatter_(2, slot, tree.input_ids[:, None, :].expand(B, T, T))
-    context = pad_sequence([c.to(logits.device) for c in contexts], batch_first=True)  # [B, C], right-padded
-    context_len = torch.tensor([len(c) for c in contexts], device=logits.device)  # [B]
-
-    seq_len = torch.where(tree.node_mask, context_len[:, None] + tree.depths, -1).reshape(B * T)
-    order = torch.argsort(seq_len, stable=True)
-    lengths, counts = torch.unique_consecutive(seq_len[order], return_counts=True)
+    sequences = _NodeSequences(tree, contexts)
+    seq_len = torch.where(tree.node_mask, sequences.context_len[:, None] + tree.depths, -1).reshape(B * T)
     flat = scores.reshape(B * T, V)
-    for L, group in zip(lengths.tolist(), order.split(counts.tolist())):
-        if L < 0:  # padding nodes
-            continue
-        b, i = group // T, group % T
-        pos = torch.arange(L, device=logits.device)  # [L]
-        n_ctx = context_len[b][:, None]  # [n, 1]
-        from_context = context[b[:, None], pos.clamp(max=context.shape[1] - 1)]
-        from_path = paths[b[:, None], i[:, None], (pos - n_ctx + 1).clamp(min=0, max=T)]
-        ids = torch.where(pos < n_ctx, from_context, from_path)  # [n, L]
-        flat[group] = _for_rows(logits_processor, b)(ids, flat[group])
+    if all(type(p) in ROW_WISE_PROCESSORS for p in logits_processor):
+        order = torch.argsort(seq_len, stable=True)
+        lengths, counts = torch.unique_consecutive(seq_len[order], return_counts=True)
+        for L, group in zip(lengths.tolist(), order.split(counts.tolist())):
+            if L >= 0:  # not padding nodes
+                b = group // T
+                flat[group] = _for_rows(logits_processor, b)(sequences.ids(group, L), flat[group])
+        return scores
+    # Calls of one node per row: the k-th node of length L of each row goes into call (L, k), in its row's place.
+    calls: dict[tuple[int, int], list[int]] = {}
+    taken: dict[tuple[int, int], int] = {}
+    for node, L in enumerate(seq_len.tolist()):
+        if L >= 0:
+            k = taken[L, node // T] = taken.get((L, node // T), -1) + 1
+            calls.setdefault((L, k), []).append(node)
+    for (L, _), nodes in calls.items():
+        group = torch.tensor(nodes, device=logits.device)
+        rows = group // T
+        ids = torch.zeros(B, L, dtype=torch.long, device=logits.device)
+        ids[rows] = sequences.ids(group, L)
+        call_scores = torch.zeros(B, V, dtype=scores.dtype, device=logits.device)
+        call_scores[rows] = flat[group]
+        flat[group] = logits_processor(ids, call_scores)[rows]
     return scores
+
+
+class _NodeSequences:
+    """The `input_ids` row of every node of a verified tree: its row's context, then the tokens on its path below the
+    root."""
+
+    def __init__(self, tree: VerifyTree, contexts: list[torch.LongTensor]):
+        B, T = tree.input_ids.shape
+        device = tree.input_ids.device
+        # paths[b, i, k]: the token at depth k on node i's path (k = 0 is the root, already the context's last id).
+        slot = torch.where(tree.ancestor_mask(), tree.depths[:, None, :], T)  # [B, T, T]
+        self.paths = torch.zeros(B, T, T + 1, dtype=torch.long, device=device)
+        self.paths.scatter_(2, slot, tree.input_ids[:, None, :].expand(B, T, T))
+        self.context = pad_sequence([c.to(device) for c in contexts], batch_first=True)  # [B, C], right-padded
+        self.context_len = torch.tensor([len(c) for c in contexts], device=device)  # [B]
+        self.T = T
+
+    def ids(self, nodes: torch.Tensor, length: int) -> torch.LongTensor:
+        """`[n, length]` the sequences of `nodes` (`[n]` indices into the flattened `[B * T]` nodes), each `length`
+        long."""
+        b, i = nodes // self.T, nodes % self.T
+        pos = torch.arange(length, device=nodes.device)  # [L]
+        n_ctx = self.context_len[b][:, None]  # [n, 1]
+        from_context = self.context[b[:, None], pos.clamp(max=self.context.shape[1] - 1)]
+        from_path = self.paths[b[:, None], i[:, None], (pos - n_ctx + 1).clamp(min=0, max=self.T)]
+        return torch.where(pos < n_ctx, from_context, from_path)  # [n, L]
 
 
 def _for_rows(logits_processor: lp.LogitsProcessorList, rows: torch.Tensor) -> lp.LogitsProcessorList:

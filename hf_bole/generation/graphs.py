@@ -166,9 +166,13 @@ class VerifyGraphs:
     """`tree_forward(model, cache, input_ids, parents, verify, compile, fuse_projections, attention)` replayed from a
     CUDA graph per tree width.
 
+    The graphs hold the cache's storage's addresses: when a tree does not fit and the cache grows
+    (`max_cache_len=None`), every graph of the cache (these, its tails' and its commits') is dropped and captured
+    again.
+
     Args:
         model: a Qwen3.5 model hf_bole supports, on a CUDA device.
-        cache (`BoleCache`): created with a fixed `max_cache_len` (graphs keep its storage's addresses).
+        cache (`BoleCache`): the cache the forwards verify from.
         verify (`str`): "closed_form" or "serial".
         compile (`bool`): capture the `torch.compile`d forward (`tree_forward`'s `compile`).
         fuse_projections (`bool`): `tree_forward`'s `fuse_projections`.
@@ -184,8 +188,6 @@ class VerifyGraphs:
         fuse_projections: bool = True,
         attention: str = "auto",
     ):
-        if cache.max_cache_len is None:
-            raise ValueError("CUDA graphs keep the cache's addresses: create the BoleCache with a fixed max_cache_len")
         self.model, self.cache, self.verify, self.compile = model, cache, verify, compile
         self.fuse_projections, self.attention = fuse_projections, attention
         self._graphs: dict[int, _Graph] = {}
@@ -193,12 +195,19 @@ class VerifyGraphs:
         # The tails and the prefill chains' commits read these graphs' outputs where they are: they go with them.
         self.tail = TailGraphs(cache)
         self.commit = CommitGraphs(cache)
+        self._capacity = cache.capacity  # the storage the graphs hold
 
     def __call__(self, input_ids: torch.Tensor, parents: torch.Tensor) -> TreeForwardOutput:
         """The verify forward of trees `[B, W]`; the outputs are the graph's buffers, valid until the next call."""
         width = input_ids.shape[1]
         # The graph checks nothing on the host when it replays: make sure the tree fits in the cache here.
         self.cache._reserve_tree(width)
+        if self.cache.capacity != self._capacity:  # it grew: new storage
+            self._graphs.clear()
+            self._pool = None  # a new pool: CUDA refuses to capture into one whose graphs are gone while memory is held
+            self.tail.clear()
+            self.commit.clear()
+            self._capacity = self.cache.capacity
         entry = self._graphs.get(width)
         if entry is None:
             entry = self._graphs[width] = self._capture(input_ids, parents)
@@ -283,6 +292,12 @@ class TailGraphs:
         self._seen: set[tuple] = set()  # keys run eagerly once, captured on their next call
         self._pool = None
 
+    def clear(self) -> None:
+        """Forgets every graph (the cache's storage changed)."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._pool = None
+
     def __call__(
         self,
         verify: VerifyTree,
@@ -336,6 +351,11 @@ class CommitGraphs:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._seen: set[tuple] = set()
 
+    def clear(self) -> None:
+        """Forgets every graph (the cache's storage changed)."""
+        self._graphs.clear()
+        self._seen.clear()
+
     def __call__(self, path: torch.Tensor) -> None:
         """Commits `path [B, L]` of the last verify forward, as `BoleCache.commit` does without reading it."""
         tree_round = self.cache.current_round()
@@ -358,7 +378,7 @@ class CommitGraphs:
 
 
 # model -> {(batch size, verify, compile, fuse_projections, attention): (cache, graphs)}: one cache per batch size and
-# settings, reused (reset) by later calls that fit in it, replaced by a larger one when they do not.
+# settings, reused (reset, and grown for a call that starts longer) by later calls.
 _STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -371,19 +391,18 @@ def graphed_cache(
     fuse_projections: bool = True,
     attention: str = "auto",
 ) -> tuple[BoleCache, VerifyGraphs]:
-    """An empty `BoleCache` of at least `capacity` slots per row for `model` on its CUDA device, and the verify
-    graphs that go with it; both are kept for the next call of the same batch size, verify mode, `compile`,
-    `fuse_projections` and `attention`."""
+    """An empty `BoleCache` of at least `capacity` slots per row (in steps of `CAPACITY_STEP`) for `model` on its CUDA
+    device, which grows on demand, and the verify graphs that go with it; both are kept for the next call of the same
+    batch size, verify mode, `compile`, `fuse_projections` and `attention`."""
     per_model = _STORE.setdefault(model, {})
     key = (batch_size, verify, compile, fuse_projections, attention)
-    held = per_model.get(key)
-    if held is None or held[0].capacity < capacity:
-        per_model.pop(key, None)  # the old cache and graphs go before the larger ones are allocated
-        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-        cache = BoleCache.for_model(model, batch_size, max_cache_len=capacity)
-        held = per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile, fuse_projections, attention))
-    held[0].reset()
-    return held
+    if key not in per_model:
+        cache = BoleCache.for_model(model, batch_size)
+        per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile, fuse_projections, attention))
+    cache, graphs = per_model[key]
+    cache.reset()
+    cache.reserve(-(-capacity // CAPACITY_STEP) * CAPACITY_STEP)
+    return cache, graphs
 
 
 _SELECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -18,11 +18,12 @@ import dataclasses
 import functools
 import inspect
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import Cache, GenerationConfig
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -55,7 +56,7 @@ from hf_bole.generation.graphs import (
     trimmed,
 )
 from hf_bole.generation.phases import PhaseTimer
-from hf_bole.generation.prefill import chain_prefill, use_chains, weight_bytes
+from hf_bole.generation.prefill import chain_prefill, unchainable, use_chains, weight_bytes
 from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tail import round_tail
 from hf_bole.generation.tree import DraftTree
@@ -73,14 +74,24 @@ from hf_bole.models import (
 logger = logging.get_logger(__name__)
 
 CUSTOM_GENERATE_NAME = "hf_bole"
-# Arguments of `GenerationMixin.generate` that transformers (5.17-5.24) does not forward to a `custom_generate`
+# Arguments of `GenerationMixin.generate` that transformers (5.17-5.25) does not forward to a `custom_generate`
 # callable; the loop reads them from the calling frame so that a streamer still streams and a forbidden
 # assistant still raises.
 _DROPPED_GENERATE_ARGS = ("streamer", "assistant_model", "synced_gpus")
 _ASSISTANT_ERROR = (
-    "hf_bole drafts with its own drafter: drop assistant_model / prompt_lookup_num_tokens and choose one with "
-    "bole_drafter ('mtp', 'ngram' or an object with propose(ctx) -> DraftTree)"
+    "hf_bole drafts with its own drafter: drop {name} and choose one with bole_drafter ('mtp', the checkpoint's "
+    "MTP head; 'ngram', prompt lookup; or an object with propose(ctx) -> DraftTree)"
 )
+# GenerationConfig settings that ask transformers for its own assisted decoding (some only in later versions).
+_ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type")
+_CACHE_ERROR = (
+    "hf_bole builds its own BoleCache for every request and does not continue from a cache: drop {name}= (a cache "
+    "returned by an earlier generate call included) and pass the whole conversation as input_ids"
+)
+# Names `generate` takes a cache by (5.17-5.25).
+_CACHE_ARGS = ("cache", "past_key_values", "cache_params")
+# Generated tokens a call makes room for up front (the cache's slots, the sequences' columns); longer calls grow them.
+INITIAL_ROOM = CAPACITY_STEP
 # Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -136,7 +147,8 @@ def generate(model, *args, **kwargs):
     streamers, left-padded batches, sampling), plus the tree settings of [`BoleConfig`] as `bole_<field>`
     keyword arguments (or `GenerationConfig` attributes): `bole_depth`, `bole_topk`, `bole_budget`,
     `bole_verify`, `bole_drafter`, ... Greedy output equals plain `generate` token for token; sampling keeps the
-    model's distribution.
+    model's distribution. Calls with one model from several threads run one at a time (they share what hf_bole keeps
+    for the model); plain forwards of the model in other threads meanwhile compute what they always do.
 
     Returns:
         What `model.generate` returns; with `return_dict_in_generate=True` a [`BoleGenerateOutput`], which adds
@@ -155,7 +167,10 @@ def generate(model, *args, **kwargs):
         # Called by `model.generate` as the decoding method: inputs, processors and criteria are prepared.
         dropped = {name: frame.f_locals.get(name) for name in _DROPPED_GENERATE_ARGS}
         kwargs.pop("tokenizer", None)  # stop strings are criteria by now (see `install_generate_hooks`)
-        return _decode(model, *args, **kwargs, **dropped)
+        # Under `torch.inference_mode()` too, the call makes normal tensors: what it keeps for the model's next calls
+        # (caches, graphs, the MTP drafter, fused weights) must take their in-place writes outside inference mode.
+        with _model_lock(model), torch.inference_mode(False):
+            return _decode(model, *args, **kwargs, **dropped)
     # Called with `model.generate`'s own arguments (directly, by name, or from a Hub folder): let transformers
     # prepare them and call back as the decoding method.
     kwargs.pop("custom_generate", None)
@@ -163,8 +178,9 @@ def generate(model, *args, **kwargs):
     # Settings are read again in `_decode`; checking them here names a misspelt `bole_*` argument, which
     # transformers would only report as an unused model kwarg.
     BoleConfig.from_generate_kwargs(kwargs, kwargs.get("generation_config"))
-    if kwargs.get("assistant_model") is not None:  # transformers would refuse it with a less helpful message
-        raise ValueError(_ASSISTANT_ERROR)
+    # transformers would refuse these with a less helpful message, or run without them.
+    _check_assisted(kwargs.get("assistant_model"), kwargs, kwargs.get("generation_config"), model.generation_config)
+    _check_cache_args(kwargs)
     return model.generate(*args, custom_generate=generate, **kwargs)
 
 
@@ -181,12 +197,13 @@ generate.__signature__ = inspect.Signature(
 
 
 def install_generate_hooks() -> None:
-    """Two hooks on transformers' `GenerationMixin` (5.17-5.24), installed once by `import hf_bole`:
+    """Two hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
 
     - `model.generate(..., custom_generate="hf_bole")` resolves to `generate` from any working directory and without
       `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo);
     - `tokenizer=` reaches the stopping criteria when `custom_generate` is hf_bole's callable: transformers drops it
-      for every callable, so stop strings would fail with "could not locate a tokenizer".
+      for every callable, so stop strings would fail with "could not locate a tokenizer"; and arguments asking for
+      transformers' assisted decoding are refused with hf_bole's message before transformers checks them.
     """
     load = GenerationMixin.load_custom_generate
     if getattr(load, "__hf_bole_original__", None) is None:
@@ -200,11 +217,19 @@ def install_generate_hooks() -> None:
         load_custom_generate.__hf_bole_original__ = load
         GenerationMixin.load_custom_generate = load_custom_generate
 
-    extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)  # 5.17-5.24 have it
+    extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)  # 5.17-5.25 have it
     if extract is not None and getattr(extract, "__hf_bole_original__", None) is None:
 
         @functools.wraps(extract)
         def extract_generation_mode_kwargs(self, custom_generate, kwargs, *args, **more):
+            if custom_generate is generate:
+                # Before transformers checks the generation mode (5.17-5.24 refuse assisted decoding of stateful
+                # models with their own message): the arguments of the `generate` call making it.
+                frame = sys._getframe(1)
+                passed = frame.f_locals if frame.f_code is inspect.unwrap(GenerationMixin.generate).__code__ else {}
+                assistant = more.get("assistant_model", args[1] if len(args) > 1 else None)
+                _check_assisted(assistant, kwargs, passed.get("generation_config"), self.generation_config)
+                _check_cache_args(kwargs)
             tokenizer = kwargs.get("tokenizer")
             extracted = extract(self, custom_generate, kwargs, *args, **more)
             if custom_generate is generate and tokenizer is not None:
@@ -230,9 +255,23 @@ def release(model) -> None:
     >>> hf_bole.release(model)  # before loading something else onto the GPU
     ```
     """
-    drop_graphs(model)
-    _MTP_DRAFTERS.pop(model, None)
-    _WRITES.pop(model, None)
+    with _model_lock(model):
+        drop_graphs(model)
+        _MTP_DRAFTERS.pop(model, None)
+        _WRITES.pop(model, None)
+
+
+# model -> the lock its `generate` calls hold, one call at a time: they share what hf_bole keeps for the model (the
+# kept caches and graphs, the token writes, the MTP drafter with its cache).
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _model_lock(model) -> threading.RLock:
+    with _LOCKS_LOCK:
+        if model not in _LOCKS:
+            _LOCKS[model] = threading.RLock()
+        return _LOCKS[model]
 
 
 def _make_drafter(model, config: BoleConfig, device: torch.device):
@@ -244,6 +283,11 @@ def _make_drafter(model, config: BoleConfig, device: torch.device):
 
         # Compiled drafting proposes what eager drafting does up to rounding, and the verify forward decides.
         compiled = config.compile or (config.compile_drafter and device.type == "cuda")
+        # Settings it cannot run are named as such, not as the missing weights below.
+        MTPDrafter.check_settings(
+            model.config.get_text_config(decoder=True), config.depth, config.topk,
+            model.get_output_embeddings().weight.shape[0],
+        )  # fmt: skip
         per_model = _MTP_DRAFTERS.setdefault(model, {})
         key = (config.depth, config.topk, config.cuda_graphs, compiled, config.fuse_projections)
         if key not in per_model:
@@ -267,21 +311,40 @@ def _check_request(model, generation_config: GenerationConfig, model_kwargs: dic
         raise ValueError(f"hf_bole decodes one sequence per row; num_beams={generation_config.num_beams} is not supported")
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("hf_bole returns one sequence per row; repeat the prompts instead of num_return_sequences")
-    if dropped.get("assistant_model") is not None or generation_config.prompt_lookup_num_tokens is not None:
-        raise ValueError(_ASSISTANT_ERROR)
+    _check_assisted(dropped.get("assistant_model"), {}, generation_config)
     if dropped.get("synced_gpus"):
         raise ValueError("hf_bole does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     for flag in _UNSUPPORTED_OUTPUTS:
         if getattr(generation_config, flag, False):
             raise ValueError(f"hf_bole does not return per-step tensors: {flag}=True is not supported")
-    # `generate` puts a fresh cache of its own here; one the user passed carries `_is_user_defined`.
-    if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
-        raise ValueError("hf_bole builds its own BoleCache for the request; do not pass past_key_values")
+    # `generate` puts a fresh cache of its own here, under `cache` (5.24 on) or `past_key_values`; one the user
+    # passed, under either name, carries `_is_user_defined`.
+    for name, value in model_kwargs.items():
+        if isinstance(value, Cache) and getattr(value, "_is_user_defined", False):
+            raise ValueError(_CACHE_ERROR.format(name=name))
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_bole needs input_ids (it drafts and verifies tokens); inputs_embeds is not supported")
     for key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
         if model_kwargs.get(key) is not None:
             raise ValueError(f"hf_bole verifies text-only requests; `{key}` is not supported")
+
+
+def _check_cache_args(kwargs: dict) -> None:
+    """Refuses a cache among `generate`'s keyword arguments `kwargs`, by any name a transformers version takes."""
+    for name in _CACHE_ARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(_CACHE_ERROR.format(name=name))
+
+
+def _check_assisted(assistant_model, kwargs: dict, *configs) -> None:
+    """Refuses an assistant model, and settings of `kwargs` or `configs` (GenerationConfigs, or None) that ask for
+    transformers' assisted decoding."""
+    if assistant_model is not None:
+        raise ValueError(_ASSISTANT_ERROR.format(name="assistant_model"))
+    for name in _ASSISTED_SETTINGS:
+        values = [kwargs.get(name)] + [getattr(config, name, None) for config in configs if config is not None]
+        if any(value not in (None, False) for value in values):
+            raise ValueError(_ASSISTANT_ERROR.format(name=name))
 
 
 class _Stopping:
@@ -355,6 +418,11 @@ def _decode(
     device, in_device = place.output_device, place.input_device
     input_ids = input_ids.to(device)
     B, P = input_ids.shape
+    if P == 0:
+        raise ValueError(
+            f"hf_bole continues a prompt: input_ids has {B} rows of 0 tokens; give every row at least one token "
+            f"(e.g. the tokenizer's BOS token)"
+        )
     max_new = generation_config.max_length - P
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is not None:
@@ -383,15 +451,21 @@ def _decode(
     step = max_depth + 1 if max_depth is not None else per_row + 1
     lag = 1 if pipelined else 0
 
-    # Committed slots never exceed prompt + max_new + one round's overshoot per round in flight; the tree needs
-    # per_row + 1 more.
-    capacity = P + max_new + (1 + lag) * step + per_row + 1
+    # Room for the first `room` generated tokens: committed slots then reach prompt + room + one round's overshoot
+    # per round in flight, and the tree needs per_row + 1 more. Past it the cache and the sequences grow (doubling),
+    # so that a call takes memory and time for the tokens it generates, not for max_new_tokens.
+    room = min(max_new, INITIAL_ROOM)
+    capacity = P + room + (1 + lag) * step + per_row + 1
     chains = use_chains(bole.prefill, graphed, P, bole.verify, weight_bytes(model))
-    if chains:  # one host read: a chain numbers each row's tokens from 0 (as generate's own position ids do), and a
-        # row of padding alone has none
-        chains = bool((((position_ids == counted) | ~mask).all() & mask.any(-1).all()))
+    reason = unchainable(mask, position_ids) if chains else None
+    if reason is not None and bole.prefill == "chains":
+        raise ValueError(
+            f"bole_prefill='chains' would not prefill this batch as transformers' forward does: {reason}; pass "
+            f"bole_prefill='plain' (or 'auto', which chooses it here)"
+        )
+    chains = chains and reason is None
     # Read before the prefill is queued, not after: a read then would wait for it.
-    left_pad = (P - mask.sum(-1)).tolist()
+    prompt_columns = None if pipelined else _prompt_columns(mask)
     if chains:
         capacity += MAX_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens before it
     if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
@@ -411,7 +485,8 @@ def _decode(
         # Greedy without processors reads nothing but the logits: the round's tail replays from a graph too.
         tails = verify_forward.tail if not do_sample and not logits_processor else None
     else:
-        cache = BoleCache.for_model(model, B, max_cache_len=capacity)
+        cache = BoleCache.for_model(model, B)  # grows on demand
+        cache.reserve(capacity)
         verify_forward = functools.partial(
             tree_forward, model, cache, verify=bole.verify, compile=bole.compile,
             fuse_projections=bole.fuse_projections, attention=bole.attention,
@@ -435,11 +510,10 @@ def _decode(
     scores = logits_processor(input_ids, logits) if logits_processor else logits
     first = sample_tokens(scores) if do_sample else scores.argmax(-1)  # [B]
 
-    # seq: every row as plain decoding's `input_ids` holds it (`_Writes`), with room for a round past `max_new`
+    # writes.seq: every row as plain decoding's `input_ids` holds it (`_Writes`), with room for a round past `room`
     writes = _Writes.for_call(
-        model, input_ids, P + max_new + lag * step + per_row + 3, pad_token, stopping, graphed and device.type == "cuda"
+        model, input_ids, P + room + lag * step + per_row + 3, pad_token, stopping, graphed and device.type == "cuda"
     )
-    seq = writes.seq
     prompt_lengths = mask.sum(-1)  # [B] on the device
     state = _Rows(B, P, max_new, stopping, writes)
     # The first token is read like a round's tokens: pipelined, after the first round is queued (behind the prefill).
@@ -474,7 +548,7 @@ def _decode(
         # Upper bounds from the host's counts, which lag the device by the rounds still queued.
         longest = max(n for n, a in zip(state.n_gen, active) if a) + step * len(queued)
         ctx = DraftContext(
-            sequences=None if pipelined else [seq[b, left_pad[b] : P + state.n_gen[b]] for b in range(B)],
+            sequences=None if pipelined else _sequences(writes.seq, prompt_columns, P, state.n_gen),
             max_nodes=per_row,
             hidden_states=new_hidden,
             next_tokens=new_tokens,
@@ -519,7 +593,7 @@ def _decode(
         else:
             contexts = None
             if not is_context_free(logits_processor):
-                contexts = [seq[b, : P + state.n_gen[b]] for b in range(B)]
+                contexts = [writes.seq[b, : P + state.n_gen[b]] for b in range(B)]
             if do_sample:
                 accepted = accept_sampling(verify, process_logits(logits_processor, out.logits, verify, contexts))
             else:
@@ -634,11 +708,20 @@ class _Rows:
 
     def __init__(self, B: int, P: int, max_new: int, stopping: _Stopping, writes: _Writes):
         self.B, self.P, self.max_new, self.stopping, self.pad = B, P, max_new, stopping, writes.pad
-        self.seq, self.generated, self._append = writes.seq, writes.generated, writes.append
+        self.writes, self.generated = writes, writes.generated
         self.n_gen = [0] * B
+        # What the writes' sequences may hold, on the host: each row's tokens written as far as read, and the widths
+        # of the writes not read yet (`_Writes.reserve` keeps room for them).
+        self.written = [0] * B
+        self.unread = 0
         self.tokens: list[list[int]] = [[] for _ in range(B)]
         self.finished_at: list[int | None] = [None] * B  # generated length when a stopping criterion fired
         self.frozen = [False] * B  # finished and padded from then on, as plain decoding does with an EOS criterion
+
+    @property
+    def seq(self) -> torch.Tensor:
+        """`[B, width]` every row's sequence on the device (`_Writes.seq`: a wider copy after it grew)."""
+        return self.writes.seq
 
     def limit(self) -> int:
         """How many tokens rows need: `max_new`, or, once every row has finished, the last one to finish
@@ -655,7 +738,9 @@ class _Rows:
         """Appends `tokens[b, :lengths[b]]` (`[B, L]` and `[B]` on the device) to every row of `seq` on the device
         and starts copying them, with what the stop strings say of them, to the host; `read` takes them from
         there. Reads nothing on the host."""
-        host = self._append(tokens, lengths).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
+        self.unread += tokens.shape[1]
+        self.writes.reserve(self.P + max(self.written) + self.unread)
+        host = self.writes.append(tokens, lengths).to("cpu", non_blocking=True)  # pinned memory, from a CUDA device
         ready = torch.cuda.Event() if tokens.is_cuda else _Done()
         ready.record()
         return _Written(host, ready, tokens.shape[1], bool(self.stopping.suffix))
@@ -665,8 +750,10 @@ class _Rows:
         (the loop's one wait for the GPU); returns how many tokens each row accepted (0 for rows already done)."""
         written.ready.synchronize()
         host, L = written.host.tolist(), written.width
+        self.unread -= L
         counted = []
         for b, row in enumerate(host):
+            self.written[b] += row[0]
             limit = self.limit()
             if self.frozen[b] or self.n_gen[b] >= limit:
                 counted.append(0)
@@ -700,6 +787,27 @@ class _Rows:
         return out
 
 
+def _prompt_columns(mask: torch.Tensor) -> list[slice | torch.Tensor]:
+    """Where each row's prompt tokens sit in `seq` (`mask`: `[B, P]` bool, True at them): after the row's left
+    padding (a slice), or, with padding after its first token, the mask's columns (`[n]`). One host read."""
+    B, P = mask.shape
+    pad, left = torch.stack([P - mask.sum(-1), (mask[:, 1:] >= mask[:, :-1]).all(-1).long()]).tolist()
+    return [slice(p, None) if l else mask[b].nonzero().flatten() for b, (p, l) in enumerate(zip(pad, left))]
+
+
+def _sequences(seq: torch.Tensor, prompt_columns: list, P: int, n_gen: list[int]) -> list[torch.Tensor]:
+    """Each row's committed ids for the drafter (`DraftContext.sequences`) from `seq` (`[B, width]`): its prompt
+    tokens (`prompt_columns`) and the `n_gen` it generated, from one copy of the columns in use, so that a drafter
+    writing into them changes nothing of the output."""
+    block = seq[:, : P + max(n_gen)].clone()
+    return [
+        block[b, columns.start : P + n]
+        if isinstance(columns, slice)
+        else torch.cat([block[b, columns], block[b, P : P + n]])
+        for b, (columns, n) in enumerate(zip(prompt_columns, n_gen))
+    ]
+
+
 def _upload(flags: list[bool], device: torch.device) -> torch.Tensor:
     """`[B]` bool on `device`, without waiting for the GPU: a copy from pageable memory would wait for every launch
     queued before it (a whole round in flight, each time a row finishes). The pinned block is not reused before its
@@ -731,8 +839,27 @@ class _Writes:
         # row that stopped inside a round's path (the row is done then).
         self.generated = torch.zeros(B, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)  # the call's prompt width P
-        append = functools.partial(_append, self.seq, self.generated, self.start, self.suffix, self.window, pad)
-        self.append = ShapeGraphs(append) if graphed else append
+        self.graphed = graphed
+        self._bind()
+
+    def _bind(self) -> None:
+        """`append`: `_append` on `seq` (replayed from graphs with `graphed`, which hold its address)."""
+        append = functools.partial(_append, self.seq, self.generated, self.start, self.suffix, self.window, self.pad)
+        self.append = ShapeGraphs(append) if self.graphed else append
+
+    def reserve(self, width: int) -> None:
+        """Makes `seq` hold `width` columns before its spare one: a copy into one twice as wide (in steps of
+        `CAPACITY_STEP` with graphs, captured again), so that a call's sequences grow with its tokens, not with
+        `max_new_tokens`. Queued on the device after the writes before it."""
+        if width < self.seq.shape[1]:
+            return
+        B, old = self.seq.shape
+        new = max(width + 1, 2 * old)
+        new = -(-new // CAPACITY_STEP) * CAPACITY_STEP if self.graphed else new
+        seq = torch.full((B, new), self.pad, dtype=torch.long, device=self.seq.device)
+        seq[:, :old] = self.seq
+        self.seq = seq
+        self._bind()
 
     @classmethod
     def for_call(

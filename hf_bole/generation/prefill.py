@@ -46,11 +46,35 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str, weight_bytes: int) -> bool:
     """Whether `generate` may prefill as chains: asked for ("chains"), or "auto" with the verify forward replayed
     from CUDA graphs and a prompt of at most `chain_limit(weight_bytes)` tokens; never with `verify="serial"`, whose
-    forward would keep a state snapshot per prompt token. (The loop also needs position ids that count each row's
-    tokens: a chain takes each token's position from the cache, the tokens before it in its row.)"""
+    forward would keep a state snapshot per prompt token. (The batch must suit them too: `unchainable`.)"""
     if mode == "plain" or verify != "closed_form":
         return False
     return mode == "chains" or (graphed and prompt_length <= chain_limit(weight_bytes))
+
+
+def unchainable(mask: torch.Tensor, position_ids: torch.Tensor) -> str | None:
+    """Why chains would not prefill this batch as transformers' forward does, or None (one host read).
+
+    A chain holds a row's tokens only, each at the position the cache gives it (the tokens before it in its row). The
+    plain forward runs the padding too: at the left, before any token, it leaves the GDN state and conv window zero, so
+    only left padding may be skipped; padding after a row's first token (right padding, a hole in the mask) goes
+    through its GDN layers and changes their state. So: every row left-padded, with a token, numbered from 0 as
+    `generate` numbers them.
+
+    Args:
+        mask: `[B, P]` bool, True at the prompt's tokens.
+        position_ids: `[B, P]` (or `[..., B, P]`, mRoPE) the forward's position ids.
+    """
+    counted = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] each token's place among its row's tokens
+    checks = [(mask[:, 1:] >= mask[:, :-1]).all(), mask.any(-1).all(), ((position_ids == counted) | ~mask).all()]
+    left_padded, tokens, counts = torch.stack(checks).tolist()
+    if not left_padded:
+        return "the attention mask has padding after a row's first token (right padding, or a hole), which chains skip"
+    if not tokens:
+        return "a row of the attention mask is all padding"
+    if not counts:
+        return "the position ids do not number each row's tokens from 0, as the cache does"
+    return None
 
 
 @torch.no_grad()

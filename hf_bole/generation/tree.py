@@ -121,6 +121,8 @@ class DraftTree:
         devices = {x.device for x in fields.values()}
         if len(devices) > 1:
             raise ValueError(f"DraftTree fields must be on one device, got {sorted(map(str, devices))}")
+        if self.tokens.device.type == "meta":
+            raise ValueError("DraftTree fields are on the meta device, which holds no values: make them on a device")
 
     def _check_values(self, vocab_size: int | None, max_depth: int | None) -> None:
         N = self.num_nodes

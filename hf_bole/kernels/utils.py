@@ -94,15 +94,18 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 # parents tensors whose values passed `check_parents`, with their version counter then: a model's forward hands
 # one tree to every GDN layer, and reading it back on the host for each layer would stall the GPU every time.
+# Inference tensors (made under `torch.inference_mode()`) have no version counter: they are checked at every call.
 _CHECKED_PARENTS: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def _checked_before(parents: torch.Tensor) -> bool:
     ref, version = _CHECKED_PARENTS.get(id(parents), (None, None))
-    return ref is not None and ref() is parents and version == parents._version
+    return ref is not None and ref() is parents and not parents.is_inference() and version == parents._version
 
 
 def _remember_checked(parents: torch.Tensor) -> None:
+    if parents.is_inference():
+        return
     key = id(parents)
     _CHECKED_PARENTS[key] = (weakref.ref(parents, lambda _: _CHECKED_PARENTS.pop(key, None)), parents._version)
 

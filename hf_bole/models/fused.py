@@ -9,16 +9,17 @@ than one GEMM over as many bytes of weights, in_proj_b and in_proj_a (32 outputs
 `fuse_projections(decoder)` copies each such group's weights into one buffer `[sum of out_features, in_features]`
 and makes the Linears' weights views of it, once per model. The plain forward then computes exactly what it did
 (each Linear still runs its own GEMM on the same weights), the model takes no more memory, and `save_pretrained`
-still writes the weights one by one (it clones weights that share a buffer without overlapping). Inside
-`projections_fused(decoder)`, which `tree_forward` enters, each group's Linears are swapped for parts of one GEMM:
-the first part called multiplies its input by the whole buffer, and every part returns its columns of the product.
-A group stays as it is, and a log line says which and why, when its Linears are not plain bias-free `nn.Linear`s on
-one device in one dtype (quantized, offloaded by accelerate, hooked one by one).
+still writes the weights one by one (it clones weights that share a buffer without overlapping). The tree forward
+runs a twin of the decoder (`models/twin.py`) in which each group's Linears are parts of one GEMM
+(`projection_stand_ins`): the first part called multiplies its input by the whole buffer, and every part returns its
+columns of the product. The model's own modules are never swapped. A group stays as it is, and a log line says which
+and why, when its Linears are not plain bias-free `nn.Linear`s on one device in one dtype (quantized, offloaded by
+accelerate, hooked one by one).
 """
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -49,10 +50,7 @@ class _Group:
     weight: torch.Tensor  # [sum of out_features, in_features]
     pointers: tuple[int, ...] = ()  # where each Linear's weight starts in `weight`
     parts: tuple[_Part, ...] = ()
-    # The product of the forward under way: its input and outputs, and how many parts have not taken theirs.
-    input: torch.Tensor | None = field(default=None, repr=False)
-    outputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    pending: int = 0
+    product: _Product = field(default_factory=lambda: _Product(), repr=False)
 
     def intact(self) -> bool:
         """Whether the module still holds these Linears with their weights in this buffer (`model.to(...)` or
@@ -64,7 +62,17 @@ class _Group:
         )
 
     def reset(self) -> None:
-        self.input = self.outputs = None
+        """Forgets this thread's product (a forward that raised between the group's calls leaves one behind)."""
+        self.product.__init__()
+
+
+class _Product(threading.local):
+    """The product of a group's forward under way in this thread: its input and outputs, and how many parts have not
+    taken theirs. Per thread: two threads' tree forwards of one model run the same parts."""
+
+    def __init__(self):
+        self.input: torch.Tensor | None = None
+        self.outputs: tuple[torch.Tensor, ...] | None = None
         self.pending = 0
 
 
@@ -76,20 +84,21 @@ class _Part(nn.Module):
         self.group, self.index = group, index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.group
-        if group.outputs is None:
+        group, product = self.group, self.group.product
+        if product.outputs is None:
             sizes = [linear.out_features for linear in group.linears]
-            group.input, group.outputs, group.pending = x, F.linear(x, group.weight).split(sizes, dim=-1), len(sizes)
-        elif x is not group.input:
+            product.input, product.outputs = x, F.linear(x, group.weight).split(sizes, dim=-1)
+            product.pending = len(sizes)
+        elif x is not product.input:
             raise RuntimeError(
                 f"hf_bole fused {group.name}'s projections {', '.join(group.names)} as they read one input, but this "
                 f"transformers version calls them on different ones; pass bole_fuse_projections=False "
                 f"(tree_forward(..., fuse_projections=False))"
             )
-        out = group.outputs[self.index]
-        group.pending -= 1
-        if group.pending == 0:
-            group.reset()
+        out = product.outputs[self.index]
+        product.pending -= 1
+        if product.pending == 0:
+            product.input = product.outputs = None
         return out
 
 
@@ -112,6 +121,7 @@ def _why_not(linears: list[nn.Module]) -> str | None:
     return None
 
 
+@torch.inference_mode(False)  # see `fuse_projections`
 @torch.no_grad()
 def _fuse(name: str, module: nn.Module, names: tuple[str, ...]) -> _Group:
     linears = tuple(getattr(module, n) for n in names)
@@ -132,7 +142,10 @@ _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def fuse_projections(decoder: nn.Module) -> list[_Group]:
     """Makes the weights of `decoder`'s projection groups (`GROUPS`) views of one buffer per group, once (again for a
-    group whose weights moved since); returns the groups. Says once, in a log line, which groups stay apart."""
+    group whose weights moved since); returns the groups. Says once, in a log line, which groups stay apart.
+
+    The buffer is made outside inference mode, also when called inside it: the Linears' weights become views of it,
+    and a weight made an inference tensor would fail the model's next forward outside inference mode with grad."""
     held = _FUSED.get(decoder)
     if held is not None and all(group.intact() for group in held):
         return held
@@ -155,15 +168,8 @@ def fuse_projections(decoder: nn.Module) -> list[_Group]:
     return groups
 
 
-@contextlib.contextmanager
-def projections_fused(decoder: nn.Module):
-    """A context in which `decoder`'s projection groups run as one GEMM each (`fuse_projections` first)."""
+def projection_stand_ins(decoder: nn.Module) -> tuple[dict[tuple[nn.Module, str], nn.Module], list[_Group]]:
+    """What a tree twin of `decoder` (`models/twin.py`) holds in place of its grouped projections: `{(module, name):
+    part}` for every Linear of every group `fuse_projections` fused, and the groups."""
     groups = fuse_projections(decoder)
-    for group in groups:  # `_modules` directly: a few hundred swaps a forward, nn.Module.__setattr__ is slower
-        group.module._modules.update(zip(group.names, group.parts))
-    try:
-        yield
-    finally:
-        for group in groups:
-            group.module._modules.update(zip(group.names, group.linears))
-            group.reset()
+    return {(group.module, name): part for group in groups for name, part in zip(group.names, group.parts)}, groups

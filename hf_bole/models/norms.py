@@ -4,17 +4,16 @@ Qwen3.5's decoder runs an RMSNorm before every attention and MLP, on the attenti
 layer (gated by SiLU of `z`) and at the end: 27 a forward on the house model, each about ten elementwise kernels in
 transformers' form, over a third of a verify forward's kernels.
 
-Inside `norms_fused(decoder)`, which an eager `tree_forward` enters, each such module is swapped in its parent for
-a `_FusedNorm` that calls `rms_norm` / `gated_rms_norm` with the module's own weight and eps (read at every call,
-so a weight moved or loaded since is the one used); on exit the modules are back, and outside tree mode the model
-is untouched. A module stays as it is, and a log line says which and why, when accelerate hooks it or its weight is
-offloaded. A compiled forward does not enter it: inductor fuses each norm with its neighbours (the residual add
-before it), which an opaque op in its place would prevent.
+An eager `tree_forward` runs a twin of the decoder (`models/twin.py`) in which each such module is a `_FusedNorm`
+that calls `rms_norm` / `gated_rms_norm` with the module's own weight and eps (read at every call, so a weight moved
+or loaded since is the one used) (`norm_stand_ins`); the model's own modules are never swapped. A module stays as it
+is, and a log line says which and why, when accelerate hooks it or its weight is offloaded. A compiled forward does
+not take them: inductor fuses each norm with its neighbours (the residual add before it), which an opaque op in its
+place would prevent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -58,42 +57,27 @@ def _why_not(norm: nn.Module) -> str | None:
     return None
 
 
-# decoder -> [(parent, attribute name, norm, its stand-in)] (the values hold the decoder's modules, never the decoder)
-_SWAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# decoders whose norms that keep their forward were named in a log line
+_SAID: weakref.WeakSet = weakref.WeakSet()
 
 
-def _swaps(decoder: nn.Module) -> list[tuple[nn.Module, str, nn.Module, _FusedNorm]]:
-    """The norms of `decoder` to swap, found once (again when one was replaced since); says once which stay."""
-    held = _SWAPS.get(decoder)
-    if held is not None and all(parent._modules.get(name) is norm for parent, name, norm, _ in held):
-        return held
-    swaps, apart = [], []
+def norm_stand_ins(decoder: nn.Module) -> dict[tuple[nn.Module, str], _FusedNorm]:
+    """What a tree twin of `decoder` (`models/twin.py`) holds in place of its Qwen3.5 RMSNorms: `{(parent, name):
+    stand-in}`. Says once per decoder, in a log line, which norms keep their forward."""
+    stand_ins, apart = {}, []
     for parent_name, parent in decoder.named_modules():
         for name, norm in parent._modules.items():
             if type(norm) not in ZERO_CENTRED + GATED:
                 continue
             reason = _why_not(norm)
             if reason is None:
-                swaps.append((parent, name, norm, _FusedNorm(norm)))
+                stand_ins[parent, name] = _FusedNorm(norm)
             else:
                 apart.append(f"{parent_name}.{name} ({reason})".lstrip("."))
-    if apart and held is None:
+    if apart and decoder not in _SAID:
+        _SAID.add(decoder)
         logger.warning(
-            f"hf_bole: {len(apart)} of {len(apart) + len(swaps)} RMSNorms keep transformers' forward (about ten "
+            f"hf_bole: {len(apart)} of {len(apart) + len(stand_ins)} RMSNorms keep transformers' forward (about ten "
             f"kernels each) in the verify forward: {', '.join(apart[:3])}{', ...' if len(apart) > 3 else ''}"
         )
-    _SWAPS[decoder] = swaps
-    return swaps
-
-
-@contextlib.contextmanager
-def norms_fused(decoder: nn.Module):
-    """A context in which `decoder`'s Qwen3.5 RMSNorms run as one kernel each."""
-    swaps = _swaps(decoder)
-    for parent, name, _, fused in swaps:  # `_modules` directly, as `projections_fused` does: cheaper than setattr
-        parent._modules[name] = fused
-    try:
-        yield
-    finally:
-        for parent, name, norm, _ in swaps:
-            parent._modules[name] = norm
+    return stand_ins

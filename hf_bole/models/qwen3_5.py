@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -43,9 +44,8 @@ from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
 from hf_bole.config import resolve_attention
 from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
-from hf_bole.models.fused import projections_fused
-from hf_bole.models.norms import norms_fused
 from hf_bole.models.rotary import rotary_fused
+from hf_bole.models.twin import tree_twin
 
 logger = logging.get_logger(__name__)
 
@@ -66,10 +66,33 @@ TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+@contextlib.contextmanager
 def attention_backends():
     """A context in which SDPA chooses among `SDPA_BACKENDS` (not cuDNN): hf_bole's generate, warm-up and
-    calibration run inside it; outside it the user's settings stand."""
-    return sdpa_kernel(SDPA_BACKENDS)
+    calibration run inside it; outside it the user's settings stand.
+
+    torch keeps the choice in process-wide flags, so it holds for every thread while any thread is inside: the first
+    to enter saves the flags and the last to leave puts them back (each thread saving and restoring its own would
+    leave cuDNN off for good after two overlapping calls whose first one ended first)."""
+    global _BACKEND_USERS, _BACKEND_CONTEXT
+    with _BACKEND_LOCK:
+        if _BACKEND_USERS == 0:
+            _BACKEND_CONTEXT = sdpa_kernel(SDPA_BACKENDS)
+            _BACKEND_CONTEXT.__enter__()
+        _BACKEND_USERS += 1
+    try:
+        yield
+    finally:
+        with _BACKEND_LOCK:
+            _BACKEND_USERS -= 1
+            if _BACKEND_USERS == 0:
+                _BACKEND_CONTEXT.__exit__(None, None, None)
+                _BACKEND_CONTEXT = None
+
+
+_BACKEND_LOCK = threading.Lock()
+_BACKEND_USERS = 0  # threads' contexts inside `attention_backends` now
+_BACKEND_CONTEXT = None  # the `sdpa_kernel` context the first of them entered
 
 
 @dataclass
@@ -279,14 +302,14 @@ def tree_forward(
         # A tree cut to the width its forward runs at (the loop's selection pads rows) is a view with the uncut
         # strides; the compiled forward guards on strides and would compile once more for it.
         input_ids, parents = input_ids.contiguous(), parents.contiguous()
-    forward = _compiled(decoder) if compile else decoder
-    fused = projections_fused(decoder) if fuse_projections else contextlib.nullcontext()
-    # Compiled, inductor fuses each norm and rotary embedding with its neighbours; eager, each runs as one kernel
-    # (`models/norms.py`, `models/rotary.py`).
-    norms = contextlib.nullcontext() if compile else norms_fused(decoder)
+    # The decoder's twin with fused projections and norms (`models/twin.py`): the model's own modules are never
+    # swapped, so a plain forward in another thread computes what it always does. Compiled, inductor fuses each norm
+    # and rotary embedding with its neighbours; eager, each runs as one kernel (`models/norms.py`, `models/rotary.py`).
+    twin = tree_twin(decoder, projections=fuse_projections, norms=not compile)
+    forward = _compiled(twin.module) if compile else twin.module
     rotary = contextlib.nullcontext() if compile else rotary_fused()
     # One ancestor mask for every layer: the attention mask, the positions and the tree kernels share it.
-    with fused, norms, rotary, cache.tree_mode(parents, verify) as (mask, position_ids, ancestors):
+    with twin.entered(), rotary, cache.tree_mode(parents, verify) as (mask, position_ids, ancestors):
         if config._attn_implementation == "eager" and attention == "model":  # eager attention adds its mask
             dtype = decoder.get_input_embeddings().weight.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
@@ -318,7 +341,7 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _compiled(decoder: torch.nn.Module):
-    """`torch.compile` of `decoder`'s forward, made once per decoder.
+    """`torch.compile` of `decoder`'s forward (a decoder or its tree twin), made once per module.
 
     torch.compile's default shapes: the first call compiles static, the first with another tree width or cache
     capacity compiles once more with those sizes symbolic, for all later ones. `dynamic=True` from the first call

@@ -4,17 +4,19 @@ transformers' `apply_rotary_pos_emb` runs about twelve elementwise kernels per f
 `rotate_half`'s negation and `cat`, the sum, the `cat` of the pass-through dims, for q and for k): 24 of a house-model
 verify forward's ~258 kernels, 96 on the 9B shape's eight attention layers; here they are one launch each.
 
-Inside `rotary_fused()`, which an eager `tree_forward` enters, the Qwen3.5 modeling modules' `apply_rotary_pos_emb`
-(a module global their attention layers look up at every call) is a stand-in that calls `rotary` (bit for bit the
-same result); on exit the functions it found are back. A call it does not cover (another `unsqueeze_dim`, mixed
-dtypes, other ranks) goes to the original, and a log line says so once. A compiled forward does not enter it:
-inductor fuses the rotary embedding itself, and tracing the swap would put a Triton launch into its graph.
+The Qwen3.5 modeling modules' `apply_rotary_pos_emb` (a module global their attention layers look up at every call)
+is wrapped once per process (`install`): inside `rotary_fused()`, which an eager `tree_forward` enters, the wrapper
+calls `rotary` (bit for bit the same result) for the calls made in that thread; every other call, from any other
+thread or outside the context, goes to transformers' function. A call it does not cover (another `unsqueeze_dim`,
+mixed dtypes, other ranks) goes there too, and a log line says so once. A compiled forward does not enter it:
+inductor fuses the rotary embedding itself, and tracing the kernel would put a Triton launch into its graph.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
@@ -40,12 +42,22 @@ def _uncovered(q, k, cos, sin, unsqueeze_dim) -> str | None:
     return None
 
 
-@functools.cache
+class _Fused(threading.local):
+    """Whether this thread is inside `rotary_fused()`."""
+
+    on = False
+
+
+_FUSED = _Fused()
+
+
 def _stand_in(original):
-    """`original` (the module's `apply_rotary_pos_emb` when the context was entered) as one `rotary` launch."""
+    """`original` (the module's `apply_rotary_pos_emb`), as one `rotary` launch inside `rotary_fused()`."""
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not _FUSED.on:
+            return original(q, k, cos, sin, unsqueeze_dim)
         reason = _uncovered(q, k, cos, sin, unsqueeze_dim)
         if reason is not None:
             logger.warning_once(
@@ -59,15 +71,21 @@ def _stand_in(original):
     return apply_rotary_pos_emb
 
 
+def install() -> None:
+    """Wraps the modeling modules' `apply_rotary_pos_emb` (once per process)."""
+    for module in MODULES:
+        current = module.apply_rotary_pos_emb
+        if getattr(current, "__hf_bole_original__", None) is None:
+            module.apply_rotary_pos_emb = _stand_in(current)
+
+
 @contextlib.contextmanager
 def rotary_fused():
-    """A context in which the Qwen3.5 attention layers' rotary embeddings run as one kernel each."""
-    entered = {module: module.apply_rotary_pos_emb for module in MODULES}
-    for module, current in entered.items():
-        if getattr(current, "__hf_bole_original__", None) is None:  # not ours already (a context inside one)
-            module.apply_rotary_pos_emb = _stand_in(current)
+    """A context in which this thread's calls of the Qwen3.5 attention layers' rotary embeddings run as one kernel
+    each."""
+    install()
+    outer, _FUSED.on = _FUSED.on, True
     try:
         yield
     finally:
-        for module, current in entered.items():
-            module.apply_rotary_pos_emb = current
+        _FUSED.on = outer

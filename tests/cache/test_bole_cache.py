@@ -226,6 +226,9 @@ def test_errors():
         cache.commit(torch.tensor([[0], [0], [0]]))
     with pytest.raises(ValueError, match="different lengths"):
         model(torch.ones(3, 1, dtype=torch.int64), past_key_values=cache)
+    # transformers 5.25 passes how many states to keep
+    with pytest.raises(NotImplementedError, match="does not record past states"):
+        cache.activate_past_recording(recurrent_states_to_keep=1)
 
 
 def test_commit_without_value_checks_reads_nothing(monkeypatch):

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    ClassifierFreeGuidanceLogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
@@ -370,6 +371,58 @@ def test_process_logits_equals_per_sequence(processors):
     assert scores.dtype == torch.float32 and not scores.isnan().any()
 
 
+class _RowBias:
+    """Treats batch rows differently: +3 on token `(7 * row + 3) % V` of row `row` (plain decoding's `input_ids` has
+    one row per request)."""
+
+    def __call__(self, input_ids, scores):
+        assert input_ids.shape[0] == 3, "called with the batch's rows"
+        rows = torch.arange(scores.shape[0])
+        scores = scores.clone()
+        scores[rows, (7 * rows + 3) % V] += 3
+        return scores
+
+
+def _per_node_in_row(processors, contexts, tree, logits) -> torch.Tensor:
+    """The reference for processors that read a row's place: every real node's logits processed alone, its sequence
+    in its row of a batch of them (the other rows padding)."""
+    out = logits.clone()
+    B = tree.input_ids.shape[0]
+    for b in range(B):
+        for i in range(tree.num_nodes[b].item()):
+            path, j = [], i
+            while j > 0:
+                path.append(tree.input_ids[b, j].item())
+                j = tree.parents[b, j].item()
+            seq = torch.cat([contexts[b], torch.tensor(path[::-1], dtype=torch.long)])
+            ids = torch.zeros(B, len(seq), dtype=torch.long)
+            ids[b] = seq
+            scores = torch.zeros(B, logits.shape[-1])
+            scores[b] = logits[b, i]
+            out[b, i] = processors(ids, scores)[b]
+    return out
+
+
+@pytest.mark.parametrize(
+    "processors",
+    [
+        pytest.param([_RowBias()], id="row-bias"),
+        pytest.param([RepetitionPenaltyLogitsProcessor(1.3), _RowBias(), TopKLogitsWarper(3)], id="mixed"),
+        pytest.param([PrefixConstrainedLogitsProcessor(lambda b, ids: [b, 2 * b, int(ids[-1])], 1)], id="prefix"),
+    ],
+)
+def test_process_logits_gives_processors_each_node_in_its_row(processors):
+    """A processor that may treat rows differently sees each node's sequence in its row's place of the batch, as
+    plain decoding calls it."""
+    processors = LogitsProcessorList(processors)
+    contexts, tree, logits = _processor_case()
+    scores = process_logits(processors, logits, tree, contexts)
+    expected = _per_node_in_row(processors, contexts, tree, logits)
+    mask = tree.node_mask
+    torch.testing.assert_close(scores[mask], expected[mask], rtol=0, atol=0)
+    assert not torch.equal(scores[mask], logits[mask])  # the case is not vacuous
+
+
 def test_process_logits_per_row_repetition_penalty():
     """generate's repetition penalty skips each row's left padding: a per-row `prompt_ignore_length`."""
     ignore = torch.tensor([2, 0, 3])  # per row
@@ -403,7 +456,7 @@ def test_context_free_detection():
 @pytest.mark.parametrize(
     "processor, message",
     [
-        pytest.param(PrefixConstrainedLogitsProcessor(lambda b, ids: [0], 1), "row in the batch", id="prefix"),
+        pytest.param(ClassifierFreeGuidanceLogitsProcessor(1.5), "batch halves", id="guidance"),
     ],
 )
 def test_check_logits_processor_rejects(processor, message):

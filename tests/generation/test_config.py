@@ -7,6 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_bole.config import BoleConfig, resolve_attention
+from hf_bole.generation import NgramDrafter
 
 
 class _Drafter:
@@ -50,6 +51,8 @@ def test_auto_attention_is_the_kernel_on_cuda():
         pytest.param({"compile_drafter": "yes"}, "BoleConfig.compile_drafter must be True or False", id="drafter-str"),
         pytest.param({"drafter": "eagle"}, "BoleConfig.drafter must be one of", id="drafter-name"),
         pytest.param({"drafter": object()}, "object without one", id="drafter-object"),
+        pytest.param({"drafter": NgramDrafter}, r"got the class NgramDrafter: pass an instance", id="drafter-class"),
+        pytest.param({"prefill": "chains", "verify": "serial"}, "prefill='chains' runs the prompt", id="chains-serial"),
         pytest.param({"ngram_min_size": 3, "ngram_max_size": 2}, "ngram_min_size", id="ngram-order"),
         pytest.param({"ngram_max_size": 0}, "BoleConfig.ngram_max_size", id="ngram-0"),
     ],

@@ -28,7 +28,7 @@ from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tail import greedy_tail
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import Placement, graph_unsafe_experts, tree_forward
-from tests.generation.recorded_graph import recording_capture
+from tests.generation.recorded_graph import recording_capture, recording_queued_capture
 from tests.models.tiny import batch_trees, build_model, prefill
 
 PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
@@ -102,8 +102,37 @@ def test_graphed_cache_is_kept_and_grown():
     assert int(cache.lengths.sum()) == 0  # reset for the new call
     other, _ = graphed_cache(model, 3, 100, "serial")  # its own cache per verify mode
     assert other is not cache
-    bigger, bigger_graphs = graphed_cache(model, 3, CAPACITY_STEP + 1, "closed_form")
-    assert bigger is not cache and bigger.capacity == 2 * CAPACITY_STEP and bigger_graphs is not graphs
+    bigger, bigger_graphs = graphed_cache(model, 3, CAPACITY_STEP + 1, "closed_form")  # grown in place
+    assert bigger is cache and bigger.capacity == 2 * CAPACITY_STEP and bigger_graphs is graphs
+
+
+def test_graphs_are_captured_again_after_the_cache_grew(monkeypatch):
+    """Trees that no longer fit grow the cache (new storage): every graph of it, which holds the old storage's
+    addresses, is captured again (on a CPU a recorded call stands in for a CUDA graph); logits and commits stay the
+    eager ones."""
+    captured = []
+    monkeypatch.setattr(graphs_module, "capture", recording_capture(captured))
+    monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture([]))
+    monkeypatch.setattr(graphs_module, "CAPACITY_STEP", 16)  # kept caches start as small as the eager one
+    model = build_model()
+    cache, graphs = graphed_cache(model, 3, 10, "closed_form")
+    eager = BoleCache(model.config, batch_size=3)
+    for c in (cache, eager):
+        prefill(model, c, PROMPTS)
+    parents = batch_trees([[-1, 0, 1, 2]] * 3)
+    path = torch.tensor([[0, 1, 2, 3]] * 3)
+    capacities = []
+    for _ in range(32):  # 7 + 128 tokens: the cache's storage grows (in steps of 64 slots, doubling) twice
+        ids = torch.randint(1, 50, parents.shape)
+        before = len(captured)
+        torch.testing.assert_close(graphs(ids, parents).logits, tree_forward(model, eager, ids, parents).logits)
+        if cache.capacity not in capacities:  # grew: captured again
+            capacities.append(cache.capacity)
+            assert len(captured) == before + 1
+        graphs.commit(path)
+        eager.commit(path)
+    _assert_same_committed(cache, eager)
+    assert capacities == [64, 128, 256]
 
 
 def test_resumed_round_commits_its_own_forward():

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+)
 
 import hf_bole
 from hf_bole.config import BoleConfig
@@ -18,6 +26,7 @@ from hf_bole.generation import DraftContext, DraftTree, graphs, loop
 from hf_bole.generation.loop import _spread_settings
 from hf_bole.models import Placement
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
+from hf_bole.models.twin import tree_twin
 from tests.models import tiny
 
 REPO = Path(__file__).resolve().parents[2]
@@ -241,6 +250,71 @@ def test_release_frees_what_calls_keep(dense_with_mtp):
     assert torch.equal(again, first) and model in loop._MTP_DRAFTERS
 
 
+def _in_threads(*calls) -> list:
+    """Runs each call in a thread of its own, all at once; returns their results (or what they raised)."""
+    results = [None] * len(calls)
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def test_plain_forwards_in_another_thread_are_untouched(dense):
+    """While hf_bole generates in one thread, plain forwards of the same model in another give their logits bit for
+    bit (tree mode runs a twin of the decoder and never swaps the model's modules), and hf_bole's output stays plain
+    greedy's."""
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        expected = dense(ids).logits
+    ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    drafter = oracle_for(dense, PROMPTS)
+    done = threading.Event()
+
+    def forwards() -> list:
+        seen = []
+        with torch.no_grad():
+            while not done.is_set() and len(seen) < 1000:
+                try:
+                    seen.append(torch.equal(dense(ids).logits, expected))
+                except Exception as e:  # noqa: BLE001 - handed to the test
+                    seen.append(e)
+        return seen
+
+    def calls() -> list:
+        try:
+            return [bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=drafter, bole_budget=64)
+                    for _ in range(3)]  # fmt: skip
+        finally:
+            done.set()
+
+    seen, outs = _in_threads(forwards, calls)
+    assert not isinstance(outs, Exception), outs
+    assert all(torch.equal(out, ref) for out in outs)
+    assert seen and all(s is True for s in seen), [s for s in seen if s is not True][:3]
+
+
+def test_calls_from_two_threads_match_plain(dense_with_mtp):
+    """Two threads generating with one model at once (its MTP drafter and kept state shared: the calls take turns)
+    each get plain greedy's output."""
+    ref = plain(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    def call():
+        return bole(dense_with_mtp, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
+
+    for out in _in_threads(call, call, call):
+        assert not isinstance(out, Exception), out
+        assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_greedy_matches_plain_tree_attention(dense, backend, monkeypatch):
     """bole_attention="triton": every full-attention layer of every verify forward attends through tree_attention
@@ -272,7 +346,7 @@ def test_greedy_matches_plain_compiled(dense):
     drafter = oracle_for(dense, PROMPTS)
     out = bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=drafter, bole_compile=True)
     assert torch.equal(out, ref)
-    assert dense.get_decoder() in adapter._COMPILED  # compiled, not run eagerly
+    assert tree_twin(dense.get_decoder(), projections=True, norms=False).module in adapter._COMPILED  # not eager
 
 
 def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
@@ -294,7 +368,8 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
     out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3, bole_compile=True)
     assert torch.equal(out, ref)
     drafter = loop._MTP_DRAFTERS[model][3, 3, True, True, True]  # (depth, topk, cuda_graphs, compile, fused)
-    assert drafter._compiled_round is not None and model.get_decoder() in adapter._COMPILED
+    assert drafter._compiled_round is not None
+    assert tree_twin(model.get_decoder(), projections=True, norms=False).module in adapter._COMPILED
     assert counter.frame_count >= 2  # the drafter's rounds and the verify forward
     hf_bole.release(model)
 
@@ -345,12 +420,141 @@ def test_greedy_matches_plain_with_prefill_chains(dense_with_mtp, drafter, monke
     assert torch.equal(out.sequences, ref)
     assert chained == [1]
     assert out.mean_accepted_tokens > (3.0 if drafter == "oracle" else 1.0)
-    # Positions other than the count of each row's tokens: the plain forward prefills.
+    # Positions other than the count of each row's tokens: chains would not prefill as the plain forward does.
     ids, mask = batch(prompts)
     positions = (mask.cumsum(-1) - 1).clamp(min=0) + 3
-    dense_with_mtp.generate(ids, attention_mask=mask, position_ids=positions, pad_token_id=0, max_new_tokens=2,
-                            custom_generate="hf_bole", bole_prefill="chains", **settings)  # fmt: skip
+    with pytest.raises(ValueError, match="position ids do not number each row's tokens from 0"):
+        dense_with_mtp.generate(ids, attention_mask=mask, position_ids=positions, pad_token_id=0, max_new_tokens=2,
+                                custom_generate="hf_bole", bole_prefill="chains", **settings)  # fmt: skip
     assert chained == [1]
+
+
+@pytest.mark.parametrize(
+    "mask", [[[1, 1, 1, 1, 0, 0, 0]], [[1, 1, 0, 0, 1, 1, 1]], [[0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0]]],
+    ids=["right", "hole", "mixed"],
+)
+def test_padding_not_on_the_left(dense, mask):
+    """Right padding, or a hole in the mask: the plain prefill decodes as plain `generate` does (the padding goes
+    through the GDN layers there, which chains would skip); "chains" refuses the batch, "auto" takes plain."""
+    mask = torch.tensor(mask)
+    ids = torch.tensor([[5, 17, 33, 2, 41, 9, 60]] * mask.shape[0])
+    kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=NEW, do_sample=False)
+    ref = dense.generate(ids, **kwargs)
+    for prefill in ("plain", "auto"):
+        out = dense.generate(ids, custom_generate="hf_bole", bole_drafter="ngram", bole_prefill=prefill, **kwargs)
+        assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="bole_prefill='chains' would not prefill this batch.*padding after"):
+        dense.generate(ids, custom_generate="hf_bole", bole_drafter="ngram", bole_prefill="chains", **kwargs)
+    with pytest.raises(ValueError, match="position ids do not number"):
+        dense.generate(ids[:1], custom_generate="hf_bole", bole_drafter="ngram", bole_prefill="chains",
+                       position_ids=torch.arange(7)[None] + 3, max_new_tokens=3)  # fmt: skip
+
+
+def test_drafter_writing_into_its_context_changes_nothing(dense):
+    """A drafter that overwrites the sequences it is handed (and reads them) leaves the output plain greedy's."""
+
+    class Scribbler(hf_bole.NgramDrafter):
+        def propose(self, ctx):
+            tree = super().propose(ctx)
+            for sequence in ctx.sequences:
+                sequence.fill_(7)
+            return tree
+
+    ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    out = bole(dense, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_drafter=Scribbler(hf_bole.BoleConfig()))
+    assert torch.equal(out, ref)
+
+
+def test_drafter_sequences_hold_the_prompt_tokens_wherever_the_padding_is(dense):
+    """`ctx.sequences` is each row's prompt without its padding (left, right or inside), then its generated tokens."""
+    seen = []
+
+    class Recording(hf_bole.NgramDrafter):
+        def propose(self, ctx):
+            seen.append([s.tolist() for s in ctx.sequences])
+            return super().propose(ctx)
+
+    ids = torch.tensor([[5, 17, 33, 2, 41, 9, 60]] * 3)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+    out = dense.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=4, do_sample=False,
+                         custom_generate="hf_bole", bole_drafter=Recording(hf_bole.BoleConfig()))  # fmt: skip
+    first = seen[0]
+    assert first == [[33, 2, 41, 9, 60, *out[0, 7:8].tolist()], [5, 17, 41, 9, 60, *out[1, 7:8].tolist()],
+                     [5, 17, 33, 2, *out[2, 7:8].tolist()]]  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ["name", "callable"])
+def test_a_cache_passed_in_is_refused(dense, entry):
+    """`past_key_values=` / `cache=` (a new cache, or one an earlier call returned) would be ignored: refused, by
+    either entry point; the model decodes as before afterwards."""
+    custom = "hf_bole" if entry == "name" else hf_bole.generate
+    ref = plain(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False)
+    returned = bole(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, bole_drafter="ngram",
+                    return_dict_in_generate=True).past_key_values  # fmt: skip
+    from_plain = plain(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    config = dense.config.get_text_config(decoder=True)
+    for name, cache in [("past_key_values", DynamicCache(config=config)), ("cache", DynamicCache(config=config)),
+                        ("past_key_values", returned), ("past_key_values", from_plain.past_key_values)]:  # fmt: skip
+        with pytest.raises(ValueError, match="does not continue from a cache: drop (past_key_values|cache)="):
+            bole(dense, PROMPTS[:1], max_new_tokens=4, bole_drafter="ngram", custom_generate=custom, **{name: cache})
+    assert torch.equal(bole(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, bole_drafter="ngram"), ref)
+
+
+def test_inference_mode(dense_with_mtp):
+    """Under `torch.inference_mode()` as plain `generate` works there, also for the model's first hf_bole call (what
+    it keeps for later calls, and the fused weights, are normal tensors); later calls outside it work, and so does a
+    forward with grad."""
+    model = dense_with_mtp
+    hf_bole.release(model)
+    ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
+    settings = dict(max_new_tokens=NEW, do_sample=False, bole_depth=2, bole_topk=2)
+    with torch.inference_mode():
+        assert torch.equal(bole(model, PROMPTS, **settings), ref)
+        assert torch.equal(bole(model, PROMPTS, bole_drafter="ngram", **settings), ref)
+    assert torch.equal(bole(model, PROMPTS, **settings), ref)
+    with torch.inference_mode():
+        assert torch.equal(bole(model, PROMPTS, **settings), ref)
+    model(torch.tensor([PROMPTS[0]])).logits.sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_memory_follows_the_tokens_generated_not_max_new_tokens(dense, monkeypatch):
+    """`max_new_tokens=100000` and an EOS a few tokens in: the cache and the sequences are sized for the tokens made
+    (plus a fixed room), not for max_new_tokens, and the output is plain greedy's."""
+    widths = []
+    init = loop._Writes.__init__
+    monkeypatch.setattr(loop._Writes, "__init__", lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a))
+    probe = plain(dense, PROMPTS, max_new_tokens=12, do_sample=False)
+    eos = probe[:, -6].tolist()  # every row stops where it first makes one of these
+    ref = plain(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos)
+    assert ref.shape[1] <= probe.shape[1]
+    out = bole(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos, bole_drafter="ngram",
+               return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.past_key_values.capacity <= 1024 and widths and max(widths) <= 1024
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_cache_and_sequences_grow_with_the_tokens(dense, monkeypatch, graphed):
+    """With room for 2 tokens up front, the cache and the sequences grow (doubling) in the middle of the call,
+    pipelined or not, from graphs (on a CPU recorded calls stand in for CUDA graphs) or not: plain greedy's output.
+    (A recorded verify forward runs the forward's Python again, which makes a new round for a width other than the
+    last one's, where a CUDA graph writes into its own: with graphs only the oracle, whose trees keep one width.)"""
+    from tests.generation.recorded_graph import recording_capture, recording_queued_capture
+
+    monkeypatch.setattr(loop, "INITIAL_ROOM", 2)
+    if graphed:
+        monkeypatch.setattr(loop, "captures", lambda model, cuda_graphs: True)
+        monkeypatch.setattr(graphs, "capture", recording_capture([]))
+        monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
+        monkeypatch.setattr(graphs, "CAPACITY_STEP", 16)
+    new = 70
+    ref = plain(dense, PROMPTS, max_new_tokens=new, do_sample=False)
+    for drafter in (oracle_for(dense, PROMPTS, new=new), *(() if graphed else ("ngram",))):  # pipelined, and not
+        out = bole(dense, PROMPTS, max_new_tokens=new, do_sample=False, bole_drafter=drafter, bole_budget=64,
+                   return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(out.sequences, ref)
+        assert out.past_key_values.capacity >= 7 + new
 
 
 def test_entry_points(dense):
@@ -588,6 +792,31 @@ def _tokenizer():
 
 def _char(i: int) -> str:
     return chr(ord("a") + i) if i < 26 else chr(0x4E00 + i)
+
+
+class RowBias:
+    """A processor that treats batch rows differently: at every third length, token `7 * row + 3` of row `row` wins."""
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] % 3 == 0:
+            rows = torch.arange(scores.shape[0], device=scores.device)
+            scores = scores.clone()
+            scores[rows, 7 * rows + 3] += 100
+        return scores
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "ngram"])
+def test_processors_that_treat_rows_differently_match_plain(dense, drafter):
+    """A logits processor that reads a row's place in the batch, and `prefix_allowed_tokens_fn`, which is told it:
+    each node is scored in its row's place, so greedy output is plain greedy's."""
+    allowed = lambda b, ids: list(range(10 * b + 1, 10 * b + 40))  # noqa: E731 - each row its own tokens
+    for kwargs in (dict(logits_processor=LogitsProcessorList([RowBias()])), dict(prefix_allowed_tokens_fn=allowed)):
+        ref = plain(dense, PROMPTS[:3], max_new_tokens=NEW, do_sample=False, **kwargs)
+        P = ref.shape[1] - NEW
+        chosen = OracleDrafter(PROMPTS[:3], ref[:, P:].tolist()) if drafter == "oracle" else "ngram"
+        out = bole(dense, PROMPTS[:3], max_new_tokens=NEW, do_sample=False, bole_drafter=chosen, bole_budget=64,
+                   **kwargs)  # fmt: skip
+        assert torch.equal(out, ref)
 
 
 def test_stopping_stop_strings(dense):
@@ -890,6 +1119,40 @@ def test_errors(dense):
                                          intermediate_size=32)).eval()  # fmt: skip
     with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
         bole(llama, prompts, max_new_tokens=3, bole_drafter="ngram")
+
+
+@pytest.mark.parametrize("entry", ["name", "callable"])
+def test_bad_requests_are_refused_up_front(dense_with_mtp, entry):
+    """Settings and inputs hf_bole cannot run are named in a ValueError before anything runs, by either entry point,
+    and the model decodes as before afterwards."""
+    model, prompts = dense_with_mtp, PROMPTS[:1]
+    custom = "hf_bole" if entry == "name" else hf_bole.generate
+    run = lambda **kwargs: bole(model, prompts, max_new_tokens=3, custom_generate=custom, **kwargs)  # noqa: E731
+    # the MTP drafter's attention takes 128 query rows a key head: 2 query heads per key head here
+    with pytest.raises(ValueError, match=r"bole_depth=64 is more than.*bole_depth <= 63"):
+        run(bole_depth=64, bole_topk=1)
+    with pytest.raises(ValueError, match=r"bole_topk=65 is more than.*bole_topk <= 64"):
+        run(bole_depth=2, bole_topk=65)
+    with pytest.raises(ValueError, match=r"bole_topk=200 exceeds the vocabulary \(97 tokens\)"):
+        run(bole_topk=200)
+    with pytest.raises(ValueError, match="got the class NgramDrafter: pass an instance"):
+        run(bole_drafter=hf_bole.NgramDrafter)
+    lookup = GenerationConfig(prompt_lookup_num_tokens=3)
+    for kwargs in (dict(prompt_lookup_num_tokens=3), dict(generation_config=lookup), dict(use_mtp=True)):
+        with pytest.raises(ValueError, match="drafts with its own drafter: drop (prompt_lookup_num_tokens|use_mtp)"):
+            run(**kwargs)
+    with pytest.raises(ValueError, match="input_ids has 1 rows of 0 tokens"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3, custom_generate=custom,
+                       bole_drafter="ngram")  # fmt: skip
+
+    class OnMeta:
+        def propose(self, ctx):
+            dtypes = (torch.long, torch.long, torch.float)
+            return DraftTree(*(torch.zeros(ctx.batch_size, 2, dtype=d, device="meta") for d in dtypes))
+
+    with pytest.raises(ValueError, match="OnMeta.propose returned an invalid DraftTree: .*meta device"):
+        run(bole_drafter=OnMeta())
+    assert torch.equal(run(do_sample=False, bole_depth=3), plain(model, prompts, max_new_tokens=3, do_sample=False))
 
 
 def _offload_map(num_layers: int, on_disk_from: int) -> dict[str, str]:

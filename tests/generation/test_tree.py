@@ -47,6 +47,11 @@ def test_validate_accepts_empty_tree():
         pytest.param(lambda t: t.draft_logprobs.__setitem__((0, 0), INF), "child of padding node 0", id="pad-parent"),
         pytest.param(lambda t: t.tokens.__setitem__((0, 2), 10), "repeats the token 10", id="dup-sibling"),
         pytest.param(lambda t: t.tokens.__setitem__((0, 1), 64), "outside the vocabulary", id="vocab"),
+        pytest.param(
+            lambda t: [setattr(t, n, getattr(t, n).to("meta")) for n in ("tokens", "parents", "draft_logprobs")],
+            "on the meta device",
+            id="meta",
+        ),
     ],
 )
 def test_validate_errors(change, message):

@@ -27,6 +27,17 @@ def test_check_parents_reads_a_tree_once_until_it_changes(monkeypatch):
     assert key not in utils._CHECKED_PARENTS
 
 
+def test_check_parents_of_inference_tensors():
+    """A tree made under `torch.inference_mode()` has no version counter: checked at every call, bad ones refused."""
+    with torch.inference_mode():
+        parents = torch.tensor([[-1, 0, 1, 1]])
+        utils.check_parents(parents, 1, 4)
+        utils.check_parents(parents, 1, 4)
+        parents[0, 3] = 3
+        with pytest.raises(ValueError, match=r"parents\[0, 3\] = 3"):
+            utils.check_parents(parents, 1, 4)
+
+
 def test_on_device():
     """Triton launches on the current CUDA device: kernels on a second GPU's tensors make it current meanwhile."""
     assert isinstance(utils.on_device(torch.zeros(1, device="cpu")), contextlib.nullcontext)  # nothing to switch

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from hf_bole.models import norms
 from hf_bole.models import qwen3_5 as adapter
+from hf_bole.models.twin import tree_twin
 from tests.models.tiny import build_model, random_tree_logits
 
 pytestmark = pytest.mark.usefixtures("torch_gdn")
@@ -62,7 +62,8 @@ def test_kernels_give_the_model_norms_logits(monkeypatch, kind):
     norm modules give."""
     model = _model(kind)
     fused = random_tree_logits(model)
-    monkeypatch.setattr(adapter, "norms_fused", lambda decoder: contextlib.nullcontext())
+    twin = adapter.tree_twin
+    monkeypatch.setattr(adapter, "tree_twin", lambda decoder, projections, norms: twin(decoder, projections, False))
     # fp32 sums in another order, layer after layer: about 1e-5 apart on logits near 0.05 (triton 3.9's interpreter).
     torch.testing.assert_close(fused, random_tree_logits(model), rtol=1e-4, atol=5e-5)
 
@@ -83,11 +84,11 @@ def test_module_that_is_hooked_keeps_its_forward_and_says_so(monkeypatch, caplog
 
 
 def test_norm_replaced_since_is_swapped_next_time():
-    """A norm module replaced after a tree forward is the one the next tree forward swaps, not the old one."""
+    """A norm module replaced after a tree forward is the one the next tree forward stands in for, not the old one."""
     model = _model()
     random_tree_logits(model)
     decoder = model.get_decoder()
     old = decoder.norm
     decoder.norm = type(old)(old.weight.shape[0], eps=old.eps)
-    swapped = {id(norm) for _, _, norm, _ in norms._swaps(decoder)}
-    assert id(decoder.norm) in swapped and id(old) not in swapped
+    stand_in = tree_twin(decoder, projections=True, norms=True).module.norm
+    assert stand_in.norm is decoder.norm

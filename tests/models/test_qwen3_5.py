@@ -14,6 +14,7 @@ from hf_bole.cache import BoleCache
 from hf_bole.kernels import tree_ancestor_mask
 from hf_bole.models import SUPPORTED_CLASSES, TreeBatch, check_supported_model, tree_forward
 from hf_bole.models.qwen3_5 import _tree_causal_conv1d_fn, _tree_gated_delta_rule
+from hf_bole.models.twin import tree_twin
 from tests.models.tiny import (
     VOCAB,
     batch_trees,
@@ -181,7 +182,8 @@ def _eager_norms_and_rotary_as_compiled(monkeypatch) -> None:
     forward with the eager one would fail there for that alone."""
     import hf_bole.models.qwen3_5 as adapter
 
-    monkeypatch.setattr(adapter, "norms_fused", lambda decoder: contextlib.nullcontext())
+    twin = adapter.tree_twin
+    monkeypatch.setattr(adapter, "tree_twin", lambda decoder, projections, norms: twin(decoder, projections, False))
     monkeypatch.setattr(adapter, "rotary_fused", contextlib.nullcontext)
 
 
@@ -210,7 +212,7 @@ def test_compiled_tree_forward_is_one_graph(verify, attention, monkeypatch):
         tokens[:, 0] = prefill(model, cache, PROMPTS)
     eager = tree_forward(model, caches[0], tokens, parents, verify=verify, attention=attention)
     compiled = tree_forward(model, caches[1], tokens, parents, verify=verify, compile=True, attention=attention)
-    assert traced_decoders == [model.get_decoder()]
+    assert traced_decoders == [tree_twin(model.get_decoder(), projections=True, norms=False).module]
     torch.testing.assert_close(compiled.logits, eager.logits, rtol=0, atol=0)
 
 
@@ -320,7 +322,7 @@ def test_inductor_graph_with_the_capacity_symbolic_keeps_every_attention_layer(m
             runs.append((logits, group.recurrent, group.conv, group.keys, group.values))
         for compiled, eager in zip(runs[1], runs[0]):
             torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)  # inductor fuses: not bit for bit
-    assert model.get_decoder() in adapter._COMPILED
+    assert tree_twin(model.get_decoder(), projections=True, norms=False).module in adapter._COMPILED
 
 
 @pytest.mark.parametrize("width", [1, 5])
@@ -438,3 +440,22 @@ def test_plain_calls_reach_the_kernels_as_called():
         (x, weight, bias, seq_idx, activation)))  # fmt: skip
     conv("x", "w", "b", activation="silu")
     assert conv_calls == [("x", "w", "b", None, "silu")]
+
+
+def test_overlapping_attention_backend_contexts_restore_the_caller_setting():
+    """SDPA's backends are process-wide flags: contexts of two threads that overlap, the first ending first, leave
+    cuDNN on for the caller afterwards, and off while either is inside."""
+    from hf_bole.models import attention_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        first, second = attention_backends(), attention_backends()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)  # as a thread whose call ends while another's runs
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        second.__exit__(None, None, None)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

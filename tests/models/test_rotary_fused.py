@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import pytest
 import torch
@@ -34,14 +35,13 @@ def _count_kernel_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_tree_forward_runs_every_rotary_embedding_through_the_kernel(monkeypatch, kind):
-    """One `rotary` call per full-attention layer in a tree forward; before and after it, both modeling modules
-    hold transformers' own function."""
-    originals = (modeling_qwen3_5.apply_rotary_pos_emb, modeling_qwen3_5_moe.apply_rotary_pos_emb)
+    """One `rotary` call per full-attention layer in a tree forward; a plain forward after it calls none."""
     model = build_model(kind)
     calls = _count_kernel_calls(monkeypatch)
     random_tree_logits(model)
     assert calls[0] == model.config.layer_types.count("full_attention")
-    assert (modeling_qwen3_5.apply_rotary_pos_emb, modeling_qwen3_5_moe.apply_rotary_pos_emb) == originals
+    model(torch.tensor([[5, 17, 33]]))
+    assert calls[0] == model.config.layer_types.count("full_attention")
 
 
 def test_compiled_forward_does_not_swap(monkeypatch):
@@ -80,11 +80,31 @@ def test_call_the_kernel_does_not_cover_goes_to_transformers_and_says_so(caplog)
     assert caplog.text.count("elementwise kernels (unsqueeze_dim=2)") == 1
 
 
-def test_nested_contexts_restore_the_original():
-    original = modeling_qwen3_5.apply_rotary_pos_emb
+def test_nested_contexts_restore_the_original(monkeypatch):
+    """A context inside another leaves the kernel on until the outer one ends."""
+    calls = _count_kernel_calls(monkeypatch)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 16, generator=gen), torch.randn(2, 1, 5, 16, generator=gen)  # [B, heads, N, D]
+    cos, sin = torch.randn(2, 5, 16, generator=gen), torch.randn(2, 5, 16, generator=gen)
     with rotary_module.rotary_fused():
-        inner = modeling_qwen3_5.apply_rotary_pos_emb
         with rotary_module.rotary_fused():
-            assert modeling_qwen3_5.apply_rotary_pos_emb is inner  # not wrapped twice
-        assert modeling_qwen3_5.apply_rotary_pos_emb is inner
-    assert modeling_qwen3_5.apply_rotary_pos_emb is original
+            modeling_qwen3_5.apply_rotary_pos_emb(q, k, cos, sin)
+        modeling_qwen3_5_moe.apply_rotary_pos_emb(q, k, cos, sin)
+        assert calls[0] == 2
+    modeling_qwen3_5.apply_rotary_pos_emb(q, k, cos, sin)
+    assert calls[0] == 2
+
+
+def test_other_threads_call_transformers_function(monkeypatch):
+    """Inside the context only this thread's calls take the kernel: another thread's go to transformers' function."""
+    calls = _count_kernel_calls(monkeypatch)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 16, generator=gen), torch.randn(2, 1, 5, 16, generator=gen)
+    cos, sin = torch.randn(2, 5, 16, generator=gen), torch.randn(2, 5, 16, generator=gen)
+    with rotary_module.rotary_fused():
+        thread = threading.Thread(target=modeling_qwen3_5.apply_rotary_pos_emb, args=(q, k, cos, sin))
+        thread.start()
+        thread.join()
+        assert calls[0] == 0
+        modeling_qwen3_5.apply_rotary_pos_emb(q, k, cos, sin)
+    assert calls[0] == 1

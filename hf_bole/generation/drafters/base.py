@@ -28,8 +28,9 @@ class DraftContext:
     Args:
         sequences (`list[torch.LongTensor]` or `None`):
             Per row, the committed token ids: the prompt without padding, then everything generated so far, the
-            root (the token the draft tree hangs from) last. `None` for a drafter with `max_depth` (see `Drafter`)
-            while the loop pipelines rounds: the host does not know them yet.
+            root (the token the draft tree hangs from) last; copies (writing into them changes nothing else). `None`
+            for a drafter with `max_depth` (see `Drafter`) while the loop pipelines rounds: the host does not know
+            them yet.
         max_nodes (`int`):
             The most draft nodes one row's tree may hold (the root not counted).
         lengths (`torch.LongTensor` of shape `(batch_size,)`, *optional*):

@@ -19,7 +19,6 @@ shallower node first).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -32,11 +31,12 @@ from transformers.utils import logging
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
+from hf_bole.kernels.attention import MAX_NODES as MAX_QUERY_ROWS
 from hf_bole.kernels.ops import row_topk
 from hf_bole.kernels.topk import MAX_K, naive_row_topk
 from hf_bole.models import attention_backends, graph_unsafe_experts
-from hf_bole.models.fused import projections_fused
 from hf_bole.models.mtp import Qwen3_5MTP
+from hf_bole.models.twin import tree_twin
 
 logger = logging.get_logger(__name__)
 
@@ -109,13 +109,9 @@ class MTPDrafter:
         compile: bool = False,
         fuse_projections: bool = False,
     ):
-        if depth < 1 or topk < 1 or (max_nodes is not None and max_nodes < 1):
-            raise ValueError(
-                f"MTPDrafter needs depth >= 1, topk >= 1 and max_nodes >= 1 (or None), got {depth}, {topk}, {max_nodes}"
-            )
-        vocab_size = lm_head.weight.shape[0]
-        if topk > vocab_size:
-            raise ValueError(f"MTPDrafter topk={topk} exceeds the vocabulary size {vocab_size}")
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"MTPDrafter needs max_nodes >= 1 (or None), got {max_nodes}")
+        self.check_settings(mtp.config, depth, topk, lm_head.weight.shape[0])
         self.mtp, self.embed_tokens, self.lm_head, self.rotary_emb = mtp, embed_tokens, lm_head, rotary_emb
         self.depth, self.topk, self.max_nodes = depth, topk, max_nodes
         if topk > MAX_K:
@@ -140,8 +136,35 @@ class MTPDrafter:
         self._graph_pool = None
         self.compile = compile
         self.fuse_projections = fuse_projections
+        self._head = mtp  # what a drafting step calls: `mtp`, or its twin with fused projections (set by `propose`)
         # made on first use: compiling happens on the first call, and a drafter that never drafts compiles nothing
         self._compiled_round = None
+
+    @staticmethod
+    def check_settings(config, depth: int, topk: int, vocab_size: int) -> None:
+        """Raises a `ValueError` for a `depth` or `topk` the drafter cannot run with a model of text config `config`
+        and `vocab_size` tokens: a round's steps attend in one `masked_attention` call each, of at most
+        `MAX_QUERY_ROWS` query rows per key head (the cache's extension by the accepted path, `depth + 1` entries; each
+        level's expansion, `topk` nodes; each entry once per query head of a key head)."""
+        if depth < 1 or topk < 1:
+            raise ValueError(f"MTPDrafter needs depth >= 1 and topk >= 1, got {depth} and {topk}")
+        if topk > vocab_size:
+            raise ValueError(
+                f"bole_topk={topk} exceeds the vocabulary ({vocab_size} tokens): the MTP drafter gives every node "
+                f"its topk likeliest tokens as children"
+            )
+        group = config.num_attention_heads // config.num_key_value_heads
+        most = MAX_QUERY_ROWS // group
+        for name, value, limit, what in (
+            ("depth", depth, most - 1, "extends its cache by depth + 1 entries a round"),
+            ("topk", topk, most, "expands topk nodes a level"),
+        ):
+            if value > limit:
+                raise ValueError(
+                    f"bole_{name}={value} is more than the MTP drafter takes on this model: it {what} in one attention "
+                    f"call of at most {MAX_QUERY_ROWS} query rows per key head, and this model has {group} query heads "
+                    f"per key head, so bole_{name} <= {limit}"
+                )
 
     @classmethod
     def from_model(
@@ -171,8 +194,11 @@ class MTPDrafter:
                 The `mtp.*` tensors themselves (checkpoint key layout).
 
         Raises:
-            `ValueError`: the checkpoint has no `mtp.*` weights (use `bole_drafter="ngram"` then).
+            `ValueError`: the checkpoint has no `mtp.*` weights (use `bole_drafter="ngram"` then), or the drafter
+            cannot run `depth` or `topk` on this model (`check_settings`).
         """
+        vocab_size = model.get_output_embeddings().weight.shape[0]
+        cls.check_settings(model.config.get_text_config(decoder=True), depth, topk, vocab_size)
         mtp = Qwen3_5MTP.from_pretrained(model, pretrained, state_dict=state_dict)
         return cls(
             mtp,
@@ -232,8 +258,9 @@ class MTPDrafter:
             positions = committed[:, None] - new_mask.sum(1, keepdim=True) + new_mask.cumsum(1) - 1
         inputs = (hidden, ctx.next_tokens, new_mask, positions, committed)
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes, self.max_nodes or ctx.max_nodes)
-        fused = projections_fused(self.mtp) if self.fuse_projections else contextlib.nullcontext()
-        with fused, attention_backends():  # not cuDNN: the drafter's query and key lengths change from call to call
+        # The head's twin with its projection groups fused (`models/twin.py`), or the head itself.
+        twin = tree_twin(self.mtp, projections=self.fuse_projections, norms=False)
+        with twin.entered() as self._head, attention_backends():  # not cuDNN: query and key lengths change every call
             cache.num_keys = cache.offset + longest  # attend over the slots in use only, not the whole capacity
             if not self._is_round(num_new):
                 # A prompt: every entry but each row's last depth + 1 extends the cache first (eagerly, or in chunks
@@ -329,7 +356,7 @@ class MTPDrafter:
         # Under accelerate's device_map the target's embedding may run on another device than the head (which sits
         # with the LM head): its small output comes here (no copy on one device).
         embeds = self.embed_tokens(tokens).to(hidden.device)
-        return self.mtp(
+        return self._head(
             embeds, hidden, rope, attention_mask=mask, past_key_values=cache, few_queries=few_queries,
             key_lengths=key_lengths,
         )  # fmt: skip
