@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else ["accelerate", "launch", f"--num_processes={accelerator.num_processes}"]
     )
     command = shlex.join([*launcher, "eval/run.py", *(sys.argv[1:] if argv is None else argv)])
-    place = hf_bole.models.placement(model)
+    place = hf_bole.placement.placement(model)
     header = {
         "machine": report.machine(),
         "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
@@ -527,7 +527,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     pad = generation["pad_token_id"]
     rows = [prompts[i][1] for i in batch]
     P = max(len(r) for r in rows)
-    place = hf_bole.models.placement(model)
+    place = hf_bole.placement.placement(model)
     device = place.input_device
     gpus = [d for d in place.devices if d.type == "cuda"]  # one, or all of them under --device-map
     input_ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows], device=device)  # [B, P]

@@ -75,7 +75,7 @@ from hf_bole.config import (
 from hf_bole.generation.graphs import WIDTH_BUCKETS, VerifyGraphs, captures, row_width, trimmed
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tree import DraftTree, VerifyTree
-from hf_bole.models.placement import placement
+from hf_bole.placement import placement
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
 
 logger = logging.getLogger(__name__)

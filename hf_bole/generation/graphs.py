@@ -22,7 +22,8 @@ from hf_bole.cache import BoleCache
 from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tail import RoundTail, greedy_tail
 from hf_bole.generation.tree import DraftTree, VerifyTree
-from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, placement, tree_forward
+from hf_bole.models import TreeForwardOutput, graph_unsafe_experts, tree_forward
+from hf_bole.placement import placement
 
 WIDTH_BUCKETS = (4, 8, 16, 32, 64, 128)
 # Cache capacities are rounded up to this many slots, so that calls of similar lengths share one cache and its graphs.
@@ -158,8 +159,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     input_ids: torch.Tensor  # [B, W] static inputs
     parents: torch.Tensor  # [B, W]
-    out: TreeForwardOutput  # static outputs
-    tree_round: object  # the cache's round buffers the graph writes (kept alive with it)
+    out: TreeForwardOutput  # static outputs, the round's buffers the graph writes among them
 
 
 class VerifyGraphs:
@@ -198,7 +198,8 @@ class VerifyGraphs:
         self._capacity = cache.capacity  # the storage the graphs hold
 
     def __call__(self, input_ids: torch.Tensor, parents: torch.Tensor) -> TreeForwardOutput:
-        """The verify forward of trees `[B, W]`; the outputs are the graph's buffers, valid until the next call."""
+        """The verify forward of trees `[B, W]`; the outputs (the tree round's among them) are the graph's buffers,
+        valid until the next call."""
         width = input_ids.shape[1]
         # The graph checks nothing on the host when it replays: make sure the tree fits in the cache here.
         self.cache._reserve_tree(width)
@@ -215,23 +216,24 @@ class VerifyGraphs:
             entry.input_ids.copy_(input_ids)
             entry.parents.copy_(parents)
             entry.graph.replay()
-        self.cache.resume_round(entry.tree_round)
+        self.cache.mark_verified(entry.out.tree_round)
         return entry.out
 
     def _capture(self, input_ids: torch.Tensor, parents: torch.Tensor) -> _Graph:
         input_ids, parents = input_ids.clone(), parents.clone()
+        tree_round = self.cache.new_round(parents, self.verify)  # the round every replay fills
         # Tree mode leaves the committed state alone, so the forward may run any number of times.
         graph, out = capture(
             lambda: tree_forward(
                 self.model, self.cache, input_ids, parents, self.verify, self.compile, self.fuse_projections,
-                self.attention,
+                self.attention, tree_round,
             ),  # fmt: skip
             input_ids.device,
             self._pool,
         )
         self._pool = graph.pool()
         graph.replay()  # the capture only recorded the work
-        return _Graph(graph, input_ids, parents, out, self.cache.current_round())
+        return _Graph(graph, input_ids, parents, out)
 
 
 class SelectGraphs:
@@ -306,18 +308,19 @@ class TailGraphs:
         step: int,
         width: int | None,
     ) -> RoundTail:
+        # The verify graph's outputs: a round of its own per graph, which their addresses name too.
         inputs = (verify.input_ids, verify.parents, verify.depths, verify.node_mask, out.logits, out.hidden_states)
         key = (tuple((x.data_ptr(), x.shape, x.stride(), x.dtype) for x in inputs), active.shape, step, width)
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
                 self._seen.add(key)
-                return greedy_tail(self.cache, verify, out.logits, out.hidden_states, active, step, width)
+                return greedy_tail(self.cache, verify, out, active, step, width)
             static_active = active.clone()
             # Not warmed up: the tail writes the cache. The capture runs the commit's host-side record once, which
             # the replay below is the commit of.
             graph, tail = capture(
-                lambda: greedy_tail(self.cache, verify, out.logits, out.hidden_states, static_active, step, width),
+                lambda: greedy_tail(self.cache, verify, out, static_active, step, width),
                 active.device,
                 self._pool,
                 warm_up=False,
@@ -334,7 +337,7 @@ class TailGraphs:
 
 
 class CommitGraphs:
-    """`cache.commit(path, check_values=False)` replayed from a CUDA graph per (path shape, tree round): the prefill
+    """`cache.commit(tree_round, path, check_values=False)` replayed from a CUDA graph per (path shape, tree round): the prefill
     chains' commits (`generation/prefill.py`), whose paths are whole chains. Launched from Python a commit is about a
     dozen launches, three of them Triton kernels; with the chain's other launches it kept the host busier than the
     GPU on a small model.
@@ -356,18 +359,17 @@ class CommitGraphs:
         self._graphs.clear()
         self._seen.clear()
 
-    def __call__(self, path: torch.Tensor) -> None:
-        """Commits `path [B, L]` of the last verify forward, as `BoleCache.commit` does without reading it."""
-        tree_round = self.cache.current_round()
+    def __call__(self, tree_round, path: torch.Tensor) -> None:
+        """Commits `path [B, L]` of `tree_round` (a verify graph's), as `BoleCache.commit` does without reading it."""
         key = (tuple(path.shape), id(tree_round))
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
                 self._seen.add(key)
-                self.cache.commit(path, check_values=False)
+                self.cache.commit(tree_round, path, check_values=False)
                 return
             static = path.clone()
-            graph, _ = capture_queued(lambda: self.cache.commit(static, check_values=False), path.device)
+            graph, _ = capture_queued(lambda: self.cache.commit(tree_round, static, check_values=False), path.device)
             self._graphs[key] = (graph, static, tree_round)
             graph.replay()
             return

@@ -61,15 +61,8 @@ from hf_bole.generation.select_kernel import select_round
 from hf_bole.generation.tail import round_tail
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import (
-    Placement,
-    attention_backends,
-    cache_argument,
-    check_supported_model,
-    graph_unsafe_experts,
-    placement,
-    tree_forward,
-)
+from hf_bole.models import attention_backends, cache_argument, check_supported_model, graph_unsafe_experts, tree_forward
+from hf_bole.placement import Placement, placement
 
 logger = logging.get_logger(__name__)
 
@@ -109,7 +102,7 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
         mean_accepted_tokens (`float`):
             Accepted tokens per verify round over all rows' rounds.
         peak_transient_bytes (`dict[str, int]`):
-            The largest per-round tree state of the call (`BoleCache.transient_bytes` of its biggest round): GDN
+            The largest per-round tree state of the call (`TreeRound.transient_bytes` of its biggest round): GDN
             factors or per-node snapshots, pre-conv inputs, tree KV.
         round_time_ms (`dict[str, float]`, *optional*):
             With `bole_profile=True`: milliseconds spent in each phase of the rounds (draft, select, verify, accept,
@@ -529,7 +522,7 @@ def _decode(
     new_mask, new_positions = mask, text_positions
     root = first
     rounds: list[list[int]] = []  # per round, the tokens each row accepted (0: it sat the round out)
-    peak_transient = dict.fromkeys(cache.transient_bytes, 0)  # the rounds' tree state (prefill chains not counted)
+    peak_transient = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}  # the rounds' tree state
     timer = PhaseTimer(device, enabled=bole.profile)
     uploaded = None  # the `active` list `active_t` [B] holds on the device
     while True:
@@ -582,7 +575,7 @@ def _decode(
         timer.mark("select")
         out = verify_forward(verify.input_ids, verify.parents.to(cache.device))
         timer.mark("verify")
-        peak_transient = max(peak_transient, cache.transient_bytes, key=lambda t: sum(t.values()))
+        peak_transient = max(peak_transient, out.tree_round.transient_bytes, key=lambda t: sum(t.values()))
         # The drafter's next inputs keep one shape from round to round (one CUDA graph) with `max_depth`: `step`
         # columns.
         width = step if max_depth is not None else None
@@ -603,7 +596,7 @@ def _decode(
                 scores = process_logits(logits_processor, out.logits, verify, contexts) if logits_processor else out.logits
                 accepted = accept_greedy_kernel(verify, scores.argmax(-1))
             timer.mark("accept")
-            tail = round_tail(cache, accepted, out.hidden_states, active_t, step, width)
+            tail = round_tail(cache, out, accepted, active_t, step, width)
             timer.mark("commit")
 
         queued.append(_Queued(state.write(tail.tokens, tail.lengths), tree_copy))

@@ -82,8 +82,8 @@ def chain_prefill(
     verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int, commit=None
 ) -> torch.Tensor:
     """Prefills the empty `cache` with each row's prompt as chains through `verify_forward(ids, parents)` (a
-    `VerifyGraphs` or `tree_forward`), each committed whole by `commit(path)` (`VerifyGraphs.commit`, replayed;
-    defaults to `cache.commit` without its reads).
+    `VerifyGraphs` or `tree_forward`), each committed whole by `commit(tree_round, path)` (`VerifyGraphs.commit`,
+    replayed; defaults to `cache.commit` without its reads).
 
     Args:
         input_ids: `[B, P]` int64 prompts, left-padded.
@@ -119,5 +119,5 @@ def chain_prefill(
         # The outputs may be a graph's buffers, which the next chain overwrites: taken out now.
         into = columns[:, chain].to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         hidden.scatter_(1, into, out.hidden_states)
-        commit(path[:, chain])
+        commit(out.tree_round, path[:, chain])
     return hidden[:, :P]

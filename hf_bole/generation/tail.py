@@ -16,6 +16,7 @@ from hf_bole.cache import BoleCache
 from hf_bole.generation.accept_kernel import accept_greedy_kernel
 from hf_bole.generation.acceptance import Acceptance
 from hf_bole.generation.tree import VerifyTree
+from hf_bole.models import TreeForwardOutput
 
 
 @dataclass
@@ -36,19 +37,21 @@ class RoundTail:
 
 def round_tail(
     cache: BoleCache,
+    out: TreeForwardOutput,
     accepted: Acceptance,
-    hidden_states: torch.Tensor,
     active: torch.Tensor,
     step: int,
     width: int | None,
 ) -> RoundTail:
-    """Commits `accepted`'s paths of the `active [B]` rows (at most `step` nodes each) and gathers the drafter's next
-    inputs from the verify forward's `hidden_states [B, T, hidden]`: to `width` columns (a drafter with `max_depth`,
+    """Commits `accepted`'s paths of the `active [B]` rows (at most `step` nodes each) of the verify forward `out`'s
+    tree round and gathers the drafter's next inputs from its `hidden_states [B, T, hidden]`: to `width` columns (a drafter with `max_depth`,
     whose inputs then keep one shape from round to round), or as wide as the paths with `width=None`. Reads nothing
     on the host."""
+    hidden_states = out.hidden_states
     path = torch.where(active[:, None], accepted.path[:, :step], -1)  # [B, <= step]
     positions = cache.positions.to(hidden_states.device, copy=True)  # [B] before the commit
-    cache.commit(path.to(cache.device), check_values=False)  # paths of the acceptance walk: no host read of them
+    # paths of the acceptance walk: no host read of them
+    cache.commit(out.tree_round, path.to(cache.device), check_values=False)
     committed_width = path.shape[1]
     width = committed_width if width is None else width
     path = torch.nn.functional.pad(path, (0, width - committed_width), value=-1)  # [B, width]
@@ -70,13 +73,12 @@ def round_tail(
 def greedy_tail(
     cache: BoleCache,
     verify: VerifyTree,
-    logits: torch.Tensor,
-    hidden_states: torch.Tensor,
+    out: TreeForwardOutput,
     active: torch.Tensor,
     step: int,
     width: int | None,
 ) -> RoundTail:
-    """Greedy acceptance of `verify` from the verify forward's `logits [B, T, V]` (no logits processors), then
-    `round_tail`. Greedy reads only the argmax: taken on the logits themselves, no fp32 copy of them."""
-    accepted = accept_greedy_kernel(verify, logits.argmax(-1))
-    return round_tail(cache, accepted, hidden_states, active, step, width)
+    """Greedy acceptance of `verify` from the verify forward's logits (`out.logits [B, T, V]`; no logits processors),
+    then `round_tail`. Greedy reads only the argmax: taken on the logits themselves, no fp32 copy of them."""
+    accepted = accept_greedy_kernel(verify, out.logits.argmax(-1))
+    return round_tail(cache, out, accepted, active, step, width)

@@ -13,7 +13,8 @@ import torch
 
 from hf_bole.cache import BoleCache
 from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import attention_backends, cache_argument, placement, tree_forward
+from hf_bole.models import attention_backends, cache_argument, tree_forward
+from hf_bole.placement import placement
 
 # One width per specialisation of each power-of-two tile up to MAX_NODES: 1, then per tile one width that is
 # not a multiple of 16 and one that is (the tile itself).
@@ -77,9 +78,9 @@ def warmup(
         # Node i's parent is (i - 1) // 2: a binary tree, as wide as asked and log-deep.
         parents = ((torch.arange(width, device=device) - 1).div(2, rounding_mode="floor")).expand(batch_size, -1)
         ids = torch.cat([root, torch.randint(1, vocab, (batch_size, width - 1), device=device)], dim=1)
-        tree_forward(model, cache, ids, parents, verify, compile, fuse_projections, attention)
+        out = tree_forward(model, cache, ids, parents, verify, compile, fuse_projections, attention)
         padded = path + [-1] * (width - len(path))  # as the acceptance walk gives it: [B, width], -1 after the leaf
-        cache.commit(torch.tensor([padded] * batch_size, device=device))
+        cache.commit(out.tree_round, torch.tensor([padded] * batch_size, device=device))
         root = ids[:, path[-1] : path[-1] + 1]
     for d in place.devices:
         if d.type == "cuda":

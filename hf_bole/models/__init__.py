@@ -9,21 +9,19 @@ from hf_bole.models.qwen3_5 import (
     check_supported_model,
     graph_unsafe_experts,
     install_adapter,
+    install_adapters,
     tree_forward,
 )
-from hf_bole.models.placement import Placement, execution_device, placement
 
 __all__ = [
-    "Placement",
     "SUPPORTED_CLASSES",
     "TreeBatch",
     "TreeForwardOutput",
     "attention_backends",
     "cache_argument",
     "check_supported_model",
-    "execution_device",
     "graph_unsafe_experts",
     "install_adapter",
-    "placement",
+    "install_adapters",
     "tree_forward",
 ]

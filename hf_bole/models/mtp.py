@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 from hf_bole.kernels.ops import masked_attention
-from hf_bole.models.placement import placement
+from hf_bole.placement import placement
 from hf_bole.models.qwen3_5 import cache_argument
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")

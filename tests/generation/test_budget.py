@@ -31,7 +31,7 @@ from hf_bole.generation.budget import (
 )
 from hf_bole.generation import DraftTree, VerifyTree, select_nodes
 from hf_bole.generation.select_kernel import prepared_tree
-from hf_bole.models import Placement
+from hf_bole.placement import Placement
 from hf_bole.models.twin import tree_twin
 from tests.models import tiny
 

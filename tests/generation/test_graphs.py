@@ -27,7 +27,8 @@ from hf_bole.generation.select_kernel import prepared_tree
 from hf_bole.generation.select import select_nodes
 from hf_bole.generation.tail import greedy_tail
 from hf_bole.generation.tree import VerifyTree
-from hf_bole.models import Placement, graph_unsafe_experts, tree_forward
+from hf_bole.models import graph_unsafe_experts, tree_forward
+from hf_bole.placement import Placement
 from tests.generation.recorded_graph import recording_capture, recording_queued_capture
 from tests.models.tiny import batch_trees, build_model, prefill
 
@@ -49,8 +50,8 @@ def test_verify_forward_reads_nothing_on_the_host(monkeypatch, verify, experts):
     cache = BoleCache(model.config, batch_size=3, max_cache_len=64)
     prefill(model, cache, PROMPTS)
     parents = batch_trees([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0]])
-    tree_forward(model, cache, torch.ones_like(parents), parents, verify=verify)
-    cache.commit(batch_trees([[0, 1, 3], [0], [0, 2]]))  # rows of different lengths from here on
+    out = tree_forward(model, cache, torch.ones_like(parents), parents, verify=verify)
+    cache.commit(out.tree_round, batch_trees([[0, 1, 3], [0], [0, 2]]))  # rows of different lengths from here on
     ids = torch.randint(1, 50, parents.shape)
     tree_forward(model, cache, ids, parents, verify=verify)  # the parents are checked (read) here, once
     reads = []
@@ -125,38 +126,36 @@ def test_graphs_are_captured_again_after_the_cache_grew(monkeypatch):
     for _ in range(32):  # 7 + 128 tokens: the cache's storage grows (in steps of 64 slots, doubling) twice
         ids = torch.randint(1, 50, parents.shape)
         before = len(captured)
-        torch.testing.assert_close(graphs(ids, parents).logits, tree_forward(model, eager, ids, parents).logits)
+        replayed, reference = graphs(ids, parents), tree_forward(model, eager, ids, parents)
+        torch.testing.assert_close(replayed.logits, reference.logits)
         if cache.capacity not in capacities:  # grew: captured again
             capacities.append(cache.capacity)
             assert len(captured) == before + 1
-        graphs.commit(path)
-        eager.commit(path)
+        graphs.commit(replayed.tree_round, path)
+        eager.commit(reference.tree_round, path)
     _assert_same_committed(cache, eager)
     assert capacities == [64, 128, 256]
 
 
-def test_resumed_round_commits_its_own_forward():
-    """What replays rely on: after other widths' forwards, `resume_round` makes a width's round current again, a
-    forward of that width writes into that round's buffers (as its graph does), and its commit equals a commit
-    right after a forward on a cache that never saw the other widths."""
+def test_kept_round_commits_its_own_forward():
+    """What replays rely on: after other widths' forwards, a forward given a width's kept round writes into that
+    round's buffers (as its graph does), and committing it equals a commit right after a forward on a cache that
+    never saw the other widths."""
     model = build_model()
     parents = batch_trees([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0]])
     ids = torch.randint(1, 50, parents.shape)
     path = batch_trees([[0, 1, 3], [0, 1], [0, 3]])
-    direct, resumed = (BoleCache(model.config, batch_size=3, max_cache_len=64) for _ in range(2))
-    for cache in (direct, resumed):
+    direct, kept = (BoleCache(model.config, batch_size=3, max_cache_len=64) for _ in range(2))
+    for cache in (direct, kept):
         prefill(model, cache, PROMPTS)
-        tree_forward(model, cache, ids, parents)
-    kept = resumed.current_round()
+    reference = tree_forward(model, direct, ids, parents).tree_round
+    tree_round = tree_forward(model, kept, ids, parents).tree_round
     wider = batch_trees([[-1, 0, 1, 2, 3, 4, 5, 6]] * 3)
-    tree_forward(model, resumed, torch.ones_like(wider), wider)  # another width: other round buffers
-    assert resumed.current_round() is not kept
-    resumed.resume_round(kept)
-    tree_forward(model, resumed, ids, parents)
-    assert resumed.current_round() is kept
-    direct.commit(path)
-    resumed.commit(path)
-    _assert_same_committed(resumed, direct)
+    assert tree_forward(model, kept, torch.ones_like(wider), wider, tree_round=tree_round).tree_round is not tree_round
+    assert tree_forward(model, kept, ids, parents, tree_round=tree_round).tree_round is tree_round
+    direct.commit(reference, path)
+    kept.commit(tree_round, path)
+    _assert_same_committed(kept, direct)
 
 
 def _assert_same_committed(got: BoleCache, want: BoleCache) -> None:
@@ -207,8 +206,10 @@ def test_replayed_tail_commits_as_the_eager_tail(monkeypatch, mode):
             chosen = out.logits.argmax(-1).gather(1, verify.parents.clamp(min=0))
             verify.input_ids[:, 1:] = torch.where(verify.node_mask, chosen, 0)[:, 1:]
         out = tree_forward(model, eager, verify.input_ids, verify.parents, verify=mode)
-        want = greedy_tail(eager, verify, out.logits, out.hidden_states, active, 4, 4)
-        got_out = tree_forward(model, replayed, verify.input_ids, verify.parents, verify=mode)
+        want = greedy_tail(eager, verify, out, active, 4, 4)
+        # The forward fills the same round's buffers every round, as a verify graph does.
+        kept_round = None if static is None else static[1].tree_round
+        got_out = tree_forward(model, replayed, verify.input_ids, verify.parents, verify=mode, tree_round=kept_round)
         if static is None:
             static = [_cloned(verify), _cloned(got_out)]
         for buffer, value in zip(static, (verify, got_out)):

@@ -24,7 +24,7 @@ import hf_bole
 from hf_bole.config import BoleConfig
 from hf_bole.generation import DraftContext, DraftTree, graphs, loop
 from hf_bole.generation.loop import _spread_settings
-from hf_bole.models import Placement
+from hf_bole.placement import Placement
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
 from hf_bole.models.twin import tree_twin
 from tests.models import tiny
@@ -1226,7 +1226,7 @@ def test_greedy_matches_plain_on_two_gpus(dense_with_mtp, drafter):
     model = type(dense_with_mtp).from_pretrained(
         dense_with_mtp.name_or_path, attn_implementation="sdpa", device_map=device_map
     ).eval()
-    assert hf_bole.models.placement(model).devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert hf_bole.placement.placement(model).devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
     ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
     kwargs = dict(bole_depth=3, bole_topk=3) if drafter == "mtp" else dict(bole_drafter=oracle_for(model, PROMPTS))
     out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, **kwargs)
