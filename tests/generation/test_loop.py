@@ -22,8 +22,9 @@ from transformers import (
 
 import hf_bole
 from hf_bole.config import BoleConfig
-from hf_bole.generation import DraftContext, DraftTree, graphs, loop
-from hf_bole.generation.loop import _spread_settings
+from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop
+from hf_bole.generation import writes as writes_module
+from hf_bole.generation.requests import spread_settings
 from hf_bole.placement import Placement
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
 from hf_bole.models.twin import tree_twin
@@ -237,17 +238,17 @@ def test_greedy_matches_plain_ngram(request, kind):
 def test_release_frees_what_calls_keep(dense_with_mtp):
     """`hf_bole.release(model)` drops the MTP drafter and the graphed caches kept for the next call; that call
     builds them again and decodes the same."""
-    from hf_bole.generation import graphs, loop
+    from hf_bole.generation import draft, graphs
 
     model = dense_with_mtp
     first = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
-    assert model in loop._MTP_DRAFTERS
+    assert model in draft._MTP_DRAFTERS
     graphs.graphed_cache(model, 2, 64, "closed_form")  # what a CUDA call keeps (its graphs capture on first use)
     graphs.graphed_select(model)
     hf_bole.release(model)
-    assert model not in loop._MTP_DRAFTERS and model not in graphs._STORE and model not in graphs._SELECT
+    assert model not in draft._MTP_DRAFTERS and model not in graphs._STORE and model not in graphs._SELECT
     again = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
-    assert torch.equal(again, first) and model in loop._MTP_DRAFTERS
+    assert torch.equal(again, first) and model in draft._MTP_DRAFTERS
 
 
 def _in_threads(*calls) -> list:
@@ -357,7 +358,7 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
     from torch._dynamo.testing import CompileCounter
 
     import hf_bole.models.qwen3_5 as adapter
-    from hf_bole.generation import loop
+    from hf_bole.generation import draft
 
     counter = CompileCounter()
     monkeypatch.setattr(torch, "compile", lambda fn: torch._dynamo.optimize(counter)(fn))
@@ -367,7 +368,7 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
     ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
     out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3, bole_compile=True)
     assert torch.equal(out, ref)
-    drafter = loop._MTP_DRAFTERS[model][3, 3, True, True, True]  # (depth, topk, cuda_graphs, compile, fused)
+    drafter = draft._MTP_DRAFTERS[model][3, 3, True, True, True]  # (depth, topk, cuda_graphs, compile, fused)
     assert drafter._compiled_round is not None
     assert tree_twin(model.get_decoder(), projections=True, norms=False).module in adapter._COMPILED
     assert counter.frame_count >= 2  # the drafter's rounds and the verify forward
@@ -387,12 +388,12 @@ def test_drafter_compiles_on_cuda_only(dense_with_mtp):
         (BoleConfig(compile=True, compile_drafter=False), cpu, True),
         (BoleConfig(fuse_projections=False), cpu, False),
     ]:
-        drafter = loop._make_drafter(dense_with_mtp, config, device)
+        drafter = draft.make_drafter(dense_with_mtp, config, device)
         assert drafter.compile is compiled, (config, device)
         assert drafter.fuse_projections is config.fuse_projections
         key = (config.depth, config.topk, config.cuda_graphs, compiled, config.fuse_projections)
-        assert loop._MTP_DRAFTERS[dense_with_mtp][key] is drafter
-    assert len(loop._MTP_DRAFTERS[dense_with_mtp]) == 3  # compiled or not, fused or not: the unfused one its own
+        assert draft._MTP_DRAFTERS[dense_with_mtp][key] is drafter
+    assert len(draft._MTP_DRAFTERS[dense_with_mtp]) == 3  # compiled or not, fused or not: the unfused one its own
     hf_bole.release(dense_with_mtp)
 
 
@@ -522,8 +523,8 @@ def test_memory_follows_the_tokens_generated_not_max_new_tokens(dense, monkeypat
     """`max_new_tokens=100000` and an EOS a few tokens in: the cache and the sequences are sized for the tokens made
     (plus a fixed room), not for max_new_tokens, and the output is plain greedy's."""
     widths = []
-    init = loop._Writes.__init__
-    monkeypatch.setattr(loop._Writes, "__init__", lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a))
+    init = writes_module.Writes.__init__
+    monkeypatch.setattr(writes_module.Writes, "__init__", lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a))
     probe = plain(dense, PROMPTS, max_new_tokens=12, do_sample=False)
     eos = probe[:, -6].tolist()  # every row stops where it first makes one of these
     ref = plain(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos)
@@ -854,7 +855,7 @@ def test_stopping_multi_token_stop_strings(dense, longest):
     prompt (9 > 7 + 1: a window would reach before the first column)."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from hf_bole.generation.loop import _Stopping
+    from hf_bole.generation.stopping import Stopping
 
     prompts = PROMPTS[:3]
     greedy = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
@@ -862,7 +863,7 @@ def test_stopping_multi_token_stop_strings(dense, longest):
     text = lambda row, start, n: "".join(_char(int(t)) for t in greedy[row, P + start : P + start + n])  # noqa: E731
     stops = [text(0, 4, 3), text(2, 7, 2), text(1, 2, longest)]  # the last ends at step 2 + longest of row 1
     tok = _tokenizer()
-    batched = _Stopping([StopStringCriteria(tok, stops)], P).suffix
+    batched = Stopping([StopStringCriteria(tok, stops)], P).suffix
     assert bool(batched) == (longest <= P + 1)
     kwargs = dict(max_new_tokens=NEW, do_sample=False, stop_strings=stops, tokenizer=tok)
     ref = plain(dense, prompts, **kwargs)
@@ -878,14 +879,16 @@ def test_stop_string_windows_past_a_finished_row():
     ended eval/run.py's house runs at batch 8, depth 6, budget 32; on CUDA a device-side assert)."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from hf_bole.generation.loop import _Rows, _Stopping, _Writes
+    from hf_bole.generation.rows import Rows
+    from hf_bole.generation.stopping import Stopping
+    from hf_bole.generation.writes import Writes
 
     P, max_new, pad = 4, 6, 0
-    stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
+    stopping = Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
     prompts = torch.full((2, P), pad)
-    writes = _Writes.for_call(None, prompts, P + max_new + 3, pad, stopping, graphed=False)  # 3 spare columns
+    writes = Writes.for_call(None, prompts, P + max_new + 3, pad, stopping, graphed=False)  # 3 spare columns
     seq = writes.seq
-    rows = _Rows(2, P, max_new, stopping, writes)
+    rows = Rows(2, P, max_new, stopping, writes)
     rows.generated.copy_(torch.tensor([max_new + 2, 1]))  # row 0 done; row 1 has its first token (in place)
     tokens = torch.tensor([[-1, -1, -1, -1, -1], [3, 1, 2, -1, -1]])  # [B, L]: -1 past each row's path
     written = rows.write(tokens, torch.tensor([0, 3]))
@@ -896,7 +899,7 @@ def test_stop_string_windows_past_a_finished_row():
 
 
 def test_replayed_writes_are_the_eager_writes(monkeypatch):
-    """`_Rows.write` replayed from graphs (`graphed`; a recorded call stands for the CUDA graph): the first write of a
+    """`Rows.write` replayed from graphs (`graphed`; a recorded call stands for the CUDA graph): the first write of a
     width runs eagerly, the second captures, later ones replay with the round's tokens copied in. The sequence, the
     rows' counts and what goes to the host (lengths, tokens, stop-string hits) equal eager writes' every round. The
     writes are kept for the model's next calls: one graph serves every round of that width in calls of other prompt
@@ -905,7 +908,9 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     from transformers.generation.stopping_criteria import STOP_STRING_EMBEDDING_CACHE, StopStringCriteria
 
     from hf_bole.generation import graphs as graphs_module
-    from hf_bole.generation.loop import _Rows, _Stopping, _Writes
+    from hf_bole.generation.rows import Rows
+    from hf_bole.generation.stopping import Stopping
+    from hf_bole.generation.writes import Writes
     from tests.generation.recorded_graph import recording_queued_capture
 
     captured = []
@@ -920,11 +925,11 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
             STOP_STRING_EMBEDDING_CACHE.clear()
         # new criteria every call, as `generate(stop_strings=...)` builds them: the same stop string and vocabulary
         criteria = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]
-        stopping = _Stopping(criteria, P)
+        stopping = Stopping(criteria, P)
         prompts = torch.randint(0, 4, (B, P), generator=generator)
-        writes = [_Writes.for_call(model, prompts, P + max_new + 8, pad, stopping, graphed=g) for g in (False, True)]
+        writes = [Writes.for_call(model, prompts, P + max_new + 8, pad, stopping, graphed=g) for g in (False, True)]
         kept.append(writes[1])
-        rows = [_Rows(B, P, max_new, stopping, w) for w in writes]
+        rows = [Rows(B, P, max_new, stopping, w) for w in writes]
         for _ in range(4):
             tokens = torch.randint(0, 4, (B, L), generator=generator)  # ids 0-3: "bc" turns up
             lengths = torch.randint(0, L + 1, (B,), generator=generator)
@@ -938,16 +943,16 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
     assert kept[0] is kept[1] is kept[2]
     assert len(captured) == 1
     others = [StopStringCriteria(_tokenizer(), [_char(2) + _char(1)])]  # another stop string
-    assert _Writes.for_call(model, prompts, 40, pad, _Stopping(others, 6), graphed=True) is not kept[0]
-    stopping = _Stopping(criteria, 6)
-    assert _Writes.for_call(model, prompts, 40, pad, stopping, graphed=True) is not kept[0]  # back to `criteria`
-    renewed = _Writes.for_call(model, prompts, 40, pad, stopping, graphed=True)
-    assert _Writes.for_call(model, prompts, 4000, pad, stopping, graphed=True) is not renewed
-    assert _Writes.for_call(model, prompts[:2], 40, pad, stopping, graphed=True) is not renewed
+    assert Writes.for_call(model, prompts, 40, pad, Stopping(others, 6), graphed=True) is not kept[0]
+    stopping = Stopping(criteria, 6)
+    assert Writes.for_call(model, prompts, 40, pad, stopping, graphed=True) is not kept[0]  # back to `criteria`
+    renewed = Writes.for_call(model, prompts, 40, pad, stopping, graphed=True)
+    assert Writes.for_call(model, prompts, 4000, pad, stopping, graphed=True) is not renewed
+    assert Writes.for_call(model, prompts[:2], 40, pad, stopping, graphed=True) is not renewed
 
 
 def _read_token_by_token(rows, written) -> list[int]:
-    """`_Rows.read` as plain decoding's rules read literally: every token in turn, the limit and each criterion asked
+    """`Rows.read` as plain decoding's rules read literally: every token in turn, the limit and each criterion asked
     again before it (the loop's form before it read a row at a time)."""
     stopping, host, L = rows.stopping, written.host.tolist(), written.width
     counted = []
@@ -972,7 +977,7 @@ def _read_token_by_token(rows, written) -> list[int]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
-    """`_Rows.read` emits, counts and stops rows exactly as reading token by token does, and calls a user criterion
+    """`Rows.read` emits, counts and stops rows exactly as reading token by token does, and calls a user criterion
     with the same ids in the same order: random rounds of EOS, stop-string hits, a max length, a user criterion
     that stops on one token id, with and without padding of finished rows."""
     from transformers.generation.stopping_criteria import (
@@ -982,7 +987,9 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
         StoppingCriteriaList,
     )
 
-    from hf_bole.generation.loop import _Rows, _Stopping, _Writes, _Written
+    from hf_bole.generation.rows import Rows
+    from hf_bole.generation.stopping import Stopping
+    from hf_bole.generation.writes import Done, Writes, Written
 
     class StopsOn(StoppingCriteria):
         def __init__(self, token):
@@ -995,14 +1002,14 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
     B, P, L, max_new = 4, 3, 5, 14
     for pads in (True, False):
         states = []
-        for read in (_Rows.read, _read_token_by_token):
+        for read in (Rows.read, _read_token_by_token):
             user = StopsOn(7)
             criteria = [MaxLengthCriteria(P + max_new), user] + ([EosTokenCriteria(5)] if pads else [])
-            stopping = _Stopping(StoppingCriteriaList(criteria), P)
+            stopping = Stopping(StoppingCriteriaList(criteria), P)
             prompts = torch.zeros(B, P, dtype=torch.long)
-            writes = _Writes.for_call(None, prompts, P + max_new + 3 * L, 0, stopping, False)
+            writes = Writes.for_call(None, prompts, P + max_new + 3 * L, 0, stopping, False)
             seq = writes.seq
-            rows = _Rows(B, P, max_new, stopping, writes)
+            rows = Rows(B, P, max_new, stopping, writes)
             draws = torch.Generator().manual_seed(seed + 100 * pads)
             counted = []
             while any(rows.active()):
@@ -1013,7 +1020,7 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
                     n = min(rows.n_gen[b], seq.shape[1] - P - L)
                     seq[b, P + n : P + n + L] = tokens[b]
                 host = torch.cat([lengths[:, None], tokens, hits.long()], dim=1)
-                counted.append(read(rows, _Written(host, loop._Done(), L, True)))
+                counted.append(read(rows, Written(host, Done(), L, True)))
             states.append((counted, rows.tokens, rows.n_gen, rows.finished_at, rows.frozen, user.calls))
         assert states[0] == states[1]
         assert any(f is not None for f in states[0][3])  # some row stopped inside a round
@@ -1201,13 +1208,13 @@ def test_spread_model_settings(caplog):
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     spread = Placement(gpus[0], gpus[1], (gpus[0], gpus[0], gpus[1], gpus[1]))
     with caplog.at_level(logging.WARNING):
-        settings = _spread_settings(BoleConfig(), spread)
+        settings = spread_settings(BoleConfig(), spread)
     assert not settings.cuda_graphs and not settings.compile_drafter
     assert "CUDA graphs and the drafter's compile are off: the model spans 2 devices (cuda:0, cuda:1)" in caplog.text
     with pytest.raises(ValueError, match="bole_compile=True.*spread over 2 devices.*drop bole_compile"):
-        _spread_settings(BoleConfig(compile=True), spread)
+        spread_settings(BoleConfig(compile=True), spread)
     one = Placement(gpus[0], gpus[0], (gpus[0],) * 4)
-    assert _spread_settings(BoleConfig(compile=True), one) == BoleConfig(compile=True)
+    assert spread_settings(BoleConfig(compile=True), one) == BoleConfig(compile=True)
 
 
 @pytest.mark.skipif(
