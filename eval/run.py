@@ -81,15 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_budget,
         nargs="+",
         default=[defaults.budget],
-        help="draft nodes verified per round across the batch, 'auto' (hf_bole's calibrated table) or 'goodput' (the "
-        "table under the goodput rule); several: a sweep",
+        help="draft nodes verified per round across the batch, or 'auto' (hf_bole's calibrated table); several: a sweep",
     )
     ap.add_argument(
         "--epsilon",
         type=float,
         nargs="+",
         default=[defaults.epsilon],
-        help="the slack of --budget auto (and of goodput's first round); several: a sweep",
+        help="the slack of --budget auto; several: a sweep",
     )
     ap.add_argument("--drafter", choices=["mtp", "ngram", "oracle"], help="default: mtp (--model), oracle (--shape)")
     ap.add_argument(
@@ -173,10 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _budget(value: str) -> int | str:
-    if value in ("auto", "goodput"):
+    if value == "auto":
         return value
     if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"a positive int, 'auto' or 'goodput', got {value!r}")
+        raise argparse.ArgumentTypeError(f"a positive int or 'auto', got {value!r}")
     return int(value)
 
 

@@ -19,9 +19,10 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_bole.config import BoleConfig
 from hf_bole.generation.draft import drop_drafters
-from hf_bole.generation.graphs import drop_graphs
 from hf_bole.generation.loop import decode
 from hf_bole.generation.requests import check_assisted, check_cache_args
+from hf_bole.generation.select import drop_select_graphs
+from hf_bole.generation.verify import drop_verify_graphs
 from hf_bole.generation.writes import drop_writes
 
 
@@ -155,7 +156,8 @@ def release(model) -> None:
     ```
     """
     with _model_lock(model):
-        drop_graphs(model)
+        drop_verify_graphs(model)
+        drop_select_graphs(model)
         drop_drafters(model)
         drop_writes(model)
 

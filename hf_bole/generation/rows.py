@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_bole.generation.draft import check_custom_tree
 from hf_bole.generation.stopping import Stopping
 from hf_bole.generation.tree import DraftTree
 from hf_bole.generation.writes import Done, Writes, Written
@@ -23,12 +22,12 @@ class Queued:
     round: bool = True  # False for the first token, which the prefill gives
 
 
-def read_round(state: Rows, queued: Queued, drafter, max_depth: int | None, vocab_size: int) -> list[int]:
-    """Reads a queued round on the host (waiting for it): checks its tree, then emits its tokens; returns how many
-    tokens each row accepted (0 for a row that sat it out)."""
+def read_round(state: Rows, queued: Queued, draft) -> list[int]:
+    """Reads a queued round on the host (waiting for it): checks its tree (`draft.CheckedDraft.check`), then emits its
+    tokens; returns how many tokens each row accepted (0 for a row that sat it out)."""
     if queued.tree is not None:
         queued.tokens.ready.synchronize()  # the tree's copy was queued before the round's tokens
-        check_custom_tree(queued.tree, state.B, vocab_size, drafter, max_depth)
+        draft.check(queued.tree)
     return state.read(queued.tokens)
 
 
@@ -114,27 +113,6 @@ class Rows:
             if self.n_gen[b] < T_out:
                 out[b, self.P + self.n_gen[b] :] = self.pad
         return out
-
-
-def prompt_columns(mask: torch.Tensor) -> list[slice | torch.Tensor]:
-    """Where each row's prompt tokens sit in `seq` (`mask`: `[B, P]` bool, True at them): after the row's left
-    padding (a slice), or, with padding after its first token, the mask's columns (`[n]`). One host read."""
-    B, P = mask.shape
-    pad, left = torch.stack([P - mask.sum(-1), (mask[:, 1:] >= mask[:, :-1]).all(-1).long()]).tolist()
-    return [slice(p, None) if l else mask[b].nonzero().flatten() for b, (p, l) in enumerate(zip(pad, left))]
-
-
-def row_sequences(seq: torch.Tensor, prompt_columns: list, P: int, n_gen: list[int]) -> list[torch.Tensor]:
-    """Each row's committed ids for the drafter (`DraftContext.sequences`) from `seq` (`[B, width]`): its prompt
-    tokens (`prompt_columns`) and the `n_gen` it generated, from one copy of the columns in use, so that a drafter
-    writing into them changes nothing of the output."""
-    block = seq[:, : P + max(n_gen)].clone()
-    return [
-        block[b, columns.start : P + n]
-        if isinstance(columns, slice)
-        else torch.cat([block[b, columns], block[b, P : P + n]])
-        for b, (columns, n) in enumerate(zip(prompt_columns, n_gen))
-    ]
 
 
 def upload_flags(flags: list[bool], device: torch.device) -> torch.Tensor:

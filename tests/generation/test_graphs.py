@@ -12,20 +12,10 @@ import hf_bole
 from hf_bole import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
-from hf_bole.generation.graphs import (
-    CAPACITY_STEP,
-    WIDTH_BUCKETS,
-    SelectGraphs,
-    ShapeGraphs,
-    TailGraphs,
-    graphed_cache,
-    row_width,
-    trimmed,
-    width_bucket,
-)
-from hf_bole.generation.select_kernel import prepared_tree
-from hf_bole.generation.select import select_nodes
-from hf_bole.generation.tail import greedy_tail
+from hf_bole.generation.commit import TailGraphs, greedy_tail
+from hf_bole.generation.graphs import CAPACITY_STEP, ShapeGraphs
+from hf_bole.generation.select import WIDTH_BUCKETS, SelectGraphs, prepared_tree, row_width, select_nodes, width_bucket
+from hf_bole.generation.verify import graphed_cache, trimmed
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import graph_unsafe_experts, tree_forward
 from hf_bole.placement import Placement
@@ -67,7 +57,7 @@ def test_verify_forward_reads_nothing_on_the_host(monkeypatch, verify, experts):
 def test_width_bucket():
     assert [width_bucket(w, 128) for w in (1, 4, 5, 16, 17, 100, 128)] == [4, 4, 8, 16, 32, 128, 128]
     assert width_bucket(20, 24) == 24  # never wider than selection padded the trees
-    assert WIDTH_BUCKETS[-1] == hf_bole.kernels.tree_gdn.closed_form.MAX_NODES  # the kernels' largest tree
+    assert WIDTH_BUCKETS[-1] == hf_bole.kernels.utils.MAX_TREE_NODES  # the kernels' largest tree
 
 
 def test_row_width_holds_the_budget_in_a_bucket():

@@ -22,7 +22,8 @@ from transformers import (
 
 import hf_bole
 from hf_bole.config import BoleConfig
-from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop
+from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop, plan, select
+from hf_bole.generation import prefill as prefill_module
 from hf_bole.generation import writes as writes_module
 from hf_bole.generation.requests import spread_settings
 from hf_bole.placement import Placement
@@ -128,8 +129,8 @@ def test_greedy_matches_plain_oracle(request, kind, rows):
 
 @pytest.mark.interpreter
 def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
-    """Every round selects with select_nodes_triton's kernel (here under the Triton interpreter, as the GDN kernels)."""
-    from hf_bole.generation import select_kernel
+    """Every round selects with tree_select_nodes's kernel (here under the Triton interpreter, as the GDN kernels)."""
+    from hf_bole.kernels.tree_select import kernel as select_kernel
 
     launches = []
     kernel = select_kernel._select_nodes_fwd
@@ -146,7 +147,7 @@ def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
 
 
 def test_rows_are_capped_at_the_width_of_their_budget(dense, monkeypatch):
-    """Every round selects into `graphs.row_width` of its budget and active rows, decided without reading the trees:
+    """Every round selects into `select.row_width` of its budget and active rows, decided without reading the trees:
     three rows share a budget of 6 at 3 nodes each (width 4); once one row is left it may keep all 6."""
     rounds = []
     select_nodes = loop.select_round
@@ -165,7 +166,7 @@ def test_rows_are_capped_at_the_width_of_their_budget(dense, monkeypatch):
         bole_cuda_graphs=False, **lengths,
     )  # fmt: skip
     assert torch.equal(out, ref)
-    assert rounds and all(cap + 1 == graphs.row_width(6, rows, 7) for _, rows, cap, _ in rounds)
+    assert rounds and all(cap + 1 == select.row_width(6, rows, 7) for _, rows, cap, _ in rounds)
     assert {cap for _, rows, cap, _ in rounds if rows == 3} == {3}
     assert all(widest <= cap + 1 for *_, cap, widest in rounds)
 
@@ -238,15 +239,15 @@ def test_greedy_matches_plain_ngram(request, kind):
 def test_release_frees_what_calls_keep(dense_with_mtp):
     """`hf_bole.release(model)` drops the MTP drafter and the graphed caches kept for the next call; that call
     builds them again and decodes the same."""
-    from hf_bole.generation import draft, graphs
+    from hf_bole.generation import draft, select, verify
 
     model = dense_with_mtp
     first = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
     assert model in draft._MTP_DRAFTERS
-    graphs.graphed_cache(model, 2, 64, "closed_form")  # what a CUDA call keeps (its graphs capture on first use)
-    graphs.graphed_select(model)
+    verify.graphed_cache(model, 2, 64, "closed_form")  # what a CUDA call keeps (its graphs capture on first use)
+    select.graphed_select(model)
     hf_bole.release(model)
-    assert model not in draft._MTP_DRAFTERS and model not in graphs._STORE and model not in graphs._SELECT
+    assert model not in draft._MTP_DRAFTERS and model not in verify._KEPT and model not in select._KEPT
     again = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
     assert torch.equal(again, first) and model in draft._MTP_DRAFTERS
 
@@ -411,8 +412,8 @@ def test_greedy_matches_plain_with_prefill_chains(dense_with_mtp, drafter, monke
     from tests.generation.test_prefill import long_prompts
 
     chained = []
-    prefill = loop.chain_prefill
-    monkeypatch.setattr(loop, "chain_prefill", lambda *a, **k: chained.append(1) or prefill(*a, **k))
+    prefill = prefill_module.chain_prefill
+    monkeypatch.setattr(prefill_module, "chain_prefill", lambda *a, **k: chained.append(1) or prefill(*a, **k))
     prompts = long_prompts()
     ref = plain(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False)
     settings = dict(bole_drafter=oracle_for(dense_with_mtp, prompts)) if drafter == "oracle" else dict(bole_depth=3)
@@ -543,9 +544,9 @@ def test_cache_and_sequences_grow_with_the_tokens(dense, monkeypatch, graphed):
     last one's, where a CUDA graph writes into its own: with graphs only the oracle, whose trees keep one width.)"""
     from tests.generation.recorded_graph import recording_capture, recording_queued_capture
 
-    monkeypatch.setattr(loop, "INITIAL_ROOM", 2)
+    monkeypatch.setattr(plan, "INITIAL_ROOM", 2)
     if graphed:
-        monkeypatch.setattr(loop, "captures", lambda model, cuda_graphs: True)
+        monkeypatch.setattr(plan, "captures", lambda model, cuda_graphs: True)
         monkeypatch.setattr(graphs, "capture", recording_capture([]))
         monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
         monkeypatch.setattr(graphs, "CAPACITY_STEP", 16)

@@ -9,7 +9,7 @@ import torch
 
 from hf_bole.cache import BoleCache
 from hf_bole.generation import graphs as graphs_module
-from hf_bole.generation.graphs import CommitGraphs
+from hf_bole.generation.commit import CommitGraphs
 from hf_bole.generation.prefill import (
     chain_limit,
     chain_prefill,

@@ -190,7 +190,7 @@ def test_select_matches_reference_on_random_trees(B, N, budget, cap):
         assert len(kept[b]) <= cap
         assert all(tree.parents[b, i].item() in kept[b] | {-1} for i in kept[b])  # prefix-connected
     _check_structure(vt, tree, roots)
-    # every draft node's log rho, as the goodput budget reads it (log-probabilities here are <= 0)
+    # every draft node's log rho, selection's ranking key (log-probabilities here are <= 0)
     torch.testing.assert_close(vt.draft_log_rho, tree.cumulative_logprobs())
 
 

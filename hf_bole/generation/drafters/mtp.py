@@ -31,7 +31,7 @@ from transformers.utils import logging
 from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
-from hf_bole.kernels.attention import MAX_NODES as MAX_QUERY_ROWS
+from hf_bole.kernels.attention import MAX_QUERY_ROWS
 from hf_bole.kernels.ops import row_topk
 from hf_bole.kernels.topk import MAX_K, naive_row_topk
 from hf_bole.models import attention_backends, graph_unsafe_experts
