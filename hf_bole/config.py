@@ -66,7 +66,7 @@ class BoleConfig:
         ngram_min_size (`int`, *optional*, defaults to 1):
             The shortest suffix it falls back to when longer ones never occurred before.
         cuda_graphs (`bool`, *optional*, defaults to `True`):
-            On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/graphs.py`),
+            On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/verify.py`),
             node selection from one per tree shape and budget, and the MTP drafter's round (cache extension and tree
             expansion) from one per (batch size, new entries, tree size), instead of launching their kernels one by
             one from Python (on a small model the host's launches, not the GPU, set an eager round's pace). The first

@@ -14,7 +14,7 @@ from hf_bole.placement import placement
 
 # Kept caches' capacities and the kept token writes' widths are rounded up to this many slots, so that calls of
 # similar lengths share one cache, one set of writes and their graphs.
-CAPACITY_STEP = 512
+KEPT_CAPACITY_STEP = 512
 
 
 def captures(model, cuda_graphs: bool) -> bool:
@@ -90,7 +90,7 @@ def _capture_on_side_stream(run, device: torch.device, pool) -> tuple[torch.cuda
 
 class ShapeGraphs:
     """`run(*inputs)` replayed from a CUDA graph per input shape, captured in the middle of a `generate` call (the
-    token writes of `loop._Writes`, kept across calls while they fit): the first call of a shape runs eagerly, which
+    token writes of `writes.Writes`, kept across calls while they fit): the first call of a shape runs eagerly, which
     pays first-use costs such as cached index ranges, the second captures (`capture_queued`, no wait for the GPU),
     later ones copy their inputs in and replay. Returns `run`'s outputs, the graph's buffers from the second call on:
     valid until the next call."""

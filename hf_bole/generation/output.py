@@ -28,7 +28,7 @@ class BoleGenerateOutput(GenerateDecoderOnlyOutput):
             commit, host), summed over the rounds, and `rounds` (pipelined, one more than `accept_lengths` holds:
             the round launched before the last one was read); see `hf_bole.generation.phases.PhaseTimer`. Greedy
             decoding without logits processors under `bole_cuda_graphs` replays acceptance, commit and the drafter's
-            next inputs from one graph (`graphs.TailGraphs`): "accept" holds all of it and "commit" nothing.
+            next inputs from one graph (`commit.GreedyTail`): "commit" holds all of it and "accept" nothing.
         round_host_ms (`dict[str, float]`, *optional*):
             With `bole_profile=True`: the same phases' time on the host clock, in their Python code (on CUDA a phase
             whose host time exceeds its `round_time_ms` kept the GPU waiting once the host fell behind).

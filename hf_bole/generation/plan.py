@@ -16,7 +16,7 @@ from hf_bole.config import BoleConfig, resolve_attention
 from hf_bole.generation.acceptance import check_logits_processor, is_context_free
 from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.draft import drafter_max_depth, make_drafter, prompt_columns
-from hf_bole.generation.graphs import CAPACITY_STEP, captures
+from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, captures
 from hf_bole.generation.prefill import unchainable, use_chains, weight_bytes
 from hf_bole.generation.requests import check_request, spread_settings
 from hf_bole.generation.stopping import Stopping
@@ -27,7 +27,8 @@ from hf_bole.placement import placement
 logger = logging.get_logger(__name__)
 
 # Generated tokens a call makes room for up front (the cache's slots, the sequences' columns); longer calls grow them.
-INITIAL_ROOM = CAPACITY_STEP
+# One step of the kept caches' capacities: a call of a short prompt fits the first one.
+INITIAL_ROOM = KEPT_CAPACITY_STEP
 
 
 @dataclass

@@ -168,9 +168,9 @@ def graphed_cache(
     fuse_projections: bool = True,
     attention: str = "auto",
 ) -> tuple[BoleCache, VerifyGraphs]:
-    """An empty `BoleCache` of at least `capacity` slots per row (in steps of `CAPACITY_STEP`) for `model` on its CUDA
-    device, which grows on demand, and the verify graphs that go with it; both are kept for the next call of the same
-    batch size, verify mode, `compile`, `fuse_projections` and `attention`."""
+    """An empty `BoleCache` of at least `capacity` slots per row (in steps of `graphs.KEPT_CAPACITY_STEP`) for `model`
+    on its CUDA device, which grows on demand, and the verify graphs that go with it; both are kept for the next call
+    of the same batch size, verify mode, `compile`, `fuse_projections` and `attention`."""
     per_model = _KEPT.setdefault(model, {})
     key = (batch_size, verify, compile, fuse_projections, attention)
     if key not in per_model:
@@ -178,7 +178,7 @@ def graphed_cache(
         per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile, fuse_projections, attention))
     cache, kept = per_model[key]
     cache.reset()
-    cache.reserve(-(-capacity // graphs.CAPACITY_STEP) * graphs.CAPACITY_STEP)
+    cache.reserve(-(-capacity // graphs.KEPT_CAPACITY_STEP) * graphs.KEPT_CAPACITY_STEP)
     return cache, kept
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_bole.generation.graphs import CAPACITY_STEP, ShapeGraphs
+from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, ShapeGraphs
 from hf_bole.generation.stopping import StopTables, Stopping, cached_arange, suffix_stops
 
 
@@ -44,13 +44,13 @@ class Writes:
 
     def reserve(self, width: int) -> None:
         """Makes `seq` hold `width` columns before its spare one: a copy into one twice as wide (in steps of
-        `CAPACITY_STEP` with graphs, captured again), so that a call's sequences grow with its tokens, not with
+        `KEPT_CAPACITY_STEP` with graphs, captured again), so that a call's sequences grow with its tokens, not with
         `max_new_tokens`. Queued on the device after the writes before it."""
         if width < self.seq.shape[1]:
             return
         B, old = self.seq.shape
         new = max(width + 1, 2 * old)
-        new = -(-new // CAPACITY_STEP) * CAPACITY_STEP if self.graphed else new
+        new = -(-new // KEPT_CAPACITY_STEP) * KEPT_CAPACITY_STEP if self.graphed else new
         seq = torch.full((B, new), self.pad, dtype=torch.long, device=self.seq.device)
         seq[:, :old] = self.seq
         self.seq = seq
@@ -66,7 +66,7 @@ class Writes:
         writes = _WRITES.get(model, {}).get(B) if graphed else None
         if writes is None or not writes._serves(width, pad, stopping, input_ids.device):
             # Kept widths go up in steps, as the caches' capacities do, so that calls of similar lengths share one.
-            width = -(-width // CAPACITY_STEP) * CAPACITY_STEP if graphed else width
+            width = -(-width // KEPT_CAPACITY_STEP) * KEPT_CAPACITY_STEP if graphed else width
             writes = cls(B, width, pad, stopping, input_ids.device, graphed)
             if graphed:
                 _WRITES.setdefault(model, {})[B] = writes

@@ -13,7 +13,7 @@ from hf_bole import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
 from hf_bole.generation.commit import TailGraphs, greedy_tail
-from hf_bole.generation.graphs import CAPACITY_STEP, ShapeGraphs
+from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, ShapeGraphs
 from hf_bole.generation.select import WIDTH_BUCKETS, SelectGraphs, prepared_tree, row_width, select_nodes, width_bucket
 from hf_bole.generation.verify import graphed_cache, trimmed
 from hf_bole.generation.tree import VerifyTree
@@ -86,15 +86,15 @@ def test_trimmed_cuts_to_the_widest_row():
 def test_graphed_cache_is_kept_and_grown():
     model = build_model()
     cache, graphs = graphed_cache(model, 3, 100, "closed_form")
-    assert cache.capacity == CAPACITY_STEP and graphs.cache is cache
+    assert cache.capacity == KEPT_CAPACITY_STEP and graphs.cache is cache
     prefill(model, cache, PROMPTS)
-    again, graphs_again = graphed_cache(model, 3, CAPACITY_STEP, "closed_form")
+    again, graphs_again = graphed_cache(model, 3, KEPT_CAPACITY_STEP, "closed_form")
     assert again is cache and graphs_again is graphs
     assert int(cache.lengths.sum()) == 0  # reset for the new call
     other, _ = graphed_cache(model, 3, 100, "serial")  # its own cache per verify mode
     assert other is not cache
-    bigger, bigger_graphs = graphed_cache(model, 3, CAPACITY_STEP + 1, "closed_form")  # grown in place
-    assert bigger is cache and bigger.capacity == 2 * CAPACITY_STEP and bigger_graphs is graphs
+    bigger, bigger_graphs = graphed_cache(model, 3, KEPT_CAPACITY_STEP + 1, "closed_form")  # grown in place
+    assert bigger is cache and bigger.capacity == 2 * KEPT_CAPACITY_STEP and bigger_graphs is graphs
 
 
 def test_graphs_are_captured_again_after_the_cache_grew(monkeypatch):
@@ -104,7 +104,7 @@ def test_graphs_are_captured_again_after_the_cache_grew(monkeypatch):
     captured = []
     monkeypatch.setattr(graphs_module, "capture", recording_capture(captured))
     monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture([]))
-    monkeypatch.setattr(graphs_module, "CAPACITY_STEP", 16)  # kept caches start as small as the eager one
+    monkeypatch.setattr(graphs_module, "KEPT_CAPACITY_STEP", 16)  # kept caches start as small as the eager one
     model = build_model()
     cache, graphs = graphed_cache(model, 3, 10, "closed_form")
     eager = BoleCache(model.config, batch_size=3)

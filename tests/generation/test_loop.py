@@ -549,7 +549,7 @@ def test_cache_and_sequences_grow_with_the_tokens(dense, monkeypatch, graphed):
         monkeypatch.setattr(plan, "captures", lambda model, cuda_graphs: True)
         monkeypatch.setattr(graphs, "capture", recording_capture([]))
         monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
-        monkeypatch.setattr(graphs, "CAPACITY_STEP", 16)
+        monkeypatch.setattr(graphs, "KEPT_CAPACITY_STEP", 16)
     new = 70
     ref = plain(dense, PROMPTS, max_new_tokens=new, do_sample=False)
     for drafter in (oracle_for(dense, PROMPTS, new=new), *(() if graphed else ("ngram",))):  # pipelined, and not
