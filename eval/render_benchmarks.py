@@ -227,7 +227,8 @@ def shipped_tables() -> list[str]:
     ]
     for path in sorted(PACKAGE_TABLES.glob("*.json")):
         t = BudgetTable.load(path)
-        by_batch = " / ".join(f"{e.batch_size}: {entry_budget(e, 0.3)}" for e in sorted(t.entries, key=lambda e: e.batch_size))
+        entries = sorted(t.entries, key=lambda e: e.batch_size)
+        by_batch = " / ".join(f"{e.batch_size}: {entry_budget(e, 0.3)}" for e in entries)
         kv = ", ".join(map(str, sorted({e.kv_length for e in t.entries})))
         v = t.meta.get("versions", {})
         made = f"torch {v.get('torch')}, transformers {v.get('transformers')}, {t.meta.get('created', '?')[:10]}"

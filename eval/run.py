@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_budget,
         nargs="+",
         default=[defaults.budget],
-        help="draft nodes verified per round across the batch, or 'auto' (hf_bole's calibrated table); several: a sweep",
+        help="draft nodes verified per round across the batch, or 'auto' (hf_bole's calibrated table); several: a "
+        "sweep",
     )
     ap.add_argument(
         "--epsilon",

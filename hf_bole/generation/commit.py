@@ -46,8 +46,9 @@ def round_tail(
     width: int | None,
 ) -> RoundTail:
     """Commits `accepted`'s paths of the `active [B]` rows (at most `step` nodes each) of the verify forward `out`'s
-    tree round and gathers the drafter's next inputs from its `hidden_states [B, T, hidden]`: to `width` columns (a drafter with `max_depth`,
-    whose inputs then keep one shape from round to round), or as wide as the paths with `width=None`. Reads nothing
+    tree round and gathers the drafter's next inputs from its `hidden_states [B, T, hidden]`: to `width` columns (a
+    drafter with `max_depth`, whose inputs then keep one shape from round to round), or as wide as the paths with
+    `width=None`. Reads nothing
     on the host."""
     hidden_states = out.hidden_states
     path = torch.where(active[:, None], accepted.path[:, :step], -1)  # [B, <= step]
@@ -119,8 +120,8 @@ class TailGraphs:
     twenty launches and their checks in Python (0.6 ms of host time a round), in one replay.
 
     The graph reads its inputs where they are, so they must be buffers that keep their addresses: the selection
-    graphs' trees (`select.SelectGraphs`) and the verify graphs' outputs (`verify.VerifyGraphs`) of the cache; a graph is made
-    per combination of them (a few budgets and widths), and `active` is copied in. It writes the cache's state
+    graphs' trees (`select.SelectGraphs`) and the verify graphs' outputs (`verify.VerifyGraphs`) of the cache; a graph
+    is made per combination of them (a few budgets and widths), and `active` is copied in. It writes the cache's state
     like `commit`; the first call with new buffers runs eagerly, which compiles the kernels (a capture must not),
     the second captures, and a replay is followed by the host-side record of the commit
     (`BoleCache.record_commit`). Returns the graph's buffers, valid until the next call: the next round's drafting,
@@ -176,10 +177,10 @@ class TailGraphs:
 
 
 class CommitGraphs:
-    """`cache.commit(tree_round, path, check_values=False)` replayed from a CUDA graph per (path shape, tree round): the prefill
-    chains' commits (`generation/prefill.py`), whose paths are whole chains. Launched from Python a commit is about a
-    dozen launches, three of them Triton kernels; with the chain's other launches it kept the host busier than the
-    GPU on a small model.
+    """`cache.commit(tree_round, path, check_values=False)` replayed from a CUDA graph per (path shape, tree round):
+    the prefill chains' commits (`generation/prefill.py`), whose paths are whole chains. Launched from Python a commit
+    is about a dozen launches, three of them Triton kernels; with the chain's other launches it kept the host busier
+    than the GPU on a small model.
 
     The tree round is the verify forward's replayed just before (`VerifyGraphs` keeps one per width), whose buffers
     the commit reads where they are. As in `TailGraphs`, the first call of a key runs eagerly, the second captures
@@ -208,7 +209,8 @@ class CommitGraphs:
                 self.cache.commit(tree_round, path, check_values=False)
                 return
             static = path.clone()
-            graph, _ = graphs.capture_queued(lambda: self.cache.commit(tree_round, static, check_values=False), path.device)
+            commit = lambda: self.cache.commit(tree_round, static, check_values=False)  # noqa: E731
+            graph, _ = graphs.capture_queued(commit, path.device)
             self._graphs[key] = (graph, static, tree_round)
             graph.replay()
             return

@@ -90,7 +90,8 @@ class CheckedDraft(Draft):
             self.check(tree)
             return Drafted(self._on_device(tree))
         check_custom_tree(tree, len(n_gen), self.vocab_size, self.drafter, self.max_depth, values=False)
-        host_copy = DraftTree(*(x.to("cpu", non_blocking=True) for x in (tree.tokens, tree.parents, tree.draft_logprobs)))
+        fields = (tree.tokens, tree.parents, tree.draft_logprobs)
+        host_copy = DraftTree(*(x.to("cpu", non_blocking=True) for x in fields))
         return Drafted(self._on_device(tree), host_copy, (self.vocab_size, self.max_depth))
 
     def check(self, tree) -> None:

@@ -51,7 +51,9 @@ def decode(
 ):
     """`generate`'s decoding method: transformers' prepared inputs, processors and criteria in, its output out."""
     dropped = {"assistant_model": assistant_model, "synced_gpus": synced_gpus}
-    plan = CallPlan.prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, dropped, model_kwargs)
+    plan = CallPlan.prepare(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, dropped, model_kwargs
+    )  # fmt: skip
     generation_config = generation_config if generation_config is not None else model.generation_config
     bole, device, B, P = plan.bole, plan.device, *plan.input_ids.shape
     cache, verify, select, graphs = _verify_and_select(model, plan)

@@ -114,7 +114,10 @@ class CallPlan:
         attention_mask = model_kwargs.get("attention_mask")
         if attention_mask is not None:
             attention_mask = attention_mask.to(in_device)
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+        if attention_mask is None:
+            mask = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            mask = attention_mask.to(device).bool()
         counted = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] each token's place among its row's tokens
         position_ids = model_kwargs.get("position_ids")
         position_ids = counted if position_ids is None else position_ids.to(device)
@@ -129,7 +132,9 @@ class CallPlan:
         # Every launch of a round must then need nothing from the host that round r decides: a drafter that reads no
         # host-side sequences, no processor or criterion reading ids. Rows that finished in round r draft and verify
         # once more in round r + 1 (the host does not know yet); what they commit is never read.
-        pipelined = bole.pipeline and max_depth is not None and is_context_free(logits_processor) and not stopping.others
+        pipelined = (
+            bole.pipeline and max_depth is not None and is_context_free(logits_processor) and not stopping.others
+        )
         step = max_depth + 1 if max_depth is not None else per_row + 1
         lag = 1 if pipelined else 0
 
@@ -152,10 +157,10 @@ class CallPlan:
             logger.warning_once(
                 f"hf_bole: CUDA graphs cannot capture the model's mixture-of-experts layers "
                 f"({graph_unsafe_experts(model)[0]}, ...): eager experts route tokens on the host, and torch's "
-                f"grouped_mm does outside bf16. Its verify forwards run without graphs, launched from Python. To replay "
-                f"them from graphs load the model in bf16 with experts_implementation='grouped_mm' (transformers' "
-                f"default), or call model.set_experts_implementation('batched_mm'); bole_cuda_graphs=False says the "
-                f"same without this warning"
+                f"grouped_mm does outside bf16. Its verify forwards run without graphs, launched from Python. To "
+                f"replay them from graphs load the model in bf16 with experts_implementation='grouped_mm' "
+                f"(transformers' default), or call model.set_experts_implementation('batched_mm'); "
+                f"bole_cuda_graphs=False says the same without this warning"
             )
         return cls(
             bole=bole, device=device, in_device=in_device, input_ids=input_ids, attention_mask=attention_mask,

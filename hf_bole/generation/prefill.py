@@ -101,8 +101,9 @@ def chain_prefill(
     device = input_ids.device
     lengths = mask.sum(-1)  # [B]
     longest = int(lengths.max())  # one host read, before the first chain is launched
-    # Every chain's inputs at once, [B, chains * MAX_TREE_NODES], chain c in columns [c * MAX_TREE_NODES, (c + 1) * MAX_TREE_NODES):
-    # on a small model the prefill's time is its launches from Python, and these were a dozen a chain.
+    # Every chain's inputs at once, [B, chains * MAX_TREE_NODES], chain c in columns [c * MAX_TREE_NODES,
+    # (c + 1) * MAX_TREE_NODES): on a small model the prefill's time is its launches from Python, and these were a
+    # dozen a chain.
     index = torch.arange(-(-longest // MAX_TREE_NODES) * MAX_TREE_NODES, device=device)  # place in each row's prompt
     real = index[None] < lengths[:, None]
     columns = torch.where(real, (P - lengths)[:, None] + index[None], P)  # P: a spare column

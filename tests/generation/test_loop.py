@@ -525,7 +525,8 @@ def test_memory_follows_the_tokens_generated_not_max_new_tokens(dense, monkeypat
     (plus a fixed room), not for max_new_tokens, and the output is plain greedy's."""
     widths = []
     init = writes_module.Writes.__init__
-    monkeypatch.setattr(writes_module.Writes, "__init__", lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a))
+    recorded = lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a)  # noqa: E731
+    monkeypatch.setattr(writes_module.Writes, "__init__", recorded)
     probe = plain(dense, PROMPTS, max_new_tokens=12, do_sample=False)
     eos = probe[:, -6].tolist()  # every row stops where it first makes one of these
     ref = plain(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos)

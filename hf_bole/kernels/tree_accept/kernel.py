@@ -1,9 +1,9 @@
 """`naive_tree_greedy_accept` as one Triton launch, one program per batch row.
 
-Why: `naive_tree_greedy_accept` (naive.py, the reference and the specification) walks the verified tree in about 60 small
-torch kernels (the target's argmax at every node's parent, the duplicate-sibling test, the ancestor mask's repeated
-squaring, the accepted set, the leaf, the path's scatter and the emitted tokens), almost all of their time launch
-latency. This kernel does the same walk in one launch, from the argmax tokens.
+Why: `naive_tree_greedy_accept` (naive.py, the reference and the specification) walks the verified tree in about 60
+small torch kernels (the target's argmax at every node's parent, the duplicate-sibling test, the ancestor mask's
+repeated squaring, the accepted set, the leaf, the path's scatter and the emitted tokens), almost all of their time
+launch latency. This kernel does the same walk in one launch, from the argmax tokens.
 
 Exactness: every output is an integer computed by the same rules, so `tree_greedy_accept` equals
 `naive_tree_greedy_accept` bit for bit on every verify tree (nodes in topological order, `-1 <= parents[b, i] < i`),
@@ -13,7 +13,7 @@ field by `torch.equal`, on the CPU under the interpreter and compiled on a GPU.
 One program holds a row's `T <= 128` nodes in a block of `BT = next_power_of_2(T)` lanes and never gathers: every
 "value at another node" is a reduction over a `[BT, BT]` one-hot tile in registers.
 
-1. `chosen[i]`: node i's token is the argmax at its parent (the root's for parent -1, as `naive_tree_greedy_accept` clamps), it is
+1. `chosen[i]`: node i's token is the argmax at its parent (the root's for parent -1, as the reference clamps), it is
    real, and no real earlier sibling carries the same token; the root is always chosen.
 2. `accepted[i]`: i and all its ancestors are chosen, by pointer jumping with self-loops at the roots: after round k,
    `up[i]` is i's 2^k-th ancestor (or its root) and `accepted[i]` covers i's 2^k nearest ancestors-or-self; the

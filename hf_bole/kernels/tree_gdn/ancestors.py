@@ -134,8 +134,8 @@ def _use_kernel(parents: torch.Tensor) -> bool:
         return False
     if N > MAX_TREE_NODES:
         logger.warning_once(
-            f"hf_bole: trees of more than {MAX_TREE_NODES} nodes (here {N}) get their ancestor mask and the round's masks "
-            f"from torch's repeated squaring (about 40 small kernels), not the one-launch kernel"
+            f"hf_bole: trees of more than {MAX_TREE_NODES} nodes (here {N}) get their ancestor mask and the round's "
+            f"masks from torch's repeated squaring (about 40 small kernels), not the one-launch kernel"
         )
         return False
     return True

@@ -15,9 +15,9 @@ One program holds all `B * N` draft nodes, one per lane of a block of `BLOCK = n
    the selected nodes are the floors and eligible nodes at sorted positions below `max(budget, floors)`;
 4. compaction by a cumulative sum (per-row offsets through scratch), then the verify trees' fields.
 
-Rounding: `naive_tree_select_nodes` sums `log rho` in the dtype of the log-probabilities in torch's reduction order, this kernel
-in float64 rounded once, so the two agree exactly where the float32 path sums are exact (they are on the trees of the
-tests) and otherwise to rounding, which can reorder nodes whose `log rho` differ by an ulp.
+Rounding: `naive_tree_select_nodes` sums `log rho` in the dtype of the log-probabilities in torch's reduction order,
+this kernel in float64 rounded once, so the two agree exactly where the float32 path sums are exact (they are on the
+trees of the tests) and otherwise to rounding, which can reorder nodes whose `log rho` differ by an ulp.
 """
 
 from __future__ import annotations
