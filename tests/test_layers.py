@@ -85,7 +85,7 @@ def test_no_import_cycle_between_parts():
 
     def visit(unit: str) -> None:
         if unit in path:
-            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(unit):] + [unit])}")
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(unit) :] + [unit])}")
         if unit in done:
             return
         path.append(unit)

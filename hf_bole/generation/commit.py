@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.cache import BoleCache
+from hf_bole.generation import graphs
 from hf_bole.generation.accept import greedy_accept
 from hf_bole.generation.acceptance import Acceptance
-from hf_bole.generation import graphs
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import TreeForwardOutput
 

@@ -99,6 +99,7 @@ class CheckedDraft(Draft):
         check_custom_tree(tree, self.writes.seq.shape[0], self.vocab_size, self.drafter, self.max_depth)
 
 
+# model -> {(depth, topk, cuda_graphs, compile, fuse_projections): its MTP drafter}, for the model's next calls.
 _MTP_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -108,6 +109,8 @@ def drop_drafters(model) -> None:
 
 
 def make_drafter(model, config: BoleConfig, device: torch.device):
+    """The call's drafter: the n-gram drafter, the model's MTP drafter (kept per model and tree shape across calls),
+    or the user's object as given."""
     if config.drafter == "ngram":
         return NgramDrafter(config)
     if config.drafter == "mtp":

@@ -14,6 +14,7 @@ import inspect
 import sys
 import threading
 import weakref
+
 import torch
 from transformers.generation.utils import GenerationMixin
 
@@ -25,12 +26,12 @@ from hf_bole.generation.select import drop_select_graphs
 from hf_bole.generation.verify import drop_verify_graphs
 from hf_bole.generation.writes import drop_writes
 
-
 CUSTOM_GENERATE_NAME = "hf_bole"
 # Arguments of `GenerationMixin.generate` that transformers (5.17-5.25) does not forward to a `custom_generate`
 # callable; the loop reads them from the calling frame so that a streamer still streams and a forbidden
 # assistant still raises.
 _DROPPED_GENERATE_ARGS = ("streamer", "assistant_model", "synced_gpus")
+
 
 def _caller_generate_frame():
     """The frame of transformers' `GenerationMixin.generate` that called `generate`, if it did."""

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.cache import BoleCache
-from hf_bole.generation.commit import CommitGraphs, TailGraphs
 from hf_bole.generation import graphs
+from hf_bole.generation.commit import CommitGraphs, TailGraphs
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import TreeForwardOutput, tree_forward
 

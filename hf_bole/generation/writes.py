@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, ShapeGraphs
-from hf_bole.generation.stopping import StopTables, Stopping, cached_arange, suffix_stops
+from hf_bole.generation.stopping import Stopping, StopTables, cached_arange, suffix_stops
 
 
 class Writes:

@@ -21,7 +21,6 @@ import triton.language as tl
 from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device, check_shape, on_device, use_triton
 
 
-
 def kv_commit_torch(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
     """The specification: slot `lengths[b] + j` of every layer and head takes slot `lengths[b] + path[b, j]` where
     `path[b, j] >= 0`, in place. keys, values `[NA, B, H, C, D]`, lengths `[B]`, path `[B, L]`."""
