@@ -76,12 +76,7 @@ def accept_greedy(tree: VerifyTree, scores: torch.Tensor) -> Acceptance:
     tensor([[ 1,  3, -1]])
     ```
     """
-    return accept_argmax(tree, scores.argmax(-1))
-
-
-def accept_argmax(tree: VerifyTree, target: torch.LongTensor) -> Acceptance:
-    """`accept_greedy` from the target's argmax token at every node (`target [B, T]`), in torch
-    (`hf_bole.kernels.naive_tree_greedy_accept`: the walk that `tree_greedy_accept` does in one launch)."""
+    target = scores.argmax(-1)  # [B, T]
     return Acceptance(*naive_tree_greedy_accept(tree.input_ids, tree.parents, tree.depths, tree.node_mask, target))
 
 

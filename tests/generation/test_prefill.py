@@ -18,7 +18,7 @@ from hf_bole.generation.prefill import (
 )
 from hf_bole.models import tree_forward
 from tests.generation.recorded_graph import recording_queued_capture
-from tests.generation.test_graphs import _assert_same_committed
+from tests.generation.test_verify import _assert_same_committed
 from tests.models import tiny
 
 pytestmark = pytest.mark.usefixtures("torch_gdn")
