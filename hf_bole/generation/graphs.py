@@ -76,7 +76,8 @@ def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple
             run()
         torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: another thread's kernels (a plain forward of the same model) do not invalidate the capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = run()
     return graph, out
 
