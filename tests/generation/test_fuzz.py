@@ -198,7 +198,10 @@ def _case(seed: int, models) -> tuple[dict, str]:
 
 @pytest.mark.parametrize(
     "kernels, share, least",
-    [pytest.param("torch", 1.0, 3, id="torch"), pytest.param("triton", 0.3, 1, marks=pytest.mark.interpreter, id="triton")],
+    [
+        pytest.param("torch", 1.0, 3, id="torch"),
+        pytest.param("triton", 0.3, 1, marks=pytest.mark.interpreter, id="triton"),
+    ],
 )
 def test_fuzz_matches_plain_greedy(models, kernels, share, least):
     """Random cases against plain greedy generate, for `SECONDS` seconds: through the kernels' torch references, and
