@@ -58,13 +58,18 @@ class OracleDrafter:
                 logp += [float(torch.tensor(p).log()) for p in probs]
                 parent = first
             rows.append((tokens, parents, logp))
-        N = max(1, max(len(r[0]) for r in rows))
-        pad = lambda xs, v: [x + [v] * (N - len(x)) for x in xs]  # noqa: E731
-        return DraftTree(
-            tokens=torch.tensor(pad([r[0] for r in rows], 0)),
-            parents=torch.tensor(pad([r[1] for r in rows], -1)),
-            draft_logprobs=torch.tensor(pad([r[2] for r in rows], float("-inf"))),
-        )
+        return padded_tree(rows)
+
+
+def padded_tree(rows: list[tuple[list[int], list[int], list[float]]]) -> DraftTree:
+    """A DraftTree of per-row (tokens, parents, draft log-probabilities), rows padded to the widest."""
+    N = max(1, max(len(r[0]) for r in rows))
+    pad = lambda xs, v: [x + [v] * (N - len(x)) for x in xs]  # noqa: E731
+    return DraftTree(
+        tokens=torch.tensor(pad([r[0] for r in rows], 0)),
+        parents=torch.tensor(pad([r[1] for r in rows], -1)),
+        draft_logprobs=torch.tensor(pad([r[2] for r in rows], float("-inf"))),
+    )
 
 
 def batch(prompts):
