@@ -151,9 +151,9 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
             draws = torch.Generator().manual_seed(seed + 100 * pads)
             counted = []
             while any(rows.active()):
-                lengths = torch.randint(1, L + 1, (B,), generator=draws)
-                tokens = torch.randint(3, 12, (B, L), generator=draws)
-                hits = torch.rand(B, L, generator=draws) < 0.05  # what the stop strings would say
+                lengths = torch.randint(1, L + 1, (B,), generator=draws, device="cpu")
+                tokens = torch.randint(3, 12, (B, L), generator=draws, device="cpu")
+                hits = torch.rand(B, L, generator=draws, device="cpu") < 0.05  # what the stop strings would say
                 for b in range(B):  # the criteria read the row's ids, which `write` puts in `seq`
                     n = min(rows.n_gen[b], seq.shape[1] - P - L)
                     seq[b, P + n : P + n + L] = tokens[b]
