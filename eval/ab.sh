@@ -42,7 +42,7 @@ for CASE in $CASES; do
             DIR=$OUT/${TREE}_${CASE}_$PASS
             rm -rf "$DIR"
             # shellcheck disable=SC2046
-            (cd "$ROOT" && PYTHONPATH=$ROOT timeout 400 python3 eval/run.py --modes bole --output-dir "$DIR" \
+            (cd "$ROOT" && PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} timeout 400 python3 eval/run.py --modes bole --output-dir "$DIR" \
                 $(args "$CASE") ${AB_EXTRA:-} > "$DIR.log" 2>&1) || echo "$TREE $CASE $PASS failed"
             echo "$CASE pass $PASS $TREE $(tps "$DIR/results.jsonl" 2>/dev/null) tokens/s"
         done
