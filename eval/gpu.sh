@@ -22,6 +22,8 @@
 #   9b816       the same at batch 8 and 16, without ar-static (MODES_9B816)   benchmarks/e2e_9b_b8_b16.jsonl
 #   kernels     one GDN layer's tree verify (serial walk, fla chain, closed form) and the commit
 #                                                                                     benchmarks/kernels.jsonl
+#   kda         one KDA layer's tree verify (serial walk, fla chunk_kda chain, closed form) and the commit,
+#               Kimi-Linear-48B-A3B's sizes                                              benchmarks/kda.jsonl
 #   budget-house  "auto" against fixed budgets, house model, GSM8K, batch 8 and 1  benchmarks/budget_house.jsonl
 #   budget-9b     the same on the 9B shape (its table first: cal-9B)                 benchmarks/budget_9b.jsonl
 #
@@ -117,6 +119,10 @@ house8)
 kernels)
     step kernels 240 python3 eval/bench_kernels.py --out benchmarks/kernels.jsonl --providers serial fla bole \
         --shapes 32,1,16 48,1,128 32,8,64 32,16,128
+    RENDER=1
+    ;;
+kda)
+    step kda 240 python3 eval/bench_kda.py --out benchmarks/kda.jsonl
     RENDER=1
     ;;
 budget-house)
