@@ -85,7 +85,7 @@ def torch_gdn(monkeypatch):
     tests that run a model on the CPU of a GPU machine (fla's kernels take GPU tensors only)."""
     if importlib.util.find_spec("fla") is None:
         return
-    from hf_bole.models.qwen3_5 import SUPPORTED_MODEL_TYPES
+    from hf_bole.models.adapter import SUPPORTED_MODEL_TYPES
 
     for module in SUPPORTED_MODEL_TYPES.values():
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):

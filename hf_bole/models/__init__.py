@@ -1,6 +1,6 @@
 """Model adapters: tree-mode forwards for the supported hybrid model families."""
 
-from hf_bole.models.qwen3_5 import (
+from hf_bole.models.adapter import (
     SUPPORTED_CLASSES,
     TreeBatch,
     TreeForwardOutput,

@@ -38,7 +38,7 @@ from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHT
 
 from hf_bole.kernels.ops import masked_attention
 from hf_bole.models.placement import placement
-from hf_bole.models.qwen3_5 import cache_argument
+from hf_bole.models.adapter import cache_argument
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MTP_PREFIX = "mtp."

@@ -340,7 +340,7 @@ def test_greedy_matches_plain_tree_attention(dense, backend, monkeypatch):
 
 def test_greedy_matches_plain_compiled(dense):
     """The verify forward through torch.compile (hf_bole's kernels as custom ops in its one graph)."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     ref = plain(dense, PROMPTS, max_new_tokens=NEW, do_sample=False)
     drafter = oracle_for(dense, PROMPTS)
@@ -356,7 +356,7 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
 
     from torch._dynamo.testing import CompileCounter
 
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
     from hf_bole.generation import loop
 
     counter = CompileCounter()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_bole.models import norms
-from hf_bole.models import qwen3_5 as adapter
+from hf_bole.models import adapter
 from hf_bole.models.twin import tree_twin
 from tests.models.tiny import build_model, random_tree_logits
 

@@ -13,7 +13,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 from hf_bole.cache import BoleCache
-from hf_bole.models import qwen3_5 as adapter
+from hf_bole.models import adapter
 from hf_bole.models import rotary as rotary_module
 from hf_bole.models import tree_forward
 from tests.models.tiny import build_model, prefill, random_tree_logits
