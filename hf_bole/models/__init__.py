@@ -1,7 +1,6 @@
-"""Model adapters: tree-mode forwards for the supported hybrid model families."""
+"""Model adapters: tree-mode forwards for the supported hybrid model families (`hf_bole.models.family`)."""
 
 from hf_bole.models.adapter import (
-    SUPPORTED_CLASSES,
     TreeBatch,
     TreeForwardOutput,
     attention_backends,
@@ -11,17 +10,20 @@ from hf_bole.models.adapter import (
     install_adapter,
     tree_forward,
 )
+from hf_bole.models.family import Family, families, family_of
 from hf_bole.models.placement import Placement, execution_device, placement
 
 __all__ = [
+    "Family",
     "Placement",
-    "SUPPORTED_CLASSES",
     "TreeBatch",
     "TreeForwardOutput",
     "attention_backends",
     "cache_argument",
     "check_supported_model",
     "execution_device",
+    "families",
+    "family_of",
     "graph_unsafe_experts",
     "install_adapter",
     "placement",

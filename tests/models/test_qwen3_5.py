@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_bole.cache import BoleCache
 from hf_bole.kernels import tree_ancestor_mask
-from hf_bole.models import SUPPORTED_CLASSES, TreeBatch, check_supported_model, tree_forward
+from hf_bole.models import TreeBatch, check_supported_model, family_of, tree_forward
 from hf_bole.models.adapter import _tree_causal_conv1d_fn, _tree_gated_delta_rule
 from hf_bole.models.twin import tree_twin
 from tests.models.tiny import (
@@ -373,13 +373,13 @@ def test_generate_matches_plain(kind, num_beams):
 
 def test_check_supported_model():
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, intermediate_size=32))
-    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM"):
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM.*got a config of model type 'llama'"):
         check_supported_model(llama)
     config = text_config(layer_types=["full_attention"] * 4)
-    with pytest.raises(ValueError, match="both GDN"):
+    with pytest.raises(ValueError, match="at least one of each"):
         check_supported_model(type(build_model())(config))
-    check_supported_model(build_model("vl"))
-    assert len(SUPPORTED_CLASSES) == 4
+    assert check_supported_model(build_model("vl")) is family_of(config)
+    assert len(family_of(config).model_classes()) == 4
 
 
 def test_tree_batch_on_other_devices():

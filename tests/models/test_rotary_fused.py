@@ -75,7 +75,7 @@ def test_call_the_kernel_does_not_cover_goes_to_transformers_and_says_so(caplog)
     with caplog.at_level(logging.WARNING), rotary_module.rotary_fused():
         got = modeling_qwen3_5.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         modeling_qwen3_5.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-    gold = rotary_module.MODULES[0].apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    gold = rotary_module.modules()[0].apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
     assert all(torch.equal(a, b) for a, b in zip(got, gold))
     assert caplog.text.count("elementwise kernels (unsqueeze_dim=2)") == 1
 

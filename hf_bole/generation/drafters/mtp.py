@@ -64,7 +64,8 @@ class MTPDrafter:
         lm_head (`nn.Module`):
             The target's output projection.
         rotary_emb (`nn.Module`):
-            The target's rotary embedding, called as `rotary_emb(x, position_ids)` with `position_ids [3, B, T]`.
+            The target's rotary embedding, called as `rotary_emb(x, position_ids)` with the position ids
+            `mtp.rotary_position_ids` gives (`[3, B, T]` for Qwen3.5, `[B, T]` for Qwen3-Next).
         depth (`int`):
             The deepest level drafted (1 = the root's children only).
         topk (`int`):
@@ -364,10 +365,9 @@ class MTPDrafter:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's rotary embedding `(cos, sin)` at text positions `[B, T]`, each `[B, T, head_dim]`, on the
         positions' device (the head's) in the embedding's dtype, as the head's inputs have it."""
-        # The rotary embedding reads only the dtype and device of its first argument. Qwen3.5's takes multimodal
-        # (3, B, T) position ids; text has one position on all three axes.
+        # The rotary embedding reads only the dtype and device of its first argument.
         like = positions.new_empty(0, dtype=self.embed_tokens.weight.dtype)
-        return tuple(t.to(positions.device) for t in self.rotary_emb(like, positions.expand(3, *positions.shape)))
+        return tuple(t.to(positions.device) for t in self.rotary_emb(like, self.mtp.rotary_position_ids(positions)))
 
     def _best(self, x: torch.Tensor, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The `topk` largest of every row of `x [..., n]` (of its log-softmax with `log_softmax`): values float32,
