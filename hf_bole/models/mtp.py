@@ -167,6 +167,7 @@ class Qwen3_5MTP(nn.Module):
             >>> mtp = Qwen3_5MTP.from_pretrained(model)
             ```
         """
+        _check_family(model.config.get_text_config())
         if state_dict is not None:
             source = "the given state_dict"
         else:
@@ -210,12 +211,7 @@ class Qwen3_5MTP(nn.Module):
     @classmethod
     def _build(cls, model: PreTrainedModel, device: torch.device | str) -> Qwen3_5MTP:
         text_config = model.config.get_text_config()
-        if not family_of(text_config).mtp:
-            with_mtp = ", ".join(f.name for f in families() if f.mtp)
-            raise ValueError(
-                f"The MTP head is defined for the families whose checkpoints ship one ({with_mtp}), not "
-                f"'{text_config.model_type}': draft with bole_drafter='ngram' or a small model (assistant_model=)."
-            )
+        _check_family(text_config)
         decoder = model.get_decoder()
         with torch.device(device):
             return cls(text_config, type(decoder.layers[0]), type(decoder.norm))
@@ -272,6 +268,15 @@ class Qwen3_5MTP(nn.Module):
             **{self._cache_argument: past_key_values},
         )
         return self.norm(x)
+
+
+def _check_family(text_config) -> None:
+    if not family_of(text_config).mtp:
+        with_mtp = ", ".join(f.name for f in families() if f.mtp)
+        raise ValueError(
+            f"The MTP head is defined for the families whose checkpoints ship one ({with_mtp}), not "
+            f"'{text_config.model_type}': draft with bole_drafter='ngram' or a small model (assistant_model=)."
+        )
 
 
 def load_mtp_state_dict(pretrained: str | os.PathLike) -> dict[str, torch.Tensor]:
