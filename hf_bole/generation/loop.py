@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache, GenerationConfig
+from transformers import Cache, GenerationConfig, PreTrainedModel
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -75,12 +75,13 @@ logger = logging.get_logger(__name__)
 
 CUSTOM_GENERATE_NAME = "hf_bole"
 # Arguments of `GenerationMixin.generate` that transformers (5.17-5.25) does not forward to a `custom_generate`
-# callable; the loop reads them from the calling frame so that a streamer still streams and a forbidden
-# assistant still raises.
+# callable; the loop reads them from the calling frame so that a streamer still streams and an assistant model
+# drafts.
 _DROPPED_GENERATE_ARGS = ("streamer", "assistant_model", "synced_gpus")
 _ASSISTANT_ERROR = (
     "hf_bole drafts with its own drafter: drop {name} and choose one with bole_drafter ('mtp', the checkpoint's "
-    "MTP head; 'ngram', prompt lookup; or an object with propose(ctx) -> DraftTree)"
+    "MTP head; 'ngram', prompt lookup; a small causal LM sharing the tokenizer, also as assistant_model=; or an "
+    "object with propose(ctx) -> DraftTree)"
 )
 # GenerationConfig settings that ask transformers for its own assisted decoding (some only in later versions).
 _ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type")
@@ -177,9 +178,10 @@ def generate(model, *args, **kwargs):
     kwargs.pop("trust_remote_code", None)
     # Settings are read again in `_decode`; checking them here names a misspelt `bole_*` argument, which
     # transformers would only report as an unused model kwarg.
+    _assistant_drafter(kwargs.pop("assistant_model", None), kwargs)
     BoleConfig.from_generate_kwargs(kwargs, kwargs.get("generation_config"))
     # transformers would refuse these with a less helpful message, or run without them.
-    _check_assisted(kwargs.get("assistant_model"), kwargs, kwargs.get("generation_config"), model.generation_config)
+    _check_assisted(kwargs, kwargs.get("generation_config"), model.generation_config)
     _check_cache_args(kwargs)
     return model.generate(*args, custom_generate=generate, **kwargs)
 
@@ -197,13 +199,16 @@ generate.__signature__ = inspect.Signature(
 
 
 def install_generate_hooks() -> None:
-    """Two hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
+    """Three hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
 
     - `model.generate(..., custom_generate="hf_bole")` resolves to `generate` from any working directory and without
       `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo);
     - `tokenizer=` reaches the stopping criteria when `custom_generate` is hf_bole's callable: transformers drops it
-      for every callable, so stop strings would fail with "could not locate a tokenizer"; and arguments asking for
-      transformers' assisted decoding are refused with hf_bole's message before transformers checks them.
+      for every callable, so stop strings would fail with "could not locate a tokenizer"; arguments asking for
+      transformers' assisted decoding without a model are refused with hf_bole's message before transformers checks
+      them; and `assistant_model=` becomes hf_bole's drafter (`bole_drafter`);
+    - such a call is not taken for transformers' assisted decoding when transformers validates the generation mode
+      (5.17-5.24 refuse that for stateful models; 5.25 would check the assistant's tokenizer).
     """
     load = GenerationMixin.load_custom_generate
     if getattr(load, "__hf_bole_original__", None) is None:
@@ -227,17 +232,32 @@ def install_generate_hooks() -> None:
                 # models with their own message): the arguments of the `generate` call making it.
                 frame = sys._getframe(1)
                 passed = frame.f_locals if frame.f_code is inspect.unwrap(GenerationMixin.generate).__code__ else {}
-                assistant = more.get("assistant_model", args[1] if len(args) > 1 else None)
-                _check_assisted(assistant, kwargs, passed.get("generation_config"), self.generation_config)
+                _check_assisted(kwargs, passed.get("generation_config"), self.generation_config)
                 _check_cache_args(kwargs)
             tokenizer = kwargs.get("tokenizer")
             extracted = extract(self, custom_generate, kwargs, *args, **more)
-            if custom_generate is generate and tokenizer is not None:
-                extracted["tokenizer"] = tokenizer
+            if custom_generate is generate:
+                _assistant_drafter(more.get("assistant_model", args[1] if len(args) > 1 else None), extracted)
+                if tokenizer is not None:
+                    extracted["tokenizer"] = tokenizer
             return extracted
 
         extract_generation_mode_kwargs.__hf_bole_original__ = extract
         GenerationMixin._extract_generation_mode_kwargs = extract_generation_mode_kwargs
+
+    validate = GenerationMixin._validate_generation_mode
+    if getattr(validate, "__hf_bole_original__", None) is None:
+
+        @functools.wraps(validate)
+        def validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs, *args, **more):
+            # hf_bole's call with assistant_model= (its drafter now, `_assistant_drafter`): not transformers' assisted
+            # decoding, which 5.17-5.24 refuse for stateful models
+            if isinstance(generation_mode_kwargs.get("bole_drafter"), PreTrainedModel):
+                generation_mode = generation_config.get_generation_mode()
+            return validate(self, generation_mode, generation_config, generation_mode_kwargs, *args, **more)
+
+        validate_generation_mode.__hf_bole_original__ = validate
+        GenerationMixin._validate_generation_mode = validate_generation_mode
 
 
 _MTP_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -275,6 +295,10 @@ def _model_lock(model) -> threading.RLock:
 
 
 def _make_drafter(model, config: BoleConfig, device: torch.device):
+    if isinstance(config.drafter, PreTrainedModel):  # a small model: its own state per call (drafters/model.py)
+        from hf_bole.generation.drafters.model import ModelDrafter
+
+        return ModelDrafter(config.drafter, model, depth=config.depth, topk=config.topk)
     if config.drafter == "ngram":
         return NgramDrafter(config)
     if config.drafter == "mtp":
@@ -311,7 +335,7 @@ def _check_request(model, generation_config: GenerationConfig, model_kwargs: dic
         raise ValueError(f"hf_bole decodes one sequence per row; num_beams={generation_config.num_beams} is not supported")
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("hf_bole returns one sequence per row; repeat the prompts instead of num_return_sequences")
-    _check_assisted(dropped.get("assistant_model"), {}, generation_config)
+    _check_assisted({}, generation_config)
     if dropped.get("synced_gpus"):
         raise ValueError("hf_bole does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     for flag in _UNSUPPORTED_OUTPUTS:
@@ -336,11 +360,22 @@ def _check_cache_args(kwargs: dict) -> None:
             raise ValueError(_CACHE_ERROR.format(name=name))
 
 
-def _check_assisted(assistant_model, kwargs: dict, *configs) -> None:
-    """Refuses an assistant model, and settings of `kwargs` or `configs` (GenerationConfigs, or None) that ask for
-    transformers' assisted decoding."""
-    if assistant_model is not None:
-        raise ValueError(_ASSISTANT_ERROR.format(name="assistant_model"))
+def _assistant_drafter(assistant_model, kwargs: dict) -> None:
+    """`assistant_model=` is `bole_drafter=`: puts the assistant into `kwargs` (`generate`'s keyword arguments) as
+    hf_bole's drafter; refuses it next to another `bole_drafter`."""
+    if assistant_model is None:
+        return
+    if kwargs.get("bole_drafter") not in (None, assistant_model):
+        raise ValueError(
+            "assistant_model= and bole_drafter= both name a drafter: pass one (assistant_model=small is "
+            "bole_drafter=small)"
+        )
+    kwargs["bole_drafter"] = assistant_model
+
+
+def _check_assisted(kwargs: dict, *configs) -> None:
+    """Refuses settings of `kwargs` or `configs` (GenerationConfigs, or None) that ask for transformers' assisted
+    decoding without a model (prompt lookup, early exit, MTP)."""
     for name in _ASSISTED_SETTINGS:
         values = [kwargs.get(name)] + [getattr(config, name, None) for config in configs if config is not None]
         if any(value not in (None, False) for value in values):
@@ -398,6 +433,7 @@ def _decode(
     **model_kwargs,
 ):
     generation_config = generation_config if generation_config is not None else model.generation_config
+    _assistant_drafter(assistant_model, model_kwargs)
     bole, model_kwargs = BoleConfig.from_generate_kwargs(
         {k: v for k, v in model_kwargs.items() if v is not None or not k.startswith("bole_")}, generation_config
     )
@@ -438,7 +474,7 @@ def _decode(
     budget_for = BudgetResolver.for_model(model, bole, B)
     per_row = max(1, min(row_cap, budget_for.max_budget))
     drafter = _make_drafter(model, bole, device)
-    builtin_drafter = isinstance(bole.drafter, str)  # a user's drafter gets its trees checked every round
+    builtin_drafter = isinstance(bole.drafter, (str, PreTrainedModel))  # a user's drafter gets its trees checked
     max_depth = _max_depth(drafter)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     graphed = captures(model, bole.cuda_graphs)

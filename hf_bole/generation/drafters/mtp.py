@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from hf_bole.generation.drafters.base import DraftContext
+from hf_bole.generation.drafters.best import best_nodes
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.attention import MAX_NODES as MAX_QUERY_ROWS
@@ -559,15 +560,8 @@ class MTPDrafter:
                 frontier_ancestors = frontier_ancestors.gather(1, parent[..., None].expand(-1, -1, cache.num_keys))
                 frontier_ids = K + (d - 1) * K * K + chosen
 
-        tokens, logp, cum, parents = (torch.cat(x, dim=1) for x in (all_tokens, all_logp, all_cum, all_parents))
-        # ids grow with depth, so the stable sort breaks ties shallower first and every parent precedes its children
-        order = cum.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]  # [B, N]
-        rank = torch.full_like(cum, -1, dtype=torch.long)
-        rank.scatter_(1, order, torch.arange(num_nodes, device=device).expand(batch_size, -1))
-        parents = parents.gather(1, order)
-        parents = torch.where(parents >= 0, rank.gather(1, parents.clamp(min=0)), -1)
-        logp = torch.where(cum.gather(1, order) > float("-inf"), logp.gather(1, order), float("-inf"))
-        return tokens.gather(1, order), parents, logp
+        # ids grow with depth: shallower nodes first, every parent before its children
+        return best_nodes(*(torch.cat(x, dim=1) for x in (all_tokens, all_logp, all_cum, all_parents)), num_nodes)
 
 
 @dataclass
