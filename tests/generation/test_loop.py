@@ -27,6 +27,7 @@ from hf_bole.generation.loop import _spread_settings
 from hf_bole.models import Placement
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
 from hf_bole.models.twin import tree_twin
+from tests.generation import sampling
 from tests.models import tiny
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1019,13 +1020,6 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
         assert any(f is not None for f in states[0][3])  # some row stopped inside a round
 
 
-def _samples(model, prompt, n, **kwargs):
-    out = model.generate(
-        torch.tensor([prompt] * n), max_new_tokens=3, do_sample=True, top_k=0, pad_token_id=0, **kwargs
-    )
-    return out[:, -3:]
-
-
 class RandomDrafter:
     """A bad drafter: the same tree shape every round (depth 3), random distinct sibling tokens, random draft
     probabilities."""
@@ -1083,19 +1077,10 @@ class ModalDrafter:
 @pytest.mark.parametrize("drafter", ["modal", "random"])
 def test_sampling_keeps_the_distribution(drafter):
     """Chi-square: the joint law of the first three tokens equals plain sampling's (4000 samples each)."""
-    from scipy.stats import chi2_contingency  # imported here: GPU images without scipy still run the other tests
-
     torch.manual_seed(0)
     model = tiny.build_model("dense", vocab_size=6)
-    prompt = [1, 2, 3, 4]
-    d = ModalDrafter(model, prompt) if drafter == "modal" else RandomDrafter(6)
-    ref = _samples(model, prompt, 4000)
-    ours = _samples(model, prompt, 4000, custom_generate="hf_bole", bole_drafter=d, bole_budget=4000 * 12)
-    codes = [(x[:, 0] * 36 + x[:, 1] * 6 + x[:, 2]).bincount(minlength=216) for x in (ref, ours)]
-    table = torch.stack(codes)
-    frequent = table.sum(0) >= 20  # pool rare outcomes so that every cell's expected count is large
-    table = torch.cat([table[:, frequent], table[:, ~frequent].sum(1, keepdim=True)], dim=1)
-    p_value = chi2_contingency(table.cpu().numpy()).pvalue
+    d = ModalDrafter(model, sampling.PROMPT) if drafter == "modal" else RandomDrafter(6)
+    p_value = sampling.sampling_p_value(model, bole_drafter=d)
     assert p_value > 1e-3, f"sampling with the {drafter} drafter differs from plain sampling (p = {p_value:.2e})"
 
 

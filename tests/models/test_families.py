@@ -14,7 +14,8 @@ from hf_bole.cache import BoleCache
 from hf_bole.generation.drafters.mtp import MTPDrafter
 from hf_bole.models import adapter, check_supported_model, families, family_of, tree_forward
 from hf_bole.models.mtp import Qwen3_5MTP, load_mtp_state_dict, save_pretrained_with_mtp
-from tests.generation.test_loop import _samples, oracle_for
+from tests.generation import sampling
+from tests.generation.test_loop import oracle_for
 from tests.models import tiny, tiny_families
 from tests.models.test_qwen3_5 import PROMPTS, check_tree_logits, make_trees
 
@@ -74,22 +75,11 @@ def test_greedy_matches_plain(name, drafter):
 def test_sampling_keeps_the_distribution(name):
     """Chi-square: the joint law of the first three sampled tokens equals plain sampling's (4000 samples each), with
     a wide tree of random drafts every round."""
-    from scipy.stats import chi2_contingency  # imported here: GPU images without scipy still run the other tests
-
     from tests.generation.test_loop import RandomDrafter
 
     torch.manual_seed(0)
     model = tiny_families.build(name, vocab_size=6)
-    prompt = [1, 2, 3, 4]
-    ref = _samples(model, prompt, 4000)
-    ours = _samples(
-        model, prompt, 4000, custom_generate="hf_bole", bole_drafter=RandomDrafter(6), bole_budget=4000 * 12
-    )
-    codes = [(x[:, 0] * 36 + x[:, 1] * 6 + x[:, 2]).bincount(minlength=216) for x in (ref, ours)]
-    table = torch.stack(codes)
-    frequent = table.sum(0) >= 20  # pool rare outcomes so that every cell's expected count is large
-    table = torch.cat([table[:, frequent], table[:, ~frequent].sum(1, keepdim=True)], dim=1)
-    p_value = chi2_contingency(table.cpu().numpy()).pvalue
+    p_value = sampling.sampling_p_value(model, bole_drafter=RandomDrafter(6))
     assert p_value > 1e-3, f"sampling {name} differs from plain sampling (p = {p_value:.2e})"
 
 

@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
 from hf_bole.generation.drafters.base import DraftContext
-from hf_bole.generation.drafters.best import best_nodes
+from hf_bole.generation.drafters.topk_tree import TopkLevels
 from hf_bole.generation.drafters.model_trees import DraftModelTrees, check_draft_model
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.topk import MAX_K, naive_row_topk, row_topk
@@ -143,31 +143,18 @@ class ModelDrafter:
         `num_nodes`: their tokens, parents and draft log-probabilities, each `[B, num_nodes]`."""
         K = self.topk
         B, device = root.shape[0], root.device
-        logp, tokens = self._best(root, log_softmax=True)  # [B, K]
-        all_tokens, all_logp, all_cum = [tokens], [logp], [logp]
-        all_parents = [torch.full_like(tokens, -1)]
+        levels = TopkLevels(*self._best(root, log_softmax=True))  # the root's children, [B, K]
         # The drafter's forwards run the frontiers drafted so far: `fed` tokens, their parents among them (-1: a child
         # of the root, the last committed token), each level's frontier `K` more.
-        fed_tokens, fed_parents = tokens, torch.full_like(tokens, -1)
+        fed_tokens, fed_parents = levels.tokens[0], torch.full_like(levels.tokens[0], -1)
         frontier_fed = torch.arange(K, device=device).expand(B, -1)  # [B, K] the frontier among the fed nodes
-        frontier_ids = frontier_fed  # [B, K] ... among all drafted nodes
-        frontier_cum = logp
         for d in range(1, self.depth):
             logits = self._trees.logits(fed_tokens, fed_parents)  # [B, K * d, vocab]
             out = logits.gather(1, frontier_fed[..., None].expand(-1, -1, logits.shape[-1]))  # [B, K, vocab]
-            child_logp, child_tokens = self._best(out, log_softmax=True)  # [B, K, K]
-            child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
-            child_tokens = child_tokens.flatten(1)
-            all_tokens.append(child_tokens)
-            all_logp.append(child_logp.flatten(1))
-            all_cum.append(child_cum)
-            all_parents.append(frontier_ids.repeat_interleave(K, dim=1))
+            levels.add(*self._best(out, log_softmax=True))  # [B, K, K]
             if d + 1 < self.depth:
-                frontier_cum, chosen = self._best(child_cum)  # [B, K] among the level's K*K children
-                parent = frontier_fed.gather(1, chosen // K)  # the chosen nodes' parents among the fed nodes
-                fed_tokens = torch.cat([fed_tokens, child_tokens.gather(1, chosen)], dim=1)
-                fed_parents = torch.cat([fed_parents, parent], dim=1)
+                chosen = levels.advance(self._best)  # [B, K] among the level's K*K children
+                fed_tokens = torch.cat([fed_tokens, levels.tokens[-1].gather(1, chosen)], dim=1)
+                fed_parents = torch.cat([fed_parents, frontier_fed.gather(1, chosen // K)], dim=1)
                 frontier_fed = K * d + torch.arange(K, device=device).expand(B, -1)
-                frontier_ids = K + (d - 1) * K * K + chosen
-        # ids grow with depth: shallower nodes first, every parent before its children
-        return best_nodes(*(torch.cat(x, dim=1) for x in (all_tokens, all_logp, all_cum, all_parents)), num_nodes)
+        return levels.best_nodes(num_nodes)

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from hf_bole.generation.drafters.base import DraftContext
-from hf_bole.generation.drafters.best import best_nodes
+from hf_bole.generation.drafters.topk_tree import TopkLevels
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.attention import MAX_NODES as MAX_QUERY_ROWS
@@ -520,14 +520,9 @@ class MTPDrafter:
         key_lengths = cache.used(committed)  # [B]
         committed_keys = ((keys >= cache.offset) & (keys < key_lengths[:, None]))[:, None, :]  # [B, 1, L]
 
-        # the drafted nodes, level by level; node ids number them in this order (shallower first)
-        logp, tokens = self._children(root_hidden)  # [B, K]
-        all_tokens, all_logp, all_cum = [tokens], [logp], [logp]
-        all_parents = [torch.full_like(tokens, -1)]
+        levels = TopkLevels(*self._children(root_hidden))  # the root's children, [B, K]
         frontier_hidden = root_hidden[:, None].expand(-1, K, -1)  # [B, K, hidden]
-        frontier_ids = torch.arange(K, device=device).expand(batch_size, -1)  # [B, K]
-        frontier_cum = logp
-        frontier_tokens = tokens
+        frontier_tokens = levels.tokens[0]
         frontier_ancestors = torch.zeros(batch_size, K, cache.num_keys, dtype=torch.bool, device=device)
         # Every node of level d sits at position root_position + d: the rotary embedding of all levels at once (one
         # computation a round instead of one a level), each [B, depth - 1, head_dim]
@@ -545,23 +540,15 @@ class MTPDrafter:
                 few_queries=True,
                 key_lengths=key_lengths,
             )  # [B, K, hidden]
-            child_logp, child_tokens = self._children(out)  # [B, K, K]
-            child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
-            child_tokens = child_tokens.flatten(1)
-            all_tokens.append(child_tokens)
-            all_logp.append(child_logp.flatten(1))
-            all_cum.append(child_cum)
-            all_parents.append(frontier_ids.repeat_interleave(K, dim=1))
+            levels.add(*self._children(out))  # [B, K, K]
             if d + 1 < self.depth:
-                frontier_cum, chosen = self._best(child_cum)  # [B, K] among the level's K*K children
+                chosen = levels.advance(self._best)  # [B, K] among the level's K*K children
                 parent = chosen // K  # index of the parent in the current frontier
-                frontier_tokens = child_tokens.gather(1, chosen)
+                frontier_tokens = levels.tokens[-1].gather(1, chosen)
                 frontier_hidden = out.gather(1, parent[..., None].expand(-1, -1, hidden_size))
                 frontier_ancestors = frontier_ancestors.gather(1, parent[..., None].expand(-1, -1, cache.num_keys))
-                frontier_ids = K + (d - 1) * K * K + chosen
 
-        # ids grow with depth: shallower nodes first, every parent before its children
-        return best_nodes(*(torch.cat(x, dim=1) for x in (all_tokens, all_logp, all_cum, all_parents)), num_nodes)
+        return levels.best_nodes(num_nodes)
 
 
 @dataclass
