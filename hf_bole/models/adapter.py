@@ -185,10 +185,10 @@ def check_supported_model(model: torch.nn.Module) -> Family:
     """Raises a `ValueError` unless `model` is a model hf_bole can verify trees with: one of the classes of a
     supported family (`hf_bole.models.family`), with GDN and KV-caching attention layers and an attention
     implementation that takes an arbitrary 4D mask ("sdpa" or "eager"). Returns its family."""
-    family = family_of(model.config)
+    config = model.config.get_text_config(decoder=True)
+    family = family_of(config)
     if not isinstance(model, family.model_classes()):
         raise ValueError(f"hf_bole verifies trees on {supported()} (text-only input); got {type(model).__name__}")
-    config = model.config.get_text_config(decoder=True)
     layer_types = set(config.layer_types)
     if GDN_LAYER not in layer_types or not layer_types & set(family.attention_layers) or not layer_types <= {
         GDN_LAYER, *family.attention_layers

@@ -65,7 +65,7 @@ class Family:
 
     def model_classes(self) -> tuple[type, ...]:
         """The classes of `classes` this transformers version has."""
-        return tuple(cls for name in self.classes if (cls := getattr(transformers, name, None)) is not None)
+        return _classes(self.classes)
 
     def norm_classes(self) -> tuple[tuple[type, ...], tuple[type, ...]]:
         """The classes of `zero_centred_norms` and of `gated_norms` in the family's modules."""
@@ -80,6 +80,11 @@ class Family:
     def rotary_position_ids(self, position_ids):
         """What the decoder's rotary embedding takes for text positions `position_ids [B, N]`."""
         return position_ids[None].expand(3, -1, -1) if self.mrope else position_ids
+
+
+@functools.cache
+def _classes(names: tuple[str, ...]) -> tuple[type, ...]:
+    return tuple(cls for name in names if (cls := getattr(transformers, name, None)) is not None)
 
 
 @functools.cache
@@ -108,8 +113,15 @@ def family_of(config) -> Family:
     """The family of `config` (a text config, or a composite one whose text config is used).
 
     Raises a `ValueError` listing what is supported for any other architecture."""
-    model_type = config.get_text_config(decoder=True).model_type
-    for family in families():
-        if model_type in family.modules and family.available:
-            return family
-    raise ValueError(f"hf_bole verifies trees on {supported()}; got a config of model type {model_type!r}")
+    family = _family(config.model_type)  # a text config's own (reading the text config costs ~6 us a call)
+    if family is None:
+        model_type = config.get_text_config(decoder=True).model_type
+        family = _family(model_type)
+    if family is None:
+        raise ValueError(f"hf_bole verifies trees on {supported()}; got a config of model type {model_type!r}")
+    return family
+
+
+@functools.cache  # every tree forward asks
+def _family(model_type: str) -> Family | None:
+    return next((f for f in families() if model_type in f.modules and f.available), None)

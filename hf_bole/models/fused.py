@@ -146,8 +146,9 @@ def fuse_projections(decoder: nn.Module) -> list[_Group]:
     if held is not None and all(group.intact() for group in held):
         return held
     groups, apart = [], []
+    projection_groups = family_of(decoder.config).projection_groups
     for name, module in decoder.named_modules():
-        for names in family_of(decoder.config).projection_groups:
+        for names in projection_groups:
             if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
                 continue
             reason = _why_not([getattr(module, n) for n in names])
