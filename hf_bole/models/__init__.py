@@ -10,7 +10,7 @@ from hf_bole.models.adapter import (
     install_adapter,
     tree_forward,
 )
-from hf_bole.models.family import Family, families, family_of
+from hf_bole.models.family import Family, all_families, family_of
 from hf_bole.models.placement import Placement, execution_device, placement
 
 __all__ = [
@@ -18,11 +18,11 @@ __all__ = [
     "Placement",
     "TreeBatch",
     "TreeForwardOutput",
+    "all_families",
     "attention_backends",
     "cache_argument",
     "check_supported_model",
     "execution_device",
-    "families",
     "family_of",
     "graph_unsafe_experts",
     "install_adapter",

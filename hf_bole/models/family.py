@@ -95,7 +95,7 @@ def _module(path: str) -> ModuleType | None:
         return None
 
 
-def families() -> tuple[Family, ...]:
+def all_families() -> tuple[Family, ...]:
     """Every family hf_bole describes, this transformers version's or not."""
     from hf_bole.models.families import FAMILIES
 
@@ -104,8 +104,8 @@ def families() -> tuple[Family, ...]:
 
 def supported() -> str:
     """The families and classes hf_bole verifies with this transformers version, and those it lacks, for messages."""
-    have = [f"{f.name} ({', '.join(c.__name__ for c in f.model_classes())})" for f in families() if f.available]
-    lack = [f"{f.name} (in {f.shipped_in})" for f in families() if not f.available]
+    have = [f"{f.name} ({', '.join(c.__name__ for c in f.model_classes())})" for f in all_families() if f.available]
+    lack = [f"{f.name} (in {f.shipped_in})" for f in all_families() if not f.available]
     return "; ".join(have) + (f"; not in transformers {transformers.__version__}: {', '.join(lack)}" if lack else "")
 
 
@@ -124,4 +124,4 @@ def family_of(config) -> Family:
 
 @functools.cache  # every tree forward asks
 def _family(model_type: str) -> Family | None:
-    return next((f for f in families() if model_type in f.modules and f.available), None)
+    return next((f for f in all_families() if model_type in f.modules and f.available), None)

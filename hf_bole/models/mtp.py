@@ -42,7 +42,7 @@ from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHT
 from hf_bole.kernels.ops import masked_attention
 from hf_bole.models.placement import placement
 from hf_bole.models.adapter import cache_argument
-from hf_bole.models.family import families, family_of
+from hf_bole.models.family import all_families, family_of
 
 MTP_PREFIX = "mtp."
 MTP_SHARD_NAME = "model-mtp.safetensors"
@@ -272,7 +272,7 @@ class Qwen3_5MTP(nn.Module):
 
 def _check_family(text_config) -> None:
     if not family_of(text_config).mtp:
-        with_mtp = ", ".join(f.name for f in families() if f.mtp)
+        with_mtp = ", ".join(f.name for f in all_families() if f.mtp)
         raise ValueError(
             f"The MTP head is defined for the families whose checkpoints ship one ({with_mtp}), not "
             f"'{text_config.model_type}': draft with bole_drafter='ngram' or a small model (assistant_model=)."

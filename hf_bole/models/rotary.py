@@ -23,7 +23,7 @@ import torch
 from transformers.utils import logging
 
 from hf_bole.kernels.rotary import rotary
-from hf_bole.models.family import families
+from hf_bole.models.family import all_families
 
 logger = logging.get_logger(__name__)
 
@@ -74,7 +74,7 @@ def _stand_in(original):
 def modules() -> tuple:
     """The modeling modules whose `apply_rotary_pos_emb` `rotary` computes: those of the families with `rotary` that
     this transformers version ships."""
-    return tuple(f.module(t) for f in families() if f.rotary and f.available for t in f.modules)
+    return tuple(f.module(t) for f in all_families() if f.rotary and f.available for t in f.modules)
 
 
 def install() -> None:

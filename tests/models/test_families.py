@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3NextForCausalLM
 
 from hf_bole.cache import BoleCache
 from hf_bole.generation.drafters.mtp import MTPDrafter
-from hf_bole.models import adapter, check_supported_model, families, family_of, tree_forward
+from hf_bole.models import adapter, all_families, check_supported_model, family_of, tree_forward
 from hf_bole.models.mtp import Qwen3_5MTP, load_mtp_state_dict, save_pretrained_with_mtp
 from tests.generation import sampling
 from tests.generation.test_loop import oracle_for
@@ -166,7 +166,7 @@ def test_unsupported_models_are_named_with_what_is_supported():
     ))  # fmt: skip
     with pytest.raises(ValueError, match="at least one of each"):
         check_supported_model(all_attention)
-    assert {f.name for f in families()} >= {"Qwen3.5", "Qwen3-Next", "OLMo-Hybrid", "Lara-Mini"}
+    assert {f.name for f in all_families()} >= {"Qwen3.5", "Qwen3-Next", "OLMo-Hybrid", "Lara-Mini"}
 
 
 def test_sliding_window_mask():

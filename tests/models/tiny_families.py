@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from hf_bole.models import families
+from hf_bole.models import all_families
 from tests.models import tiny
 
 # name -> (family name, config class, model class, config fields beyond tiny.TEXT's)
@@ -35,7 +35,7 @@ MODELS = {
 
 
 def family(name: str):
-    return next(f for f in families() if f.name == MODELS[name][0])
+    return next(f for f in all_families() if f.name == MODELS[name][0])
 
 
 def available(name: str) -> bool:

@@ -69,6 +69,7 @@ class TreeKVCache(Cache):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.capacity = 0
+        self.valid = torch.ones(batch_size, 0, dtype=torch.bool, device=device)  # [B, C]: no slot is padding
         self.slots: torch.Tensor | None = None  # [B, N] where the forward in flight writes
         self._bound = 0  # an upper bound of max(lengths), on the host
 
@@ -82,6 +83,7 @@ class TreeKVCache(Cache):
             pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:3], new - self.capacity, t.shape[4])], dim=3)  # noqa: E731
             self.keys, self.values = pad(self.keys), pad(self.values)
         self.capacity = new
+        self.valid = torch.ones(self.valid.shape[0], new, dtype=torch.bool, device=self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Writes the forward's keys/values `[B, Hkv, N, D]` of layer `layer_idx` to `slots`; returns the layer's whole
@@ -141,9 +143,8 @@ class DraftModelTrees:
             return tree_forward(self.model, self.cache, tokens, parents.to(self.cache.device)).logits
         cache = self.cache
         cache.reserve(tokens.shape[1])
-        valid = torch.ones(self.batch_size, cache.capacity, dtype=torch.bool, device=self.device)
         # no padding slots: positions are the committed counts
-        _, position_ids, mask = tree_masks(parents, cache.lengths, cache.lengths, valid)
+        _, position_ids, mask = tree_masks(parents, cache.lengths, cache.lengths, cache.valid)
         if self.model.config._attn_implementation == "eager":  # eager attention adds its mask
             dtype = self.model.get_input_embeddings().weight.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
