@@ -43,9 +43,9 @@ LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_BOLE_CACHE=${HF_BOLE_CACHE:-/tmp/hf_bole_cache}
 export BOLE_COMMIT=${BOLE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
-if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl
-    export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device lacks: fla-core and what it needs (einops)
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-whl .whl/*.whl
+    export PYTHONPATH=/tmp/site-whl:$PYTHONPATH
 fi
 # installed, not only importable: transformers checks custom_generate/requirements.txt's hf-bole (tests)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"

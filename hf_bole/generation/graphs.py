@@ -76,7 +76,9 @@ def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple
             run()
         torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # Only this thread's calls are held to the capture's rules: another thread's plain forward of the model (a
+    # cudaMalloc, a synchronisation) would fail during the capture otherwise.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = run()
     return graph, out
 

@@ -329,46 +329,23 @@ def _processor_case():
     return contexts, tree, logits
 
 
+def _node_sequence(contexts, tree, b: int, i: int) -> torch.Tensor:
+    """Node i of row b's full sequence: its row's context, then the tokens on its path below the root."""
+    path, j = [], i
+    while j > 0:
+        path.append(tree.input_ids[b, j].item())
+        j = tree.parents[b, j].item()
+    return torch.cat([contexts[b], torch.tensor(path[::-1], dtype=torch.long)])
+
+
 def _per_node(processors, contexts, tree, logits) -> torch.Tensor:
     """The reference: every real node's logits processed alone, with its full sequence as input_ids."""
     out = logits.clone()
     for b in range(tree.input_ids.shape[0]):
         for i in range(tree.num_nodes[b].item()):
-            path, j = [], i
-            while j > 0:
-                path.append(tree.input_ids[b, j].item())
-                j = tree.parents[b, j].item()
-            seq = torch.cat([contexts[b], torch.tensor(path[::-1], dtype=torch.long)])
+            seq = _node_sequence(contexts, tree, b, i)
             out[b, i] = processors(seq[None], logits[b, i][None].clone())[0]
     return out
-
-
-@pytest.mark.parametrize(
-    "processors",
-    [
-        pytest.param([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4), TopPLogitsWarper(0.8)], id="context-free"),
-        pytest.param([RepetitionPenaltyLogitsProcessor(1.7), TemperatureLogitsWarper(0.7)], id="repetition"),
-        pytest.param([NoRepeatNGramLogitsProcessor(2)], id="no-repeat-ngram"),
-        pytest.param(
-            [MinNewTokensLengthLogitsProcessor(
-                    prompt_length_to_skip=4, min_new_tokens=3, eos_token_id=[1, 2], device=torch.get_default_device()
-                )],
-            id="min-new-tokens",
-        ),
-        pytest.param(
-            [RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=2), TopKLogitsWarper(3)], id="mixed"
-        ),
-    ],
-)
-def test_process_logits_equals_per_sequence(processors):
-    processors = LogitsProcessorList(processors)
-    contexts, tree, logits = _processor_case()
-    scores = process_logits(processors, logits, tree, contexts)
-    expected = _per_node(processors, contexts, tree, logits)
-    mask = tree.node_mask
-    torch.testing.assert_close(scores[mask], expected[mask], rtol=0, atol=0)
-    assert not torch.equal(scores[mask], logits[mask])  # the case is not vacuous
-    assert scores.dtype == torch.float32 and not scores.isnan().any()
 
 
 class _RowBias:
@@ -390,11 +367,7 @@ def _per_node_in_row(processors, contexts, tree, logits) -> torch.Tensor:
     B = tree.input_ids.shape[0]
     for b in range(B):
         for i in range(tree.num_nodes[b].item()):
-            path, j = [], i
-            while j > 0:
-                path.append(tree.input_ids[b, j].item())
-                j = tree.parents[b, j].item()
-            seq = torch.cat([contexts[b], torch.tensor(path[::-1], dtype=torch.long)])
+            seq = _node_sequence(contexts, tree, b, i)
             ids = torch.zeros(B, len(seq), dtype=torch.long)
             ids[b] = seq
             scores = torch.zeros(B, logits.shape[-1])
@@ -406,14 +379,26 @@ def _per_node_in_row(processors, contexts, tree, logits) -> torch.Tensor:
 @pytest.mark.parametrize(
     "processors",
     [
+        pytest.param([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4), TopPLogitsWarper(0.8)], id="context-free"),
+        pytest.param([RepetitionPenaltyLogitsProcessor(1.7), TemperatureLogitsWarper(0.7)], id="repetition"),
+        pytest.param([NoRepeatNGramLogitsProcessor(2)], id="no-repeat-ngram"),
+        pytest.param(
+            [MinNewTokensLengthLogitsProcessor(
+                    prompt_length_to_skip=4, min_new_tokens=3, eos_token_id=[1, 2], device=torch.get_default_device()
+                )],
+            id="min-new-tokens",
+        ),
+        pytest.param(
+            [RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=2), TopKLogitsWarper(3)], id="mixed"
+        ),
         pytest.param([_RowBias()], id="row-bias"),
-        pytest.param([RepetitionPenaltyLogitsProcessor(1.3), _RowBias(), TopKLogitsWarper(3)], id="mixed"),
+        pytest.param([RepetitionPenaltyLogitsProcessor(1.3), _RowBias(), TopKLogitsWarper(3)], id="row-bias-mixed"),
         pytest.param([PrefixConstrainedLogitsProcessor(lambda b, ids: [b, 2 * b, int(ids[-1])], 1)], id="prefix"),
     ],
 )
-def test_process_logits_gives_processors_each_node_in_its_row(processors):
-    """A processor that may treat rows differently sees each node's sequence in its row's place of the batch, as
-    plain decoding calls it."""
+def test_process_logits_equals_per_sequence(processors):
+    """Each node's logits processed as plain decoding processes them: its sequence in its row's place of the batch
+    (processors that treat rows differently included)."""
     processors = LogitsProcessorList(processors)
     contexts, tree, logits = _processor_case()
     scores = process_logits(processors, logits, tree, contexts)
@@ -421,6 +406,7 @@ def test_process_logits_gives_processors_each_node_in_its_row(processors):
     mask = tree.node_mask
     torch.testing.assert_close(scores[mask], expected[mask], rtol=0, atol=0)
     assert not torch.equal(scores[mask], logits[mask])  # the case is not vacuous
+    assert scores.dtype == torch.float32 and not scores.isnan().any()
 
 
 def test_process_logits_per_row_repetition_penalty():

@@ -571,7 +571,7 @@ def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
 
     monkeypatch.setattr(hf_bole.models, "tree_forward", recorded)
     table = budget_module.calibrate(
-        dense, [4], [8], [0, 8], warmup=1, reps=1, progress=False, cuda_graphs=False
+        dense, [4], [8], [0, 8], warmup=1, reps=1, progress=False, cuda_graphs=False, attention="model"
     )  # fmt: skip
     assert table.key.launch == "eager"
     assert table.meta["t_dec"] == "floor verify forward (N = batch size), launched from Python"
@@ -606,7 +606,8 @@ def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
 
     monkeypatch.setattr(adapter, "_compiled", traced)
     table = budget_module.calibrate(
-        dense, [1], [8], [0, 2], warmup=1, reps=1, progress=False, cuda_graphs=False, compile=True
+        dense, [1], [8], [0, 2], warmup=1, reps=1, progress=False, cuda_graphs=False, compile=True,
+        attention="model",
     )  # fmt: skip
     twin = tree_twin(dense.get_decoder(), projections=True, norms=False).module  # what a compiled forward runs
     assert table.key.launch == "compiled-eager" and compiled and set(compiled) == {twin}
@@ -615,7 +616,7 @@ def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
 def test_calibrate_replays_graphs(dense):
     table = budget_module.calibrate(dense, [1, 2], [16], [0, 2, 8], warmup=2, reps=3, progress=False)
-    assert table.key.launch == "graphs" and table.meta["t_dec"] == "floor verify forward (N = batch size), replayed"
+    assert table.key.launch == "triton-attention-graphs" and table.meta["t_dec"] == "floor verify forward (N = batch size), replayed"
     assert all(e.t_dec > 0 and len(e.t_ver) == len(e.nodes) for e in table.entries)
     assert [e.nodes for e in table.entries] == [[0, 1, 2, 8], [0, 2, 8]]  # the floor N = batch size added at batch 1
 

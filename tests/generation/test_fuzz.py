@@ -2,8 +2,10 @@
 processors and stopping rules, seeded and bounded in time.
 
 Every case is drawn from its own seed (`HF_BOLE_FUZZ_SEED`, default 0, plus the case's number), so a failure names
-what reproduces it: `HF_BOLE_FUZZ_SEED=<seed> HF_BOLE_FUZZ_CASES=1 python -m pytest tests/generation/test_fuzz.py`.
-Cases run until `HF_BOLE_FUZZ_SECONDS` (default 30) have passed, or `HF_BOLE_FUZZ_CASES` of them.
+what reproduces it: `HF_BOLE_FUZZ_SEED=<seed> HF_BOLE_FUZZ_CASES=1 python -m pytest tests/generation/test_fuzz.py
+-k torch` (a case through the Triton kernels: its seed minus 10**6, and `-k triton`).
+Cases run until `HF_BOLE_FUZZ_SECONDS` (default 30) have passed, or `HF_BOLE_FUZZ_CASES` of them; through the
+Triton kernels (under the interpreter on a CPU) for a share of that time, cases of their own.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 from hf_bole.generation import DraftContext, DraftTree, loop
 from hf_bole.generation.prefill import unchainable
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
-from tests.generation.test_loop import RowBias, _char, _tokenizer
+from tests.generation.test_loop import Recorder, RowBias, _char, _tokenizer, padded_tree
 from tests.models import tiny
 
 SECONDS = float(os.environ.get("HF_BOLE_FUZZ_SECONDS", 30))
@@ -44,13 +46,7 @@ class RandomTreeDrafter:
         for b, length in enumerate(ctx.lengths.tolist()):
             done = length - self.real_lengths[b]  # tokens generated so far, the root included
             rows.append(self._row(self.continuations[b][done:], ctx.max_nodes))
-        N = max(1, max(len(r[0]) for r in rows))
-        pad = lambda xs, v: [x + [v] * (N - len(x)) for x in xs]  # noqa: E731
-        return DraftTree(
-            tokens=torch.tensor(pad([r[0] for r in rows], 0)),
-            parents=torch.tensor(pad([r[1] for r in rows], -1)),
-            draft_logprobs=torch.tensor(pad([r[2] for r in rows], float("-inf"))),
-        )
+        return padded_tree(rows)
 
     def _row(self, truth: list[int], max_nodes: int):
         rng = self.rng
@@ -82,19 +78,6 @@ class RandomTreeDrafter:
         return tokens, parents, logp
 
 
-class Recording:
-    """A streamer that keeps what it is given."""
-
-    def __init__(self):
-        self.puts, self.ended = [], False
-
-    def put(self, value):
-        self.puts.append(value.tolist())
-
-    def end(self):
-        self.ended = True
-
-
 class StopsOn(StoppingCriteria):
     """A user's criterion (called with each row's ids, token by token): stops a row on `token`."""
 
@@ -115,10 +98,10 @@ def models(tmp_path_factory):
     return {"dense": with_mtp, "moe": tiny.build_model("moe"), "vl": tiny.build_model("vl")}
 
 
-def _batch(rng: random.Random, rows: int, padding: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(rng: random.Random, rows: int, padding: str, long: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, attention_mask)` `[rows, P]` of random prompts, padded as `padding` says (a row of padding alone
-    now and then), a few longer than a prefill chain of 128."""
-    longest = 140 if rng.random() < 0.1 else 10
+    now and then), with `long` a few longer than a prefill chain of 128."""
+    longest = 140 if long and rng.random() < 0.1 else 10
     lengths = [rng.randint(1, longest) if padding == "none" or rng.random() > 0.1 else 0 for _ in range(rows)]
     lengths[0] = max(lengths[0], 1)
     P = max(lengths) + (rng.randint(0, 3) if padding != "none" else 0)
@@ -131,23 +114,25 @@ def _batch(rng: random.Random, rows: int, padding: str) -> tuple[torch.Tensor, t
             mask[b, P - n :] = 1
         elif padding == "right":
             mask[b, :n] = 1
-        else:  # holes: real tokens at random columns, the first and last kept often enough
+        else:  # holes: real tokens at random columns
             columns = sorted(rng.sample(range(P), n))
             mask[b, columns] = 1
     ids = torch.where(mask.bool(), ids, 0)
     return ids, mask
 
 
-def _case(seed: int, models) -> tuple[dict, str]:
-    """Draws and runs one case; returns its settings and "ok" or "refused: <message>"."""
+def _case(seed: int, models, light: bool = False) -> tuple[dict, str]:
+    """Draws and runs one case (`light`: short prompts and outputs, at most two rows); returns its settings and "ok" or
+    "refused: <message>"."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kind = rng.choice(["dense", "dense", "moe", "vl"])
     model = models[kind]
-    rows = rng.randint(1, 4)
+    rows = rng.randint(1, 2 if light else 4)
     padding = rng.choice(["none", "left", "left", "right", "holes"])
-    ids, mask = _batch(rng, rows, padding)
-    common = dict(attention_mask=mask, pad_token_id=0, do_sample=False, max_new_tokens=rng.randint(1, 24))
+    ids, mask = _batch(rng, rows, padding, long=not light)
+    new = rng.randint(1, 8 if light else 24)
+    common = dict(attention_mask=mask, pad_token_id=0, do_sample=False, max_new_tokens=new)
     processors = rng.choice(["none", "none", "repetition", "ngram", "rows", "min_new"])
     if processors == "repetition":
         common["repetition_penalty"] = 1.3
@@ -167,7 +152,7 @@ def _case(seed: int, models) -> tuple[dict, str]:
         common.update(tokenizer=_tokenizer(), stop_strings=["".join(_char(int(t)) for t in made[b, j : j + 2])])
     elif stop == "user":
         common["stopping_criteria"] = StoppingCriteriaList([StopsOn(int(made[rng.randrange(rows), -1]))])
-    streamers = [Recording(), Recording()] if rng.random() < 0.3 else [None, None]
+    streamers = [Recorder(), Recorder()] if rng.random() < 0.3 else [None, None]
     ref = model.generate(ids, streamer=streamers[0], **common)
 
     settings = dict(
@@ -209,17 +194,28 @@ def _case(seed: int, models) -> tuple[dict, str]:
         loop.INITIAL_ROOM = initial_room
     assert torch.equal(out, ref), f"case {described}:\nhf_bole {out.tolist()}\nplain   {ref.tolist()}"
     if streamers[0] is not None:
-        assert streamers[1].puts == streamers[0].puts and streamers[1].ended, f"case {described}: streamed"
+        same = len(streamers[1].puts) == len(streamers[0].puts) and all(map(torch.equal, *(s.puts for s in streamers)))
+        assert same and streamers[1].ended, f"case {described}: streamed"
     return described, "ok"
 
 
-def test_fuzz_matches_plain_greedy(models):
-    """Random cases against plain greedy generate, for `SECONDS` seconds (at least 3 cases)."""
+@pytest.mark.parametrize(
+    "kernels, share, least",
+    [
+        pytest.param("torch", 1.0, 3, id="torch"),
+        pytest.param("triton", 0.3, 1, marks=pytest.mark.interpreter, id="triton"),
+    ],
+)
+def test_fuzz_matches_plain_greedy(models, kernels, share, least):
+    """Random cases against plain greedy generate, for `SECONDS` seconds: through the kernels' torch references, and
+    for a share of that (at least one case) through the Triton kernels under the interpreter, other and lighter
+    cases."""
     start, results = time.monotonic(), []
+    first = SEED + (0 if kernels == "torch" else 10**6)
     for case in range(CASES):
-        if case >= 3 and time.monotonic() - start > SECONDS:
+        if case >= least and time.monotonic() - start > share * SECONDS:
             break
-        results.append(_case(SEED + case, models))
+        results.append(_case(first + case, models, light=kernels == "triton"))
     assert results
     # After any refused case the model still decodes: the next cases ran, and one more plain check here.
     ids, mask = _batch(random.Random(SEED), 2, "left")

@@ -236,16 +236,18 @@ def _state_products(
     tile again, from cache."""
     b_ks = tl.zeros([BH, BV], dtype=tl.float32)
     b_qs = tl.zeros([BH, BV], dtype=tl.float32)
-    for i_k in range(0, K if USE_INITIAL_STATE else 0, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_k = o_k < K
-        m_rk = m_r[:, None] & m_k[None, :]
-        b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-        b_gam = tl.load(p_gam + o_r[:, None] * stride_gt + o_k[None, :], mask=m_rk, other=0)
-        b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32) * b_gam
-        b_ks = tl.dot(b_k, b_h, b_ks, input_precision=DOT_PRECISION)
-        b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32) * b_gam
-        b_qs = tl.dot(b_q, b_h, b_qs, input_precision=DOT_PRECISION)
+    # A constexpr branch, not an empty loop: the compiler still types a loop's body, and h0 is None without a state.
+    if USE_INITIAL_STATE:
+        for i_k in range(0, K, BK):
+            o_k = i_k + tl.arange(0, BK)
+            m_k = o_k < K
+            m_rk = m_r[:, None] & m_k[None, :]
+            b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+            b_gam = tl.load(p_gam + o_r[:, None] * stride_gt + o_k[None, :], mask=m_rk, other=0)
+            b_k = tl.load(p_k + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32) * b_gam
+            b_ks = tl.dot(b_k, b_h, b_ks, input_precision=DOT_PRECISION)
+            b_q = tl.load(p_q + o_r[:, None] * stride_qt + o_k[None, :], mask=m_rk, other=0).to(tl.float32) * b_gam
+            b_qs = tl.dot(b_q, b_h, b_qs, input_precision=DOT_PRECISION)
     return b_ks, b_qs
 
 
