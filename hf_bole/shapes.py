@@ -178,9 +178,8 @@ def trained_like(model) -> None:
       decoding part within a few tokens, and a drafter that knows plain decoding's continuation stops being
       accepted.
     """
-    for layer in model.model.layers:
-        if layer.block_type == "linear_attention":
-            gdn = layer.linear_attn
+    for gdn in model.model.layers.modules():
+        if hasattr(gdn, "A_log") and hasattr(gdn, "dt_bias"):  # a GDN layer, of any family
             A = torch.empty_like(gdn.A_log, dtype=torch.float32).uniform_(1.0, 16.0)
             dt = torch.empty_like(A).uniform_(math.log(1e-3), math.log(1e-1)).exp()
             gdn.A_log.copy_(A.log())
