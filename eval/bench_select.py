@@ -1,5 +1,5 @@
-"""Batch-shared node selection on the GPU, side by side in one run: `select_nodes` (select.py, the reference, about 80 small
-kernels, replayed from a CUDA graph) against `select_nodes_triton` (select_kernel.py, one launch, what the loop runs).
+"""Batch-shared node selection on the GPU, side by side in one run: `select_nodes` (the reference, about 80 small
+kernels, replayed from a CUDA graph) against `select_round` (`tree_select_nodes`, one launch, what the loop runs).
 
 Trees shaped like the MTP drafter's (`synthetic_draft_tree`: topk 4, depth 5 and 6, as the house model and the 9B
 runs draft), batch 1, 8 and 16, budgets 32, 64 and 128. Every output field is checked against `select_nodes` first
@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval.bench_kernels import machine_header, time_graph  # noqa: E402
 from hf_bole.generation.budget import synthetic_draft_tree  # noqa: E402
-from hf_bole.generation.select import select_nodes  # noqa: E402
-from hf_bole.generation.select_kernel import select_nodes_triton  # noqa: E402
+from hf_bole.generation.select import select_nodes, select_round  # noqa: E402
 from hf_bole.generation.tree import DraftTree  # noqa: E402
 
 CAP = 127  # the decoding loop's per-row cap at these budgets
@@ -30,10 +29,10 @@ CAP = 127  # the decoding loop's per-row cap at these budgets
 
 def check(tree: DraftTree, roots: torch.Tensor, budget: int) -> None:
     ref = select_nodes(tree, roots, budget, CAP)
-    out = select_nodes_triton(tree, roots, budget, CAP)
+    out = select_round(tree, roots, budget, CAP)
     for name in ("input_ids", "parents", "depths", "draft_index", "node_mask", "num_nodes"):
         if not torch.equal(getattr(out, name), getattr(ref, name)):
-            raise SystemExit(f"select_nodes_triton's {name} differs from select_nodes' (budget {budget})")
+            raise SystemExit(f"select_round's {name} differs from select_nodes' (budget {budget})")
     torch.testing.assert_close(out.draft_log_rho, ref.draft_log_rho)
 
 
@@ -53,7 +52,7 @@ def main() -> None:
                     check(tree, roots, budget)
                 sets = [(t.tokens, t.parents, t.draft_logprobs) for t in trees]
                 row = {"B": B, "N": trees[0].tokens.shape[1], "depth": depth, "budget": budget}
-                for name, fn in (("torch", select_nodes), ("triton", select_nodes_triton)):
+                for name, fn in (("torch", select_nodes), ("triton", select_round)):
                     row[name] = time_graph(lambda t, p, lp, fn=fn: fn(DraftTree(t, p, lp), roots, budget, CAP), sets)[0]
                 rows.append(row)
                 print(row, flush=True)

@@ -87,7 +87,7 @@ def make_modes(name: str, batch_size: int, args) -> list[Mode]:
     modes = []
     for compiled, depth, budget, epsilon in itertools.product(args.compile, args.depth, args.budget, args.epsilon):
         if isinstance(budget, int) and epsilon != args.epsilon[0]:
-            continue  # epsilon only shapes the "auto" (and goodput's first) budget: a fixed budget runs once
+            continue  # epsilon only shapes the "auto" budget: a fixed budget runs once
         tags = [f"{k[0]}{v}" for k, v in (("depth", depth), ("budget", budget), ("epsilon", epsilon)) if swept[k]]
         if isinstance(budget, int) and swept["epsilon"]:
             tags.pop()  # no epsilon in a fixed budget's label

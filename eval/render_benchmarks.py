@@ -214,7 +214,7 @@ def budgets(rows: list[dict]) -> list[str]:
 
 
 def shipped_tables() -> list[str]:
-    from hf_bole.generation.budget import PACKAGE_TABLES, BudgetTable, model_key
+    from hf_bole.generation.budget import PACKAGE_TABLES, BudgetTable, entry_budget, model_key
     from hf_bole.shapes import SHAPES, shape_config
 
     from eval.shapes import shape_config as eval_shape_config
@@ -227,7 +227,8 @@ def shipped_tables() -> list[str]:
     ]
     for path in sorted(PACKAGE_TABLES.glob("*.json")):
         t = BudgetTable.load(path)
-        by_batch = " / ".join(f"{e.batch_size}: {e.choose(0.3)}" for e in sorted(t.entries, key=lambda e: e.batch_size))
+        entries = sorted(t.entries, key=lambda e: e.batch_size)
+        by_batch = " / ".join(f"{e.batch_size}: {entry_budget(e, 0.3)}" for e in entries)
         kv = ", ".join(map(str, sorted({e.kv_length for e in t.entries})))
         v = t.meta.get("versions", {})
         made = f"torch {v.get('torch')}, transformers {v.get('transformers')}, {t.meta.get('created', '?')[:10]}"

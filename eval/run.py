@@ -81,15 +81,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_budget,
         nargs="+",
         default=[defaults.budget],
-        help="draft nodes verified per round across the batch, 'auto' (hf_bole's calibrated table) or 'goodput' (the "
-        "table under the goodput rule); several: a sweep",
+        help="draft nodes verified per round across the batch, or 'auto' (hf_bole's calibrated table); several: a "
+        "sweep",
     )
     ap.add_argument(
         "--epsilon",
         type=float,
         nargs="+",
         default=[defaults.epsilon],
-        help="the slack of --budget auto (and of goodput's first round); several: a sweep",
+        help="the slack of --budget auto; several: a sweep",
     )
     ap.add_argument("--drafter", choices=["mtp", "ngram", "oracle"], help="default: mtp (--model), oracle (--shape)")
     ap.add_argument(
@@ -173,10 +173,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _budget(value: str) -> int | str:
-    if value in ("auto", "goodput"):
+    if value == "auto":
         return value
     if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"a positive int, 'auto' or 'goodput', got {value!r}")
+        raise argparse.ArgumentTypeError(f"a positive int or 'auto', got {value!r}")
     return int(value)
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else ["accelerate", "launch", f"--num_processes={accelerator.num_processes}"]
     )
     command = shlex.join([*launcher, "eval/run.py", *(sys.argv[1:] if argv is None else argv)])
-    place = hf_bole.models.placement(model)
+    place = hf_bole.placement.placement(model)
     header = {
         "machine": report.machine(),
         "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
@@ -527,7 +527,7 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
     pad = generation["pad_token_id"]
     rows = [prompts[i][1] for i in batch]
     P = max(len(r) for r in rows)
-    place = hf_bole.models.placement(model)
+    place = hf_bole.placement.placement(model)
     device = place.input_device
     gpus = [d for d in place.devices if d.type == "cuda"]  # one, or all of them under --device-map
     input_ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows], device=device)  # [B, P]

@@ -15,7 +15,6 @@ PREFILL_MODES = ("auto", "chains", "plain")
 BUILTIN_DRAFTERS = ("mtp", "ngram")
 KWARG_PREFIX = "bole_"
 AUTO_BUDGET = "auto"
-GOODPUT_BUDGET = "goodput"
 # What `budget="auto"` verifies per round where no calibration table applies (no table for this model, GPU, dtype
 # and verify mode; or not a CUDA device): this many draft nodes per active request, at most FALLBACK_BUDGET_MAX
 # across the batch (a forward of a few hundred tokens is compute-bound on current GPUs at every model size). 31: a
@@ -37,7 +36,7 @@ class BoleConfig:
         topk (`int`, *optional*, defaults to 4):
             Children a drafter considers per expanded node (MTP: tokens per expansion; n-gram: continuations per
             branch point).
-        budget (`int`, `"auto"` or `"goodput"`, *optional*, defaults to `"auto"`):
+        budget (`int` or `"auto"`, *optional*, defaults to `"auto"`):
             Draft nodes verified per round across the whole batch, the roots not counted (DESIGN.md §5), shared by
             cumulative draft probability. Every request with a draft still keeps its best root child when the
             budget is smaller than the batch. An int is a fixed budget. `"auto"` looks the budget up every round in
@@ -45,12 +44,9 @@ class BoleConfig:
             `hf_bole.generation.budget`), at the number of active requests (between two batch-size buckets, on the
             line between their budgets) and the KV-length bucket at or below the longest active request. Without a
             table, or off CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * active requests, FALLBACK_BUDGET_MAX)`
-            (31 per request, at most 128) and says so once in a log line. `"goodput"` reads the same table but
-            chooses every round the size of most expected tokens per millisecond, weighing the table's verify times
-            against the draft probabilities of the rounds before and the measured rest of a round
-            (`hf_bole.generation.budget.GoodputRule`); it falls back the same way.
+            (31 per request, at most 128) and says so once in a log line.
         epsilon (`float`, *optional*, defaults to 0.3):
-            The slack of `budget="auto"` (and of `"goodput"`'s first round): the budget is the most nodes whose
+            The slack of `budget="auto"`: the budget is the most nodes whose
             verify forward costs at most `(1 + epsilon)` times the least forward a round runs, that of selection's
             floor (one node per request), `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}`
             (`hf_bole.generation.budget` says why not the roots-only step). Tables store the raw timings, so any
@@ -73,7 +69,7 @@ class BoleConfig:
         ngram_min_size (`int`, *optional*, defaults to 1):
             The shortest suffix it falls back to when longer ones never occurred before.
         cuda_graphs (`bool`, *optional*, defaults to `True`):
-            On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/graphs.py`),
+            On CUDA, replay the verify forward from one CUDA graph per tree-width bucket (`generation/verify.py`),
             node selection from one per tree shape and budget, and the MTP drafter's round (cache extension and tree
             expansion) from one per (batch size, new entries, tree size), instead of launching their kernels one by
             one from Python (on a small model the host's launches, not the GPU, set an eager round's pace). The first
@@ -167,10 +163,8 @@ class BoleConfig:
         for name in ("depth", "topk", "ngram_max_size", "ngram_min_size"):
             if not _is_positive_int(getattr(self, name)):
                 raise ValueError(f"BoleConfig.{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.budget not in (AUTO_BUDGET, GOODPUT_BUDGET) and not _is_positive_int(self.budget):
-            raise ValueError(
-                f"BoleConfig.budget must be a positive int, {AUTO_BUDGET!r} or {GOODPUT_BUDGET!r}, got {self.budget!r}"
-            )
+        if self.budget != AUTO_BUDGET and not _is_positive_int(self.budget):
+            raise ValueError(f"BoleConfig.budget must be a positive int or {AUTO_BUDGET!r}, got {self.budget!r}")
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")

@@ -29,9 +29,8 @@ class _FencedParser(doctest.DocTestParser):
 SELF_CONTAINED = (
     "hf_bole.config",
     "hf_bole.generation.acceptance",
-    "hf_bole.generation.budget.capacities",
-    "hf_bole.generation.budget.choose_budget",
-    "hf_bole.generation.budget.choose_goodput",
+    "hf_bole.generation.budget.calibration.capacities",
+    "hf_bole.generation.budget.rule.choose_budget",
     "hf_bole.generation.drafters.ngram",
     "hf_bole.generation.phases",
     "hf_bole.generation.select",

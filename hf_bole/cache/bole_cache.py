@@ -1,5 +1,5 @@
-"""BoleCache: the committed state of a hybrid (GDN + full attention) model per batch row, plus the scratch
-of one tree-verification round, and the commit that keeps only each row's accepted path.
+"""BoleCache: the committed state of a hybrid (GDN + full attention) model per batch row, and the commit that keeps
+only each row's accepted path of a tree round (`TreeRound`, the scratch one verify forward fills).
 
 Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses stay put for CUDA graphs):
 
@@ -19,11 +19,12 @@ layer's state stays on its own device and the commit is one launch per device. T
 valid, the tree's parents and mask) lives on the first layer's device; what a device group needs of it is copied
 there once per round.
 
-A tree round (`tree_mode`) writes the tree's KV into the free slots right after each row's committed ones
-(slot `lengths[b] + i` for node i), and keeps the per-node GDN factors (k, u, log-decay) or, for the serial
-baseline, per-node state snapshots, together with every node's pre-conv input. `commit(path)` then moves the
-accepted nodes' KV into place, applies Eq. 10 to all GDN layers at once and rebuilds the conv windows. The
-committed state is never touched before `commit`.
+A tree round (`tree_mode(parents, tree_round)`) writes the tree's KV into the free slots right after each row's
+committed ones (slot `lengths[b] + i` for node i), and keeps in `tree_round` the per-node GDN factors (k, u,
+log-decay) or, for the serial baseline, per-node state snapshots, together with every node's pre-conv input. The
+round is a value: the verify forward fills it and hands it on, and `commit(tree_round, path)` then moves the accepted
+nodes' KV into place, applies Eq. 10 to all GDN layers at once and rebuilds the conv windows. The cache holds no
+round outside the forward, and the committed state is never touched before `commit`.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from hf_bole.config import VERIFY_MODES
 from hf_bole.kernels import kv_commit, tree_conv_state_commit, tree_gdn_commit, tree_gdn_commit_serial, tree_masks
 from hf_bole.kernels.utils import check_parents, check_path, is_capturing
+from hf_bole.placement import placement
 
-VERIFY_MODES = ("closed_form", "serial")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # layers with KV (a sliding window's is kept whole)
-CAPACITY_STEP = 64  # the KV capacity grows in multiples of this many slots
+KV_GROWTH_STEP = 64  # a growing cache's KV capacity is a multiple of this many slots
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -91,7 +93,7 @@ class _DeviceGroup:
 class _GroupRound:
     """A device group's scratch of one tree round, on its device."""
 
-    slots: torch.Tensor  # [B, N] KV slot of every node: lengths[b] + i
+    slots: torch.Tensor | None  # [B, N] KV slot of every node, lengths[b] + i (set by `tree_mode`)
     # [NG, B, N, D] every GDN layer's pre-conv input of every node, token-major (what `commit` reads)
     conv_io: torch.Tensor
     keys: torch.Tensor | None  # [NG, B, N, Hk, K] (closed form)
@@ -100,16 +102,39 @@ class _GroupRound:
     snapshots: list[torch.Tensor | None] = field(default_factory=list)  # NG x [B, N, H, K, V] (serial)
 
 
-@dataclass
-class _TreeRound:
-    """Scratch of one tree-verification round. Buffers are reused by the next round of the same shape."""
+@dataclass(eq=False)
+class TreeRound:
+    """The scratch of one tree-verification round: what the verify forward leaves for `BoleCache.commit`. Made by
+    `BoleCache.new_round`; a later forward of the same shape may fill the same buffers again (their addresses then
+    stay put, as the CUDA graphs that capture the forward and the commit need).
 
-    parents: torch.Tensor  # [B, N] on the cache's (first) device
+    Args:
+        parents: `[B, N]` the tree's parents, on the cache's (first) device.
+        verify: "closed_form" (factors) or "serial" (snapshots).
+        groups: one `_GroupRound` per device group of the cache.
+        tree_kv_bytes: bytes of the tree's KV, which the forward writes into the cache's free slots.
+        use_qk_l2norm: whether the verify kernels L2-normalised q and k (the commit does the same to k).
+        verified_from: the committed state the last forward verified from (`BoleCache.mark_verified`), None before.
+    """
+
+    parents: torch.Tensor
     verify: str
-    groups: list[_GroupRound]  # one per device group
+    groups: list[_GroupRound]
+    tree_kv_bytes: int
     use_qk_l2norm: bool = True
-    active: bool = False  # inside the verify forward: cache writes go to this round
-    ready: bool = False  # a finished verify forward waits for `commit`
+    verified_from: int | None = None
+
+    @property
+    def transient_bytes(self) -> dict[str, int]:
+        """Bytes of the round's tree state: GDN factors (k, u, log-decay; closed form), per-node state snapshots
+        (serial), every node's pre-conv input (`conv_inputs`), and the tree's KV (written in place into the free slots
+        of the cache's KV storage, so not a separate allocation)."""
+        out = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": self.tree_kv_bytes}
+        for g in self.groups:
+            out["factors"] += _nbytes(g.keys) + _nbytes(g.u) + _nbytes(g.log_decay)
+            out["snapshots"] += sum(_nbytes(s) for s in g.snapshots)
+            out["conv_inputs"] += _nbytes(g.conv_io)
+        return out
 
 
 class BoleAttentionLayer(CacheLayerMixin):
@@ -228,7 +253,7 @@ class BoleCache(Cache):
 
     Plain forwards (prefill, one-token decode, `model.generate`) behave exactly as with transformers' own
     caches. `hf_bole.models.tree_forward` runs the model over a tree of candidate tokens per row without
-    changing the committed state, and `commit(path)` then appends each row's accepted root-to-leaf path.
+    changing the committed state, and `commit(tree_round, path)` then appends each row's accepted root-to-leaf path.
     Rows advance independently: each keeps its own length, left padding and next position.
 
     Args:
@@ -265,8 +290,8 @@ class BoleCache(Cache):
     ```python
     >>> cache = BoleCache(model.config, batch_size=2, device=model.device, dtype=model.dtype)
     >>> out = model(input_ids, attention_mask=attention_mask, past_key_values=cache)  # prefill
-    >>> tree = tree_forward(model, cache, tree_ids, parents)  # verify a tree per row
-    >>> cache.commit(path)  # keep each row's accepted path, e.g. path = [[0, 2, 5], [0, -1, -1]]
+    >>> out = tree_forward(model, cache, tree_ids, parents)  # verify a tree per row
+    >>> cache.commit(out.tree_round, path)  # keep each row's accepted path, e.g. path = [[0, 2, 5], [0, -1, -1]]
     ```
     """
 
@@ -279,18 +304,15 @@ class BoleCache(Cache):
         dtype: torch.dtype | None = None,
         layer_devices: Sequence[torch.device | str] | None = None,
     ):
-        from hf_bole.models import install_adapter
-
         config = config.get_text_config(decoder=True)
-        # Wires the model family's tree seams and plain-forward observation (once per process).
-        install_adapter(config)
-        layer_types = list(config.layer_types)
+        layer_types = list(getattr(config, "layer_types", None) or [])
         attn_layers = [i for i, t in enumerate(layer_types) if t in ATTENTION_LAYER_TYPES]
         gdn_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
         if not attn_layers or not gdn_layers or len(attn_layers) + len(gdn_layers) != len(layer_types):
             raise ValueError(
-                f"BoleCache needs a hybrid model whose layers are 'linear_attention' (GDN) or attention "
-                f"{ATTENTION_LAYER_TYPES}, with at least one of each; got layer_types={layer_types}"
+                f"BoleCache needs the config of a hybrid model whose layers are 'linear_attention' (GDN) or attention "
+                f"{ATTENTION_LAYER_TYPES}, with at least one of each (Qwen3_5ForCausalLM and the other classes of "
+                f"`hf_bole.models.family`); got {type(config).__name__} with layer_types={layer_types}"
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -358,14 +380,15 @@ class BoleCache(Cache):
         self._length_bound = 0  # an upper bound on max(lengths)
         self._observed = False  # the current plain forward's positions and padding were recorded
         self._gdn_started = dict.fromkeys(gdn_layers, False)  # GDN layer -> its state was written
-        self._round: _TreeRound | None = None
+        # Counts the committed states this cache has held (every commit, plain forward and reset moves it on): a round
+        # commits only onto the state it verified from (`TreeRound.verified_from`).
+        self._state = 0
+        self._tree: TreeRound | None = None  # the round a verify forward under way fills (`tree_mode`), else None
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_cache_len: int | None = None) -> BoleCache:
         """A cache for `model` in its dtype, each layer's state on the device that layer runs on (one device, or
         several under accelerate's `device_map`), the bookkeeping on the first layer's."""
-        from hf_bole.models.placement import placement
-
         layer_devices = placement(model).layer_devices
         return cls(
             model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype, layer_devices=layer_devices
@@ -408,23 +431,6 @@ class BoleCache(Cache):
     def is_croppable(self) -> bool:
         return False
 
-    @property
-    def transient_bytes(self) -> dict[str, int]:
-        """Bytes of per-round tree state of the last `tree_forward`: GDN factors (k, u, log-decay; closed form),
-        per-node state snapshots (serial), every node's pre-conv input (`conv_inputs`), and the tree's KV (written
-        in place into the free slots of the KV storage, so not a separate allocation)."""
-        out = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}
-        r = self._round
-        if r is None:
-            return out
-        for g in r.groups:
-            out["factors"] += _nbytes(g.keys) + _nbytes(g.u) + _nbytes(g.log_decay)
-            out["snapshots"] += sum(_nbytes(s) for s in g.snapshots)
-            out["conv_inputs"] += _nbytes(g.conv_io)
-        NA, B, Hkv, Dh = self._kv_shape
-        out["tree_kv"] = 2 * NA * B * Hkv * r.parents.shape[1] * Dh * self.dtype.itemsize
-        return out
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Writes the new keys/values of full-attention layer `layer_idx` and returns the layer's KV.
 
@@ -440,8 +446,8 @@ class BoleCache(Cache):
                 f"BoleCache was created with dtype={self.dtype} but the model runs in {key_states.dtype}; "
                 f"create it with dtype=model.dtype"
             )
-        r = self._round
-        if r is not None and r.active:
+        r = self._tree
+        if r is not None:
             write = _write_tree_kv if torch.compiler.is_compiling() else _write_tree_kv_eager
             write(keys, values, a, r.groups[group].slots, key_states, value_states)
             return keys[a], values[a]
@@ -449,8 +455,6 @@ class BoleCache(Cache):
         start, q = self._plain_length(), key_states.shape[2]
         self._ensure_capacity(start + q)
         keys, values = self._groups[group].keys, self._groups[group].values  # growth replaces the storage
-        if r is not None:
-            r.ready = False  # this write lands in the tree's slots
         keys[a, :, :, start : start + q].copy_(key_states)
         values[a, :, :, start : start + q].copy_(value_states)
         if layer_idx == self._last_attn_layer:
@@ -518,9 +522,9 @@ class BoleCache(Cache):
         group, g = self._gdn(layer_idx)
         conv = self._groups[group].conv
         self._check_input(conv_states, "conv_states", layer_idx, group)
-        r = self._round
+        r = self._tree
         width = conv.shape[-1]
-        if r is not None and r.active:
+        if r is not None:
             r.groups[group].conv_io[g].copy_(conv_states.transpose(1, 2))  # [B, N, D], for `commit`
             # The conv's input as upstream's cat makes it, not a view of conv_io: under torch.compile a custom op
             # reading a view of one layer of a stacked buffer that later layers write made inductor copy the
@@ -543,8 +547,8 @@ class BoleCache(Cache):
         layer's `GDNTreeState` (factors or snapshots) for `commit`; the committed state is left as it is."""
         group, g = self._gdn(layer_idx)
         recurrent = self._groups[group].recurrent
-        r = self._round
-        if r is not None and r.active:
+        r = self._tree
+        if r is not None:
             if not isinstance(recurrent_states, GDNTreeState):
                 raise RuntimeError(
                     "a GDN layer reached the cache in tree mode without going through the tree verification: the "
@@ -586,18 +590,52 @@ class BoleCache(Cache):
             self.positions.add_(num_tokens)
         self._observed = False
         self._aligned_length = self._length_bound = new_length
+        self._state += 1  # written over the tree's slots: no round verified before commits now
+
+    def new_round(self, parents: torch.Tensor, verify: str = "closed_form") -> TreeRound:
+        """Buffers for a verify forward of trees `parents [B, N]` (on the cache's device) in `verify` mode, to pass
+        to `tree_mode` (and `hf_bole.models.tree_forward`), which fill them, and then to `commit`."""
+        B, N = parents.shape
+        hk, k, hv, v = self._gdn_dims
+        closed = verify == "closed_form"
+        groups = []
+        for group in self._groups:
+            NG, _, D, _ = group.conv.shape
+            d = group.device
+            f32 = dict(dtype=torch.float32, device=d)
+            groups.append(
+                _GroupRound(
+                    slots=None,
+                    conv_io=torch.empty(NG, B, N, D, dtype=self.dtype, device=d),
+                    keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=d) if closed else None,
+                    u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
+                    log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,
+                    snapshots=[None] * NG,
+                )
+            )
+        NA, _, Hkv, Dh = self._kv_shape
+        tree_kv_bytes = 2 * NA * B * Hkv * N * Dh * self.dtype.itemsize
+        return TreeRound(parents=parents, verify=verify, groups=groups, tree_kv_bytes=tree_kv_bytes)
+
+    def round_for(self, parents: torch.Tensor, verify: str, tree_round: TreeRound | None = None) -> TreeRound:
+        """`tree_round` when its buffers fit trees `parents [B, N]` in `verify` mode (a later round of the same
+        shape), else `new_round`'s."""
+        if tree_round is None or tree_round.parents.shape != parents.shape or tree_round.verify != verify:
+            return self.new_round(parents, verify)
+        return tree_round
 
     @contextlib.contextmanager
     def tree_mode(
-        self, parents: torch.Tensor, verify: str = "closed_form"
+        self, parents: torch.Tensor, tree_round: TreeRound
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Routes this cache into tree mode for one verification forward.
+        """Routes this cache into tree mode for one verification forward, whose tree state goes to `tree_round`.
 
         Args:
             parents (`torch.LongTensor` of shape `(batch_size, N)`):
                 Parent of every node, `-1 <= parents[b, i] < i`; node 0 is the row's root (parent -1), padding
                 nodes of a ragged batch also have parent -1.
-            verify (`str`): "closed_form" keeps GDN factors, "serial" keeps per-node state snapshots.
+            tree_round (`TreeRound`): buffers for trees of this shape (`new_round`, `round_for`), in the verify mode
+                the forward runs: "closed_form" keeps GDN factors, "serial" per-node state snapshots.
 
         Yields (made by `tree_masks`, one Triton launch on CUDA):
             attention_mask (`torch.BoolTensor` of shape `(batch_size, 1, N, capacity)`): node i of row b sees the
@@ -606,8 +644,8 @@ class BoleCache(Cache):
             ancestors (`torch.BoolTensor` of shape `(batch_size, N, N)`): `tree_ancestor_mask(parents)`, for the
                 layers' tree kernels.
         """
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if tree_round.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {tree_round.verify!r}")
         if parents.dim() != 2:
             raise ValueError(f"parents must be [B, N], got shape {tuple(parents.shape)}")
         B, N = parents.shape
@@ -615,22 +653,39 @@ class BoleCache(Cache):
         check_parents(parents, B, N)
         if parents.device != self.device:
             raise ValueError(f"parents are on {parents.device} but the cache is on {self.device}")
+        if tree_round.parents.shape != parents.shape:
+            raise ValueError(
+                f"the TreeRound holds trees of shape {list(tree_round.parents.shape)}, not {list(parents.shape)}: make "
+                f"one with BoleCache.new_round(parents)"
+            )
         self._reserve_tree(N)
 
-        r = self._prepare_round(parents, verify)
+        tree_round.parents = parents
+        slots = self.lengths[:, None] + torch.arange(N, device=self.device)
+        for group, rg in zip(self._groups, tree_round.groups):
+            rg.slots = slots.to(group.device)  # one copy per device group and round (none on the cache's device)
         ancestors, position_ids, attention_mask = tree_masks(parents, self.lengths, self.positions, self._valid)
 
-        r.active, r.ready = True, False
+        self._tree = tree_round
         try:
             yield attention_mask, position_ids, ancestors
         finally:
-            r.active = False
-        r.ready = True
+            self._tree = None
+        self.mark_verified(tree_round)
 
-    def commit(self, path: torch.Tensor, check_values: bool = True) -> None:
-        """Appends each row's accepted path of the last tree round to the committed state.
+    def mark_verified(self, tree_round: TreeRound) -> None:
+        """Records that `tree_round` holds a verify forward from the current committed state, which `commit` checks:
+        `tree_mode` ends with it, and a CUDA-graph replay of a verify forward, which runs no Python, is followed by
+        it (`hf_bole.generation.verify.VerifyGraphs`)."""
+        tree_round.verified_from = self._state
+
+    def commit(self, tree_round: TreeRound, path: torch.Tensor, check_values: bool = True) -> None:
+        """Appends each row's accepted path of a verified tree round to the committed state.
 
         Args:
+            tree_round (`TreeRound`):
+                What the verify forward left (`TreeForwardOutput.tree_round`), from the cache's current state: once
+                per forward, and no plain forward in between.
             path (`torch.LongTensor` of shape `(batch_size, L)`):
                 Node indices root-to-leaf (starting with 0, the root), right-padded with -1, L <= N. A row of
                 only -1 commits nothing.
@@ -643,9 +698,12 @@ class BoleCache(Cache):
         stacked `tree_gdn_commit`, or the leaf's snapshot in serial mode) and every conv window to the last W
         pre-conv inputs, and advances `lengths` and `positions` by the path's length.
         """
-        r = self._round
-        if r is None or not r.ready:
-            raise ValueError("commit(path) needs a tree round to commit: call tree_forward first (once per commit)")
+        r = tree_round
+        if not isinstance(r, TreeRound) or r.verified_from != self._state:
+            raise ValueError(
+                "commit(tree_round, path) needs the round of a tree_forward from the cache's current state: call "
+                "tree_forward first (once per commit)"
+            )
         B, N = r.parents.shape
         check_path(path, B, N, check_values=check_values)
         L = path.shape[1]
@@ -679,17 +737,17 @@ class BoleCache(Cache):
 
     def record_commit(self, width: int) -> None:
         """The host-side record of a commit of paths `width` columns wide: `commit` ends with it, and a CUDA-graph
-        replay of a commit (`hf_bole.generation.graphs.TailGraphs`), which runs no Python, is followed by it."""
+        replay of a commit (`hf_bole.generation.commit`), which runs no Python, is followed by it."""
         self._length_bound += width
         self._aligned_length = None
         self._gdn_started = dict.fromkeys(self._gdn_started, True)
-        self._round.ready = False
+        self._state += 1
 
     @staticmethod
     def _commit_group(
         group: _DeviceGroup,
         rg: _GroupRound,
-        r: _TreeRound,
+        r: TreeRound,
         path: torch.Tensor,
         lengths: torch.Tensor,
         check_values: bool,
@@ -717,47 +775,8 @@ class BoleCache(Cache):
                 conv, rg.conv_io.view(NG * B, N, D), path.repeat(NG, 1), out=conv, check_values=check_values
             )
 
-    def current_round(self) -> _TreeRound | None:
-        """The buffers of the last verify forward, which `commit` reads (`hf_bole.generation.graphs` keeps those of
-        every captured forward)."""
-        return self._round
-
-    def resume_round(self, tree_round: _TreeRound) -> None:
-        """After a CUDA-graph replay of a verify forward: `tree_round`'s buffers hold its results, ready for `commit`.
-        A replay runs no Python, so the host-side record of the round is restored here."""
-        tree_round.active, tree_round.ready = False, True
-        self._round = tree_round
-
-    def _prepare_round(self, parents: torch.Tensor, verify: str) -> _TreeRound:
-        B, N = parents.shape
-        slots = self.lengths[:, None] + torch.arange(N, device=self.device)
-        r = self._round
-        if r is None or r.parents.shape != parents.shape or r.verify != verify:
-            hk, k, hv, v = self._gdn_dims
-            closed = verify == "closed_form"
-            groups = []
-            for group in self._groups:
-                NG, _, D, _ = group.conv.shape
-                d = group.device
-                f32 = dict(dtype=torch.float32, device=d)
-                groups.append(
-                    _GroupRound(
-                        slots=slots,
-                        conv_io=torch.empty(NG, B, N, D, dtype=self.dtype, device=d),
-                        keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=d) if closed else None,
-                        u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
-                        log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,
-                        snapshots=[None] * NG,
-                    )
-                )
-            r = self._round = _TreeRound(parents=parents, verify=verify, groups=groups)
-        r.parents = parents
-        for group, rg in zip(self._groups, r.groups):
-            rg.slots = slots.to(group.device)  # one copy per device group and round
-        return r
-
     def _tree_active(self) -> bool:
-        return self._round is not None and self._round.active
+        return self._tree is not None
 
     def _check_aligned(self) -> bool:
         """Reads the lengths back (once) to learn whether all rows are equally long again."""
@@ -805,7 +824,7 @@ class BoleCache(Cache):
                 f"{reason} needs {needed} KV slots per row, but the BoleCache holds max_cache_len="
                 f"{self.max_cache_len}; create it with a larger max_cache_len (or None to grow it on demand)"
             )
-        extra = -(-max(needed, 2 * C) // CAPACITY_STEP) * CAPACITY_STEP - C
+        extra = -(-max(needed, 2 * C) // KV_GROWTH_STEP) * KV_GROWTH_STEP - C
         for group in self._groups:
             group.keys = _extend(group.keys, 3, extra, 0)
             group.values = _extend(group.values, 3, extra, 0)
@@ -850,7 +869,7 @@ class BoleCache(Cache):
         self._valid.fill_(True)
         self._aligned_length, self._length_bound, self._observed = 0, 0, False
         self._gdn_started = dict.fromkeys(self._gdn_started, False)
-        self._round = None
+        self._state += 1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keeps the rows `beam_idx` (beam search)."""
@@ -867,7 +886,7 @@ class BoleCache(Cache):
             setattr(self, name, getattr(self, name).index_select(0, indices))
         self._batch_size = len(indices)
         self._kv_shape = (self._kv_shape[0], self._batch_size, *self._kv_shape[2:])
-        self._round = None
+        self._state += 1
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(

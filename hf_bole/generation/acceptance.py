@@ -13,7 +13,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers.generation import logits_process as lp
 
-from hf_bole.generation.tree import VerifyTree, duplicate_siblings
+from hf_bole.generation.tree import VerifyTree
+from hf_bole.kernels import naive_tree_greedy_accept
+from hf_bole.kernels.tree_accept.naive import accepted_outputs, walk
+from hf_bole.kernels.tree_gdn.ancestors import duplicate_siblings
 
 
 @dataclass
@@ -73,15 +76,8 @@ def accept_greedy(tree: VerifyTree, scores: torch.Tensor) -> Acceptance:
     tensor([[ 1,  3, -1]])
     ```
     """
-    return accept_argmax(tree, scores.argmax(-1))
-
-
-def accept_argmax(tree: VerifyTree, target: torch.LongTensor) -> Acceptance:
-    """`accept_greedy` from the target's argmax token at every node (`target [B, T]`), in torch: the walk that
-    `hf_bole.generation.accept_kernel` does in one launch."""
-    chosen = tree.input_ids == target.gather(1, tree.parents.clamp(min=0))
-    leaf, path = _walk(tree, chosen)
-    return _acceptance(tree, path, leaf, target.gather(1, leaf[:, None]).squeeze(1))
+    target = scores.argmax(-1)  # [B, T]
+    return Acceptance(*naive_tree_greedy_accept(tree.input_ids, tree.parents, tree.depths, tree.node_mask, target))
 
 
 def accept_sampling(tree: VerifyTree, scores: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
@@ -124,7 +120,7 @@ def accept_sampling(tree: VerifyTree, scores: torch.Tensor, generator: torch.Gen
     u = torch.rand(B, T, device=device, generator=generator)  # one uniform per node, used by its children
     candidate = (u.gather(1, parents) < running) & (p_child > 0)
     chosen = candidate & ~(before & candidate[:, None, :]).any(-1)
-    leaf, path = _walk(tree, chosen)
+    leaf, path = walk(tree.input_ids, tree.parents, tree.depths, tree.node_mask, chosen)
 
     # The bonus: p_target at the last node restricted to tokens that are not its children ("t is none of them").
     leaf_scores = scores.gather(1, leaf[:, None, None].expand(B, 1, V)).squeeze(1).float()  # [B, V]
@@ -134,7 +130,8 @@ def accept_sampling(tree: VerifyTree, scores: torch.Tensor, generator: torch.Gen
     # If rounding sent the walk past children that hold all the mass, the complement is empty: fall back to the
     # full distribution (an event of probability ~1e-7, and still a draw from p_target).
     restricted = torch.where((restricted > float("-inf")).any(-1, keepdim=True), restricted, leaf_scores)
-    return _acceptance(tree, path, leaf, sample_tokens(restricted, generator=generator))
+    bonus = sample_tokens(restricted, generator=generator)
+    return Acceptance(*accepted_outputs(tree.input_ids, tree.depths, path, leaf, bonus))
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator | None = None) -> torch.LongTensor:
@@ -150,33 +147,6 @@ def _logit_at_parent(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.
     """`[B, T]`: `scores[b, parents[b, i], tokens[b, i]]`, the logit the parent gave to node i's token."""
     B, T, V = scores.shape
     return scores.reshape(B, T * V).gather(1, parents * V + tokens).float()
-
-
-def _walk(tree: VerifyTree, chosen: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Follows `chosen [B, T]` (node i is where the walk goes from its parent) down from the root.
-
-    Returns `leaf [B]`, the last accepted node, and `path [B, T]`, root-to-leaf indices right-padded with -1.
-    Among siblings with equal tokens only the first can be chosen, so the accepted nodes form one path.
-    """
-    B, T = chosen.shape
-    is_root = torch.arange(T, device=chosen.device) == 0
-    chosen = (chosen & tree.node_mask & ~duplicate_siblings(tree.input_ids, tree.parents, tree.node_mask)) | is_root
-    anc = tree.ancestor_mask()  # [B, T, T]
-    accepted = ~(anc & ~chosen[:, None, :]).any(-1)  # every node on the path from the root was chosen
-    leaf = torch.where(accepted, tree.depths, -1).argmax(-1)  # [B]
-    on_path = anc.gather(1, leaf[:, None, None].expand(B, 1, T)).squeeze(1)  # [B, T]
-    slot = torch.where(on_path, tree.depths, T)  # position on the path = depth; others to a dump column
-    path = torch.full((B, T + 1), -1, dtype=torch.long, device=chosen.device)
-    path.scatter_(1, slot, torch.arange(T, device=chosen.device).expand(B, T))
-    return leaf, path[:, :T]
-
-
-def _acceptance(tree: VerifyTree, path: torch.Tensor, leaf: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
-    accept_lengths = tree.depths.gather(1, leaf[:, None]).squeeze(1) + 1
-    path_tokens = torch.where(path >= 0, tree.input_ids.gather(1, path.clamp(min=0)), -1)
-    tokens = torch.cat([path_tokens[:, 1:], torch.full_like(path_tokens[:, :1], -1)], dim=1)
-    tokens.scatter_(1, (accept_lengths - 1)[:, None], bonus[:, None])
-    return Acceptance(path=path, accept_lengths=accept_lengths, tokens=tokens, bonus=bonus, leaf=leaf)
 
 
 # Processors whose output depends on the scores alone, never on `input_ids` (checked against transformers'

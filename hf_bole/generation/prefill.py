@@ -1,7 +1,7 @@
 """The prompt's prefill as chains through the verify forward (`bole_prefill`).
 
 A prompt is a tree too: a chain, each token the child of the one before. Fed through the verify forward in chains of
-at most `MAX_NODES` tokens, each committed whole, it leaves the cache exactly where transformers' own forward over
+at most `MAX_TREE_NODES` tokens, each committed whole, it leaves the cache exactly where transformers' own forward over
 the prompt leaves it (the same recurrence, computed in closed form). What differs is what launches it. The eager
 forward launches its kernels one by one from Python; a chain of a bucketed width replays the verify forward's CUDA
 graph. Each chain reads every weight once more, so on a large model past a few chains the one eager forward is
@@ -16,8 +16,10 @@ import weakref
 
 import torch
 
-from hf_bole.generation.graphs import width_bucket
-from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
+from hf_bole.generation.acceptance import sample_tokens
+from hf_bole.generation.select import width_bucket
+from hf_bole.kernels.utils import MAX_TREE_NODES
+from hf_bole.models import cache_argument
 
 # The most weight bytes "auto"'s chains may read in all: 4 chains of the 9B shape's 18 GB (bf16), where 4 chains
 # (512 tokens) beat the eager forward and 8 lost to it (measured above).
@@ -25,9 +27,9 @@ CHAIN_PREFILL_READ_BYTES = 4 * 18 * 10**9
 
 
 def chain_limit(weight_bytes: int) -> int:
-    """The longest prompt "auto" prefills as chains for a model of `weight_bytes`: as many chains of `MAX_NODES` as
+    """The longest prompt "auto" prefills as chains for a model of `weight_bytes`: as many chains of `MAX_TREE_NODES` as
     read `CHAIN_PREFILL_READ_BYTES` of weights, and at least 4 (512 tokens, the 9B shape's)."""
-    return MAX_NODES * max(4, CHAIN_PREFILL_READ_BYTES // max(weight_bytes, 1))
+    return MAX_TREE_NODES * max(4, CHAIN_PREFILL_READ_BYTES // max(weight_bytes, 1))
 
 
 # model -> its weights' bytes. Summing them walks every parameter, 0.2-1.1 ms of host a `generate` call (the house model
@@ -82,8 +84,8 @@ def chain_prefill(
     verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int, commit=None
 ) -> torch.Tensor:
     """Prefills the empty `cache` with each row's prompt as chains through `verify_forward(ids, parents)` (a
-    `VerifyGraphs` or `tree_forward`), each committed whole by `commit(path)` (`VerifyGraphs.commit`, replayed;
-    defaults to `cache.commit` without its reads).
+    `VerifyGraphs` or `tree_forward`), each committed whole by `commit(tree_round, path)` (`VerifyGraphs.commit`,
+    replayed; defaults to `cache.commit` without its reads).
 
     Args:
         input_ids: `[B, P]` int64 prompts, left-padded.
@@ -99,25 +101,53 @@ def chain_prefill(
     device = input_ids.device
     lengths = mask.sum(-1)  # [B]
     longest = int(lengths.max())  # one host read, before the first chain is launched
-    # Every chain's inputs at once, [B, chains * MAX_NODES], chain c in columns [c * MAX_NODES, (c + 1) * MAX_NODES):
-    # on a small model the prefill's time is its launches from Python, and these were a dozen a chain.
-    index = torch.arange(-(-longest // MAX_NODES) * MAX_NODES, device=device)  # place in each row's prompt
+    # Every chain's inputs at once, [B, chains * MAX_TREE_NODES], chain c in columns [c * MAX_TREE_NODES,
+    # (c + 1) * MAX_TREE_NODES): on a small model the prefill's time is its launches from Python, and these were a
+    # dozen a chain.
+    index = torch.arange(-(-longest // MAX_TREE_NODES) * MAX_TREE_NODES, device=device)  # place in each row's prompt
     real = index[None] < lengths[:, None]
     columns = torch.where(real, (P - lengths)[:, None] + index[None], P)  # P: a spare column
     ids = torch.where(real, input_ids.gather(1, columns.clamp(max=P - 1)), pad_token)
     # A chain: node i the child of node i - 1, the first a child of the cache; past a row's prompt, nodes of parent
     # -1 that are never committed. A chain's path is the whole chain, or nothing.
-    in_chain = index % MAX_NODES
+    in_chain = index % MAX_TREE_NODES
     parents = torch.where(real, in_chain - 1, -1).to(cache.device)
     path = torch.where(real, in_chain, -1).to(cache.device)
     hidden = None
-    for start in range(0, longest, MAX_NODES):
-        chain = slice(start, start + width_bucket(min(MAX_NODES, longest - start), MAX_NODES))
+    for start in range(0, longest, MAX_TREE_NODES):
+        chain = slice(start, start + width_bucket(min(MAX_TREE_NODES, longest - start), MAX_TREE_NODES))
         out = verify_forward(ids[:, chain], parents[:, chain])
         if hidden is None:
             hidden = out.hidden_states.new_zeros(B, P + 1, out.hidden_states.shape[-1])
         # The outputs may be a graph's buffers, which the next chain overwrites: taken out now.
         into = columns[:, chain].to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         hidden.scatter_(1, into, out.hidden_states)
-        commit(path[:, chain])
+        commit(out.tree_round, path[:, chain])
     return hidden[:, :P]
+
+
+def prefill_prompt(model, plan, cache, verify_forward, commit=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Puts the prompts of `plan` (`CallPlan`) into the empty `cache`: as chains through `verify_forward` (committed by
+    `commit`, see `chain_prefill`) where `plan.chains`, else through transformers' forward over them.
+
+    Returns:
+        `([B, P, hidden], [B])`: the prompts' final hidden states, and each row's first generated token, sampled or
+        the argmax of the last position's processed logits, as plain decoding takes it.
+    """
+    input_ids, device = plan.input_ids, plan.device
+    if plan.chains:
+        hidden = chain_prefill(verify_forward, cache, input_ids, plan.mask, plan.pad_token, commit).to(device)
+    else:
+        decoder = model.get_decoder()
+        prefill = decoder(
+            input_ids=input_ids.to(plan.in_device),
+            attention_mask=plan.attention_mask,
+            position_ids=plan.position_ids.to(plan.in_device),
+            use_cache=True,
+            **{cache_argument(type(decoder).forward): cache},
+        )
+        hidden = prefill.last_hidden_state.to(device)  # [B, P, hidden]
+    logits = model.get_output_embeddings()(hidden[:, -1]).float()  # [B, V]
+    scores = plan.logits_processor(input_ids, logits) if plan.logits_processor else logits
+    first = sample_tokens(scores) if plan.do_sample else scores.argmax(-1)  # [B]
+    return hidden, first

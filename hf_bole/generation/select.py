@@ -1,30 +1,37 @@
-"""Batch-shared node selection: which draft nodes the target verifies this round (DESIGN.md §3 step 2, §5)."""
+"""Step 2 of a round, select: which draft nodes the target verifies (DESIGN.md §3 step 2, §5), batch-shared under the
+round's budget, laid out as verify trees of a width chosen on the host from the budget alone.
+
+The rule and its reference are `hf_bole.kernels.naive_tree_select_nodes`; the round selects with the one-launch
+kernel (`tree_select_nodes`) wherever the batch's draft nodes fit its program, replayed from a CUDA graph per tree
+shape and budget with `bole_cuda_graphs` (`SelectGraphs`).
+"""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from transformers.utils import logging
 
+from hf_bole.generation import graphs
 from hf_bole.generation.tree import DraftTree, VerifyTree
+from hf_bole.kernels import naive_tree_select_nodes, tree_select_nodes
+from hf_bole.kernels.tree_select import MAX_ROUND_NODES
+from hf_bole.kernels.utils import MAX_TREE_NODES
+
+logger = logging.get_logger(__name__)
+
+# The widths (root included) a row's tree is selected into and verified at: one CUDA graph each, the widest the tree
+# kernels' limit. Padding nodes are children of the committed state and are never accepted.
+WIDTH_BUCKETS = (4, 8, 16, 32, 64, MAX_TREE_NODES)
 
 
-def select_nodes(
-    tree: DraftTree, root_tokens: torch.LongTensor, budget: int, max_nodes_per_row: int
-) -> VerifyTree:
+def select_nodes(tree: DraftTree, root_tokens: torch.LongTensor, budget: int, max_nodes_per_row: int) -> VerifyTree:
     r"""
     Keeps the draft nodes with the highest cumulative draft probability `rho(v) = prod p_draft` along the path,
-    across the whole batch, and lays them out as verify trees.
-
-    Rules, in order of precedence:
-    1. Floor: every row with at least one real draft node keeps its best root child, even past the budget.
-    2. Cap: a row keeps at most `max_nodes_per_row` nodes (a kernel limit; the root not counted).
-    3. Budget: the remaining `budget - (rows served by the floor)` slots go to the best remaining nodes of the
-       whole batch, so the total is exactly `min(budget, nodes available under the cap)` when `budget` covers
-       the floor.
-
-    The kept set of every row is prefix-connected (a node is kept only with its parent). Nodes are ranked by
-    `min(rho)` over their path, which equals `rho` for log-probabilities <= 0 and keeps that true otherwise,
-    then shallower first, then by row and index: a parent always ranks before its children, so every top set
-    is a prefix-connected tree. Runs without host synchronisation and with shapes fixed by the arguments.
+    across the whole batch, and lays them out as verify trees (`hf_bole.kernels.naive_tree_select_nodes`, whose
+    rules these are: every row with a draft keeps its best root child, no row more than `max_nodes_per_row`, the rest
+    of the budget to the best nodes of the batch; every row's kept set is prefix-connected).
 
     Args:
         tree (`DraftTree`): the drafter's proposal, `[B, N]`.
@@ -52,77 +59,128 @@ def select_nodes(
     (tensor([[9, 5, 6]]), tensor([[-1,  0,  1]]))
     ```
     """
-    check_selection(tree, root_tokens, budget, max_nodes_per_row)
-    B, N = tree.tokens.shape
-    M = min(max_nodes_per_row, max(budget, 1), N)
-    device = tree.tokens.device
-    if N == 0:  # reductions below need a node: one padding node selects nothing, as an empty tree should
-        N, pad = 1, torch.zeros(B, 1, dtype=torch.long, device=device)
-        tree = DraftTree(tokens=pad, parents=pad - 1, draft_logprobs=torch.full((B, 1), float("-inf"), device=device))
-
-    anc = tree.ancestor_mask()  # [B, N, N]
-    depth = anc.sum(-1) - 1  # [B, N]
-    log_rho = torch.where(anc, tree.draft_logprobs[:, None, :], 0).sum(-1)  # [B, N]
-    key = torch.where(anc, log_rho[:, None, :], float("inf")).amin(-1)  # [B, N], non-increasing along paths
-    real = key > float("-inf")  # a padding node, or anything below one, has rho = 0 (NaN fails too)
-    key = torch.where(real, key, float("-inf"))
-
-    rank = _rank(key, depth)  # [B, N], position in the row's order
-    floor = real & (rank == 0)  # rank 0 is always a root child: nothing outranks its best root child
-    eligible = real & (rank > 0) & (rank < max_nodes_per_row)
-    extra = (budget - floor.sum()).clamp(min=0)  # 0-dim tensor: no sync
-    # Within one row the batch order below is the row order, so taking a prefix of it keeps every row's
-    # selection a prefix of its own order, hence prefix-connected.
-    batch_key = torch.where(eligible, key, float("-inf")).reshape(1, B * N)
-    batch_rank = _rank(batch_key, depth.reshape(1, B * N)).reshape(B, N)
-    selected = floor | (eligible & (batch_rank < extra))  # [B, N]
-
-    # Compaction: a kept node goes to verify index 1 + (kept nodes before it); the rest to a dump column.
-    slot = torch.where(selected, selected.cumsum(-1), M + 1)  # [B, N]
-    nodes = torch.arange(N, device=device).expand(B, N)
-    draft_index = torch.full((B, M + 2), -1, dtype=torch.long, device=device)
-    draft_index.scatter_(1, slot, nodes)
-    draft_index = draft_index[:, : M + 1]
-    draft_index[:, 0] = -1  # the root (the dump column's duplicates were sliced off above)
-    node_mask = draft_index >= 0
-    node_mask[:, 0] = True
-    src = draft_index.clamp(min=0)
-
-    input_ids = torch.where(node_mask, tree.tokens.gather(1, src), 0)
-    input_ids[:, 0] = root_tokens
-    draft_parent = tree.parents.gather(1, src)  # [B, 1 + M]
-    verify_parent = torch.where(draft_parent >= 0, slot.gather(1, draft_parent.clamp(min=0)), 0)
-    parents = torch.where(node_mask, verify_parent, -1)
-    parents[:, 0] = -1
-    depths = torch.where(node_mask, depth.gather(1, src) + 1, 0)
-    depths[:, 0] = 0
     return VerifyTree(
-        input_ids=input_ids,
-        parents=parents,
-        depths=depths,
-        draft_index=draft_index,
-        node_mask=node_mask,
-        num_nodes=node_mask.sum(-1),
-        draft_log_rho=key,
+        *naive_tree_select_nodes(tree.tokens, tree.parents, tree.draft_logprobs, root_tokens, budget, max_nodes_per_row)
     )
 
 
-def check_selection(tree: DraftTree, root_tokens: torch.Tensor, budget: int, max_nodes_per_row: int) -> None:
-    """The arguments every selection takes (`select_nodes`, `select_nodes_triton`), checked with a clear error."""
-    if budget < 0:
-        raise ValueError(f"`budget` must be >= 0, got {budget}")
-    if max_nodes_per_row < 1:
-        raise ValueError(f"`max_nodes_per_row` must be >= 1, got {max_nodes_per_row}")
-    B = tree.tokens.shape[0]
-    if root_tokens.shape != (B,):
-        raise ValueError(f"`root_tokens` must have shape [batch_size={B}], got {list(root_tokens.shape)}")
+def select_round(
+    tree: DraftTree,
+    root_tokens: torch.LongTensor,
+    budget: int,
+    max_nodes_per_row: int,
+    active: torch.BoolTensor | None = None,
+    safe: tuple[int, int] | None = None,
+) -> VerifyTree:
+    """The decoding loop's selection: `tree_select_nodes` where the batch's `B * N` draft nodes fit its one program
+    (`MAX_ROUND_NODES`), else the reference (about 80 small kernels), said once in a warning; of the tree
+    `prepared_tree(tree, active, safe)`, so that a replayed selection (`SelectGraphs`) replays that too."""
+    tree = prepared_tree(tree, active, safe)
+    select = tree_select_nodes
+    if tree.tokens.numel() > MAX_ROUND_NODES:
+        logger.warning_once(
+            f"hf_bole: this batch drafts {tree.tokens.shape[0]} x {tree.tokens.shape[1]} nodes, more than the "
+            f"{MAX_ROUND_NODES} the one-launch selection kernel holds; node selection runs as small kernels "
+            f"instead (slower by a fraction of a millisecond a round). Fewer rows per call or a smaller draft tree "
+            f"(bole_topk, bole_depth) keep it in one launch"
+        )
+        select = naive_tree_select_nodes
+    return VerifyTree(*select(tree.tokens, tree.parents, tree.draft_logprobs, root_tokens, budget, max_nodes_per_row))
 
 
-def _rank(key: torch.Tensor, depth: torch.Tensor) -> torch.LongTensor:
-    """`[R, K]`: every entry's position along the last dim in the order (key descending, depth ascending, index
-    ascending), by two stable sorts."""
-    by_depth = torch.sort(depth, dim=-1, stable=True).indices
-    by_key = torch.sort(key.gather(-1, by_depth), dim=-1, descending=True, stable=True).indices
-    order = by_depth.gather(-1, by_key)
-    positions = torch.arange(key.shape[-1], device=key.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, positions)
+def prepared_tree(
+    tree: DraftTree, active: torch.BoolTensor | None = None, safe: tuple[int, int] | None = None
+) -> DraftTree:
+    """What the loop selects from: with `safe = (vocab_size, max_depth)`, a custom drafter's tree made safe to verify
+    (`DraftTree.made_safe`: about 15 small kernels); with `active` (`[B]` bool), the drafts of rows that are done
+    turned into padding (they verify their root only and take none of the budget)."""
+    if safe is not None:
+        tree = tree.made_safe(*safe)
+    if active is not None:
+        tree = DraftTree(tree.tokens, tree.parents, torch.where(active[:, None], tree.draft_logprobs, float("-inf")))
+    return tree
+
+
+def width_bucket(width: int, max_width: int) -> int:
+    """The width a tree of `width` nodes is verified at: the next bucket, at most `max_width` (the padded width
+    selection gives every row)."""
+    return min(next((b for b in WIDTH_BUCKETS if b >= width), max_width), max_width)
+
+
+def row_width(budget: int, rows: int, max_width: int) -> int:
+    """The width (root included) each row's tree is selected into and verified at, from the round's budget alone:
+    the smallest bucket (`width_bucket`) whose `rows` rows hold the whole budget, at most `max_width`.
+
+    Decided on the host before selection, so no round waits for the device to learn how wide its trees came out (the
+    cut to the widest row kept that it replaces was such a read); selection caps every row there, and the forward
+    runs at that width, a CUDA graph's. A cap costs a row nodes only where the batch-shared budget would pile more than
+    its even share onto it, and then the tree keeps most of its accepted tokens while its forward runs narrower.
+    """
+    return width_bucket(-(-budget // max(rows, 1)) + 1, max_width)
+
+
+class Select:
+    """Step 2 as the loop calls it: `select(drafted, root, budget, rows, active)`, each of the `rows` active rows
+    capped at its forward's width (`row_width`), through `select_round` or its graphs (`SelectGraphs`), chosen once
+    per call."""
+
+    def __init__(self, select, max_nodes_per_row: int):
+        self.select, self.max_nodes_per_row = select, max_nodes_per_row
+
+    def __call__(self, drafted, root: torch.Tensor, budget: int, rows: int, active: torch.Tensor) -> VerifyTree:
+        cap = row_width(budget, rows, self.max_nodes_per_row + 1) - 1
+        return self.select(drafted.tree, root, budget, cap, active, drafted.safe)
+
+
+class SelectGraphs:
+    """`select_round(tree, root_tokens, budget, max_nodes_per_row, active, safe)` replayed from a CUDA graph per
+    (tree shape, budget, cap, safe): one kernel, or the reference's hundred small ops past the kernel's size, with
+    the tree's preparation (`prepared_tree`) and the copies of the round's tree into the graph's inputs, launched
+    while the GPU waits for the round's tree. Returns the graph's buffers, valid until the next call."""
+
+    def __init__(self):
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], VerifyTree]] = {}
+        self._pool = None
+
+    def __call__(
+        self,
+        tree: DraftTree,
+        root_tokens: torch.Tensor,
+        budget: int,
+        max_nodes_per_row: int,
+        active: torch.Tensor | None = None,
+        safe: tuple[int, int] | None = None,
+    ) -> VerifyTree:
+        inputs = (tree.tokens, tree.parents, tree.draft_logprobs, root_tokens, *([] if active is None else [active]))
+        key = (tuple(tree.tokens.shape), tree.draft_logprobs.dtype, budget, max_nodes_per_row, active is None, safe)
+        if key not in self._graphs:
+            static = tuple(x.clone() for x in inputs)
+
+            def run() -> VerifyTree:
+                tree, roots = DraftTree(*static[:3]), static[3]
+                return select_round(tree, roots, budget, max_nodes_per_row, *static[4:], safe=safe)
+
+            graph, out = graphs.capture(run, root_tokens.device, self._pool)
+            self._pool = graph.pool()
+            self._graphs[key] = (graph, static, out)
+        graph, static, out = self._graphs[key]
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        return out
+
+
+# model -> its `SelectGraphs`, kept across `generate` calls like its verify graphs.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graphed_select(model) -> SelectGraphs:
+    """The selection graphs of `model`'s `generate` calls, kept across calls like its verify graphs."""
+    if model not in _KEPT:
+        _KEPT[model] = SelectGraphs()
+    return _KEPT[model]
+
+
+def drop_select_graphs(model) -> None:
+    """Forgets the selection graphs kept for `model` (`hf_bole.release`)."""
+    _KEPT.pop(model, None)

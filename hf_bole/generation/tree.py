@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask, tree_depths
+from hf_bole.kernels.tree_gdn.ancestors import duplicate_siblings, tree_ancestor_mask, tree_depths
 
 # Draft log-probabilities are log-softmax outputs; a little slack absorbs rounding of low-precision drafters.
 _LOGPROB_SLACK = 1e-3
@@ -207,8 +207,7 @@ class VerifyTree:
         node_mask (`torch.BoolTensor` of shape `(batch_size, T)`): True for the root and the selected nodes.
         num_nodes (`torch.LongTensor` of shape `(batch_size,)`): real nodes per row, the root included.
         draft_log_rho (`torch.FloatTensor` of shape `(batch_size, N)`, *optional*): `log rho` of every node of the
-            `DraftTree` these were selected from, as `select_nodes` ranked them (`-inf` on padding): what the goodput
-            budget reads, without building the draft's ancestor mask a second time.
+            `DraftTree` these were selected from, the key `select_nodes` ranked them by (`-inf` on padding).
     """
 
     input_ids: torch.LongTensor
@@ -234,14 +233,6 @@ class VerifyTree:
         """`[B, T]` position ids of the nodes, given `past_lengths [B]`, the number of committed tokens before the
         root (the root sits at position `past_lengths`, a node at depth d at `past_lengths + d`)."""
         return past_lengths[:, None] + self.depths
-
-
-def duplicate_siblings(tokens: torch.Tensor, parents: torch.Tensor, node_mask: torch.Tensor) -> torch.BoolTensor:
-    """`[B, N]`: True for a real node that repeats the token of a real sibling with a smaller index."""
-    N = tokens.shape[1]
-    earlier = torch.ones(N, N, dtype=torch.bool, device=tokens.device).tril(-1)  # [i, j]: j < i
-    same = (tokens[:, :, None] == tokens[:, None, :]) & (parents[:, :, None] == parents[:, None, :])
-    return node_mask & (same & earlier & node_mask[:, None, :]).any(-1)
 
 
 def _path_sum(ancestors: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

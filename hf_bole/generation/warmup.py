@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from hf_bole.cache import BoleCache
-from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
-from hf_bole.models import attention_backends, cache_argument, placement, tree_forward
+from hf_bole.kernels.utils import MAX_TREE_NODES
+from hf_bole.models import attention_backends, cache_argument, tree_forward
+from hf_bole.placement import placement
 
-# One width per specialisation of each power-of-two tile up to MAX_NODES: 1, then per tile one width that is
+# One width per specialisation of each power-of-two tile up to MAX_TREE_NODES: 1, then per tile one width that is
 # not a multiple of 16 and one that is (the tile itself).
 WIDTHS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
 
@@ -25,7 +26,7 @@ WIDTHS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
 def warmup(
     model,
     batch_size: int,
-    max_nodes: int = MAX_NODES,
+    max_nodes: int = MAX_TREE_NODES,
     verify: str = "closed_form",
     compile: bool = False,
     fuse_projections: bool = True,
@@ -39,7 +40,7 @@ def warmup(
     Args:
         model: a Qwen3.5 model hf_bole supports, on its device and in its dtype.
         batch_size (`int`): the rows of the `generate` calls to prepare (the verify kernels autotune per batch size).
-        max_nodes (`int`): the widest tree a round verifies, root included (at most `MAX_NODES`).
+        max_nodes (`int`): the widest tree a round verifies, root included (at most `MAX_TREE_NODES`).
         verify (`str`): "closed_form" or "serial", as `bole_verify`.
         compile (`bool`): as `bole_compile`: the compiled forward is compiled here too (the MTP drafter's
             compiled rounds are not: they compile in the first `generate` call's rounds, in seconds).
@@ -55,8 +56,8 @@ def warmup(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if not 1 <= max_nodes <= MAX_NODES:
-        raise ValueError(f"max_nodes must be in [1, {MAX_NODES}] (the kernels' largest tree), got {max_nodes}")
+    if not 1 <= max_nodes <= MAX_TREE_NODES:
+        raise ValueError(f"max_nodes must be in [1, {MAX_TREE_NODES}] (the kernels' largest tree), got {max_nodes}")
     widths = sorted({w for w in WIDTHS if w < max_nodes} | {max_nodes})
     if compile:
         # Width 1 would compile the whole forward once more (torch.compile specialises sizes 1), for forwards
@@ -77,9 +78,9 @@ def warmup(
         # Node i's parent is (i - 1) // 2: a binary tree, as wide as asked and log-deep.
         parents = ((torch.arange(width, device=device) - 1).div(2, rounding_mode="floor")).expand(batch_size, -1)
         ids = torch.cat([root, torch.randint(1, vocab, (batch_size, width - 1), device=device)], dim=1)
-        tree_forward(model, cache, ids, parents, verify, compile, fuse_projections, attention)
+        out = tree_forward(model, cache, ids, parents, verify, compile, fuse_projections, attention)
         padded = path + [-1] * (width - len(path))  # as the acceptance walk gives it: [B, width], -1 after the leaf
-        cache.commit(torch.tensor([padded] * batch_size, device=device))
+        cache.commit(out.tree_round, torch.tensor([padded] * batch_size, device=device))
         root = ids[:, path[-1] : path[-1] + 1]
     for d in place.devices:
         if d.type == "cuda":

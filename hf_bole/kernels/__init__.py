@@ -1,8 +1,10 @@
-"""Exact tree verification kernels for Gated DeltaNet, Kimi Delta Attention and full-attention layers (Triton, with
-torch paths and naive references)."""
+"""Exact tree verification kernels for Gated DeltaNet, Kimi Delta Attention and full-attention layers, and the
+round's node selection and greedy acceptance (Triton, with torch paths and naive references). Kernels take tensors and
+import nothing from the rest of hf_bole."""
 
 from hf_bole.kernels.attention import tree_attention
 from hf_bole.kernels.kv_move import kv_commit
+from hf_bole.kernels.tree_accept import naive_tree_greedy_accept, tree_greedy_accept
 from hf_bole.kernels.tree_gdn import (
     tree_ancestor_mask,
     tree_causal_conv1d,
@@ -15,9 +17,12 @@ from hf_bole.kernels.tree_gdn import (
     tree_masks,
 )
 from hf_bole.kernels.tree_kda import tree_kda_commit, tree_kda_verify
+from hf_bole.kernels.tree_select import naive_tree_select_nodes, tree_select_nodes
 
 __all__ = [
     "kv_commit",
+    "naive_tree_greedy_accept",
+    "naive_tree_select_nodes",
     "tree_ancestor_mask",
     "tree_attention",
     "tree_causal_conv1d",
@@ -27,7 +32,9 @@ __all__ = [
     "tree_gdn_commit_serial",
     "tree_gdn_verify",
     "tree_gdn_verify_serial",
+    "tree_greedy_accept",
     "tree_kda_commit",
     "tree_kda_verify",
     "tree_masks",
+    "tree_select_nodes",
 ]

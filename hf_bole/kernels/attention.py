@@ -35,9 +35,19 @@ import triton
 import triton.language as tl
 
 from hf_bole.kernels.tree_gdn.ancestors import tree_attention_mask
-from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, is_interpreter, on_device, use_triton
+from hf_bole.kernels.utils import (
+    MAX_TREE_NODES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    is_interpreter,
+    on_device,
+    use_triton,
+)
 
-MAX_NODES = 128  # a program holds a row's tree of up to this many nodes (the budget tables' widest)
+# Query rows per key head a program holds: a row's tree in `tree_attention`, grouped heads x queries in
+# `masked_attention` (the MTP drafter's cache extension).
+MAX_QUERY_ROWS = MAX_TREE_NODES
 MAX_HEAD_DIM = 256  # one [BLOCK_M, head_dim] query tile in registers
 TARGET_PROGRAMS = 128  # the split is chosen to launch about this many programs (an H200 has 132 SMs)
 MERGE_BLOCK_M = 16  # query rows a merge program takes, one split a step, when a split's partial tile is large
@@ -98,8 +108,8 @@ def tree_attention(
     check_dtype("ancestors", ancestors, (torch.bool,))
     check_shape("ancestors", ancestors, (B, N, N), "[B, N, N]")
     check_same_device(q=q, k=k, v=v, lengths=lengths, valid=valid, ancestors=ancestors)
-    if N > MAX_NODES or N > C:
-        raise ValueError(f"tree_attention takes trees of 1 to {min(MAX_NODES, C)} nodes here, got N = {N}")
+    if N > MAX_TREE_NODES or N > C:
+        raise ValueError(f"tree_attention takes trees of 1 to {min(MAX_TREE_NODES, C)} nodes here, got N = {N}")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"tree_attention takes head dims up to {MAX_HEAD_DIM}, got {D}")
     BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot takes no dimension below 16
@@ -186,9 +196,9 @@ def masked_attention(
         check_dtype("lengths", lengths, (torch.int64,))
         check_shape("lengths", lengths, (B,), "[B]")
         check_same_device(q=q, lengths=lengths)
-    if (H // Hkv) * Q > MAX_NODES or D > MAX_HEAD_DIM:
+    if (H // Hkv) * Q > MAX_QUERY_ROWS or D > MAX_HEAD_DIM:
         raise ValueError(
-            f"masked_attention takes up to {MAX_NODES} query rows a key head and head dims up to {MAX_HEAD_DIM}, "
+            f"masked_attention takes up to {MAX_QUERY_ROWS} query rows a key head and head dims up to {MAX_HEAD_DIM}, "
             f"got {H // Hkv} x {Q} rows and D = {D}"
         )
     scale = D**-0.5 if scale is None else scale

@@ -18,9 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, on_device, use_triton
-
-MAX_PATH = 128  # a path is at most a tree's nodes
+from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device, check_shape, on_device, use_triton
 
 
 def kv_commit_torch(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
@@ -50,8 +48,10 @@ def kv_commit(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, p
     check_dtype("lengths", lengths, (torch.int64,))
     check_shape("lengths", lengths, (B,), "[B]")
     check_dtype("path", path, (torch.int64,))
-    if path.dim() != 2 or path.shape[0] != B or path.shape[1] > min(MAX_PATH, C):
-        raise ValueError(f"`path` must be [B, L] with B = {B} and L <= {min(MAX_PATH, C)}, got {tuple(path.shape)}")
+    if path.dim() != 2 or path.shape[0] != B or path.shape[1] > min(MAX_TREE_NODES, C):
+        raise ValueError(
+            f"`path` must be [B, L] with B = {B} and L <= {min(MAX_TREE_NODES, C)}, got {tuple(path.shape)}"
+        )
     check_same_device(keys=keys, values=values, lengths=lengths, path=path)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("`keys` and `values` must have a contiguous last dim (the cache's storage has)")

@@ -10,6 +10,12 @@ import weakref
 import torch
 import triton
 
+# Nodes per tree, the root included, that a tree kernel holds in one program (the verify width of one row): the closed
+# form keeps the tree as two halves of 64 rows with their blocks on chip; tree attention, the ancestor mask and greedy
+# acceptance keep [128, 128] tiles in registers; the KV move takes a path of at most a tree's nodes. The widest verify
+# width the decoding loop and the budget tables use (`hf_bole.generation.select.WIDTH_BUCKETS`).
+MAX_TREE_NODES = 128
+
 
 def is_interpreter() -> bool:
     """True when Triton kernels are simulated on the CPU (`TRITON_INTERPRET=1`)."""

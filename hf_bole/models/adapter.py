@@ -39,11 +39,11 @@ import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.utils import logging
 
-from hf_bole.cache.bole_cache import VERIFY_MODES, BoleCache, GDNTreeState
-from hf_bole.config import resolve_attention
+from hf_bole.cache.bole_cache import BoleCache, GDNTreeState, TreeRound
+from hf_bole.config import VERIFY_MODES, resolve_attention
 from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
-from hf_bole.models.family import GDN_LAYER, Family, family_of, supported
+from hf_bole.models.family import GDN_LAYER, Family, all_families, family_of, supported
 from hf_bole.models.rotary import rotary_fused
 from hf_bole.models.twin import tree_twin
 
@@ -139,10 +139,14 @@ class TreeForwardOutput:
             token after that node.
         hidden_states (`torch.FloatTensor` of shape `(batch_size, N, hidden_size)`):
             The final-norm output at every node (the input of `lm_head`), e.g. for an MTP drafter.
+        tree_round (`TreeRound`):
+            The tree's state the forward left (GDN factors or snapshots, pre-conv inputs, the KV slots it wrote):
+            what `BoleCache.commit(tree_round, path)` keeps of the accepted path.
     """
 
     logits: torch.Tensor
     hidden_states: torch.Tensor
+    tree_round: TreeRound
 
 
 # transformers' experts implementations that keep shapes fixed: every token's top-k experts in one grouped or
@@ -206,12 +210,25 @@ def check_supported_model(model: torch.nn.Module) -> Family:
     return family
 
 
+def install_adapters() -> None:
+    """Wraps the tree seams of the modeling modules of every family this transformers version ships (once per
+    process): `import hf_bole` does, before any `BoleCache` meets a forward, whose plain forwards report padding and
+    positions through one of them."""
+    for family in all_families():
+        if family.available:
+            for model_type in family.modules:
+                _install(family.module(model_type))
+
+
 def install_adapter(config) -> None:
     """Wraps the tree seams of the modeling module of `config` (a text config; once per process).
 
     Raises a `ValueError` listing the supported families and classes for any other architecture.
     """
-    module = family_of(config).module(config.model_type)
+    _install(family_of(config).module(config.model_type))
+
+
+def _install(module: ModuleType) -> None:
     _wrap(module, "causal_conv1d_fn", _tree_causal_conv1d_fn)
     _wrap(module, "torch_chunk_gated_delta_rule", _tree_gated_delta_rule)
     _wrap(module, "torch_recurrent_gated_delta_rule", _tree_gated_delta_rule)
@@ -229,12 +246,13 @@ def tree_forward(
     compile: bool = False,
     fuse_projections: bool = True,
     attention: str = "auto",
+    tree_round: TreeRound | None = None,
 ) -> TreeForwardOutput:
     """Runs the model over a draft tree per row in one forward, from the committed state of `cache`.
 
     Every node gets exactly the logits the model gives it when the node's root-to-node path is decoded token
-    by token from the committed state. The committed state is not modified; `cache.commit(path)` then keeps
-    each row's accepted path.
+    by token from the committed state. The committed state is not modified; `cache.commit(out.tree_round, path)`
+    then keeps each row's accepted path.
 
     Args:
         model: a model of a supported family (see `check_supported_model`).
@@ -255,11 +273,13 @@ def tree_forward(
         attention: how the full-attention layers attend (`ATTENTION_MODES`): "model" (the model's own
             implementation, SDPA or eager, with the tree's 4D mask), "triton" (`hf_bole.kernels.tree_attention`:
             Triton on CUDA, its torch reference on the CPU) or "auto" ("triton" on CUDA, `resolve_attention`).
+        tree_round: the buffers of an earlier forward's `TreeForwardOutput.tree_round` to fill again, where they fit
+            this tree's shape and `verify` (`BoleCache.round_for`); new ones otherwise.
 
     Returns:
         `TreeForwardOutput` with `logits [B, N, vocab]` and `hidden_states [B, N, hidden]`, both on the LM head's
         device (for a model spread over devices by accelerate's `device_map`, where the logits come out; `parents`
-        go on the cache's device, the first layer's).
+        go on the cache's device, the first layer's), and the `tree_round` to commit from.
 
     Example:
         >>> cache = BoleCache(model.config, batch_size=1, dtype=model.dtype)
@@ -267,7 +287,7 @@ def tree_forward(
         >>> ids = torch.tensor([[last_token, 11, 12, 13]])
         >>> parents = torch.tensor([[-1, 0, 0, 1]])  # root, two children, a grandchild under node 1
         >>> out = tree_forward(model, cache, ids, parents)
-        >>> cache.commit(torch.tensor([[0, 1, 3]]))  # accept root -> 1 -> 3
+        >>> cache.commit(out.tree_round, torch.tensor([[0, 1, 3]]))  # accept root -> 1 -> 3
     """
     family = check_supported_model(model)
     if not isinstance(cache, BoleCache):
@@ -298,7 +318,8 @@ def tree_forward(
     forward = _compiled(twin.module) if compile else twin.module
     rotary = contextlib.nullcontext() if compile else rotary_fused()
     # One ancestor mask for every layer: the attention mask, the positions and the tree kernels share it.
-    with twin.entered(), rotary, cache.tree_mode(parents, verify) as (mask, position_ids, ancestors):
+    tree_round = cache.round_for(parents, verify, tree_round)
+    with twin.entered(), rotary, cache.tree_mode(parents, tree_round) as (mask, position_ids, ancestors):
         masks = {layer_type: mask for layer_type in family.attention_layers}
         if "sliding_attention" in masks:
             masks["sliding_attention"] = _sliding(mask, cache, position_ids, config.sliding_window)
@@ -326,7 +347,7 @@ def tree_forward(
     logits = model.get_output_embeddings()(hidden_states)
     # Under a device_map the final norm and the LM head may sit on different devices: hand both out where the logits
     # are (no copy on one device).
-    return TreeForwardOutput(logits=logits, hidden_states=hidden_states.to(logits.device))
+    return TreeForwardOutput(logits=logits, hidden_states=hidden_states.to(logits.device), tree_round=tree_round)
 
 
 def _sliding(mask: torch.Tensor, cache: BoleCache, position_ids: torch.Tensor, window: int) -> torch.Tensor:

@@ -40,9 +40,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 from hf_bole.kernels.ops import masked_attention
-from hf_bole.models.placement import placement
 from hf_bole.models.adapter import cache_argument
 from hf_bole.models.family import all_families, family_of
+from hf_bole.placement import placement
 
 MTP_PREFIX = "mtp."
 MTP_SHARD_NAME = "model-mtp.safetensors"

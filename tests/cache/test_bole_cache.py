@@ -72,9 +72,10 @@ def test_commit(verify):
     committed = [list(p) for p in PROMPTS]
     for _ in range(10):
         trees, parents, tokens = _random_round(roots, gen)
-        logits = tree_forward(model, cache, tokens, parents, verify=verify).logits
+        out = tree_forward(model, cache, tokens, parents, verify=verify)
+        logits = out.logits
         paths = [random_path(tree, gen) if torch.rand(1, generator=gen) > 0.15 else [] for tree in trees]
-        cache.commit(batch_trees([p or [-1] for p in paths]))
+        cache.commit(out.tree_round, batch_trees([p or [-1] for p in paths]))
         for b, path in enumerate(paths):
             if path:
                 committed[b] += tokens[b, path].tolist()
@@ -100,7 +101,8 @@ def test_commit_moves_exact_slots():
     parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, -1, -1], [-1, 0, 0, 0, 0]])
     N = parents.shape[1]
     node_ids = (1000 + 100 * torch.arange(B)[:, None] + torch.arange(N)).float()  # [B, N]
-    with cache.tree_mode(parents) as (attention_mask, position_ids, tree_ancestors):
+    tree_round = cache.new_round(parents)
+    with cache.tree_mode(parents, tree_round) as (attention_mask, position_ids, tree_ancestors):
         depth = torch.tensor([[0, 1, 1, 2, 3], [0, 1, 2, 0, 0], [0, 1, 1, 1, 1]])
         torch.testing.assert_close(position_ids, cache.positions[:, None] + depth, rtol=0, atol=0)
         for b in range(B):
@@ -122,7 +124,7 @@ def test_commit_moves_exact_slots():
             state = GDNTreeState(use_qk_l2norm=False, key=key, u=u, log_decay=torch.zeros(B, N, 4))
             cache.update_recurrent_state(state, layer)
     paths = [[0, 1, 3, 4], [0, 1], []]
-    cache.commit(batch_trees([p or [-1] for p in paths]))
+    cache.commit(tree_round, batch_trees([p or [-1] for p in paths]))
 
     assert cache.lengths.tolist() == [8, 6, 4] and cache.positions.tolist() == [8, 4, 3]
     keys = cache.layers[3].keys[:, 0, :, 0]  # [B, C]
@@ -173,11 +175,9 @@ def test_transient_bytes():
     sizes = {}
     for verify in ("closed_form", "serial"):
         cache = BoleCache(model.config, batch_size=B)
-        assert cache.transient_bytes == {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}
         tokens = torch.randint(1, VOCAB, parents.shape)
         tokens[:, 0] = prefill(model, cache, PROMPTS)
-        tree_forward(model, cache, tokens, parents, verify=verify)
-        sizes[verify] = cache.transient_bytes
+        sizes[verify] = tree_forward(model, cache, tokens, parents, verify=verify).tree_round.transient_bytes
     NG, Hk, K, H, V, D = 3, 2, 16, 4, 16, 2 * 2 * 16 + 4 * 16
     assert sizes["closed_form"]["factors"] == 4 * NG * B * N * (Hk * K + H * V + H)
     assert sizes["serial"]["snapshots"] == 4 * NG * B * N * H * K * V
@@ -197,7 +197,7 @@ def test_reset():
 
 def test_errors():
     model = build_model()
-    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
+    with pytest.raises(ValueError, match="LlamaConfig with layer_types"):
         BoleCache(LlamaConfig(), batch_size=1)
     with pytest.raises(ValueError, match="at least one of each"):
         BoleCache(text_config(layer_types=["full_attention"] * 4), batch_size=1)
@@ -207,28 +207,32 @@ def test_errors():
 
     cache = BoleCache(model.config, batch_size=3)
     prefill(model, cache, PROMPTS)
-    with pytest.raises(ValueError, match="call tree_forward first"):
-        cache.commit(torch.tensor([[0], [0], [0]]))
     parents = torch.tensor([[-1, 0, 0, 1]] * 3)
-    tree_forward(model, cache, torch.ones(3, 4, dtype=torch.int64), parents)
-    with pytest.raises(ValueError, match="starts at the root"):
-        cache.commit(torch.tensor([[1, 3], [0, 1], [0, 1]]))
-    with pytest.raises(ValueError, match="follow parent links"):
-        cache.commit(torch.tensor([[0, 2, 3], [0, 1, 3], [0, -1, -1]]))
-    with pytest.raises(ValueError, match="at most N = 4"):
-        cache.commit(torch.tensor([[0, 1, 3, -1, -1]] * 3))
-    with pytest.raises(ValueError, match="right-padded"):
-        cache.commit(torch.tensor([[0, -1, 1]] * 3))
-    with pytest.raises(ValueError, match=r"B = 3"):
-        cache.commit(torch.tensor([[0, 1]] * 2))
-    cache.commit(torch.tensor([[0, 1, 3], [0, -1, -1], [0, 2, -1]]))
     with pytest.raises(ValueError, match="call tree_forward first"):
-        cache.commit(torch.tensor([[0], [0], [0]]))
+        cache.commit(cache.new_round(parents), torch.tensor([[0], [0], [0]]))  # never verified
+    r = tree_forward(model, cache, torch.ones(3, 4, dtype=torch.int64), parents).tree_round
+    with pytest.raises(ValueError, match="starts at the root"):
+        cache.commit(r, torch.tensor([[1, 3], [0, 1], [0, 1]]))
+    with pytest.raises(ValueError, match="follow parent links"):
+        cache.commit(r, torch.tensor([[0, 2, 3], [0, 1, 3], [0, -1, -1]]))
+    with pytest.raises(ValueError, match="at most N = 4"):
+        cache.commit(r, torch.tensor([[0, 1, 3, -1, -1]] * 3))
+    with pytest.raises(ValueError, match="right-padded"):
+        cache.commit(r, torch.tensor([[0, -1, 1]] * 3))
+    with pytest.raises(ValueError, match=r"B = 3"):
+        cache.commit(r, torch.tensor([[0, 1]] * 2))
+    cache.commit(r, torch.tensor([[0, 1, 3], [0, -1, -1], [0, 2, -1]]))
+    with pytest.raises(ValueError, match="call tree_forward first"):
+        cache.commit(r, torch.tensor([[0], [0], [0]]))  # committed once already
     with pytest.raises(ValueError, match="different lengths"):
         model(torch.ones(3, 1, dtype=torch.int64), past_key_values=cache)
     # transformers 5.25 passes how many states to keep
     with pytest.raises(NotImplementedError, match="does not record past states"):
         cache.activate_past_recording(recurrent_states_to_keep=1)
+    r = tree_forward(model, cache, torch.ones(3, 4, dtype=torch.int64), parents).tree_round
+    cache.reset()
+    with pytest.raises(ValueError, match="call tree_forward first"):
+        cache.commit(r, torch.tensor([[0], [0], [0]]))  # verified from a state the cache no longer holds
 
 
 def test_commit_without_value_checks_reads_nothing(monkeypatch):
@@ -238,15 +242,15 @@ def test_commit_without_value_checks_reads_nothing(monkeypatch):
     cache = BoleCache(model.config, batch_size=3)
     prefill(model, cache, PROMPTS)
     parents = batch_trees([[-1, 0, 1], [-1, 0, 0], [-1, 0, 1]])
-    tree_forward(model, cache, torch.ones_like(parents), parents)
+    r = tree_forward(model, cache, torch.ones_like(parents), parents).tree_round
     reads = []
     original = torch.Tensor.__bool__
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original(self))
-    cache.commit(batch_trees([[0, 1], [0, 2], [0]]), check_values=False)
+    cache.commit(r, batch_trees([[0, 1], [0, 2], [0]]), check_values=False)
     assert reads == []
-    tree_forward(model, cache, torch.ones_like(parents), parents)
+    r = tree_forward(model, cache, torch.ones_like(parents), parents).tree_round
     with pytest.raises(ValueError, match="parent links"):
-        cache.commit(batch_trees([[0, 2], [0, 2], [0]]))  # node 2 of row 0 hangs below node 1, not the root
+        cache.commit(r, batch_trees([[0, 2], [0, 2], [0]]))  # node 2 of row 0 hangs below node 1, not the root
     assert reads
 
 
@@ -269,14 +273,15 @@ def test_layers_on_two_devices(verify):
     assert torch.equal(roots, prefill(model, single, PROMPTS))
     for _ in range(6):
         trees, parents, tokens = _random_round(roots, gen)
-        logits = tree_forward(model, spread, tokens, parents, verify=verify).logits
-        expected = tree_forward(model, single, tokens, parents, verify=verify).logits
-        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
-        slots = [g.slots for g in spread.current_round().groups]
+        out = tree_forward(model, spread, tokens, parents, verify=verify)
+        reference = tree_forward(model, single, tokens, parents, verify=verify)
+        logits = out.logits
+        torch.testing.assert_close(logits, reference.logits, rtol=0, atol=0)
+        slots = [g.slots for g in out.tree_round.groups]
         assert torch.equal(slots[0], slots[1]) and slots[0].data_ptr() != slots[1].data_ptr()  # copied for cpu:1
         path = batch_trees([random_path(tree, gen) for tree in trees])
-        spread.commit(path)
-        single.commit(path)
+        spread.commit(out.tree_round, path)
+        single.commit(reference.tree_round, path)
         roots = logits.gather(1, path.clamp(min=0).amax(1)[:, None, None].expand(-1, 1, VOCAB))[:, 0].argmax(-1)
         for got, want in zip(spread.layers, single.layers):
             if hasattr(want, "keys"):

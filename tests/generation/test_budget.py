@@ -16,6 +16,11 @@ from hf_bole.config import BoleConfig
 from hf_bole.generation import budget as budget_module
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation import loop
+from hf_bole.generation import select as select_module
+from hf_bole.generation import verify as verify_module
+from hf_bole.generation.budget import calibration as calibration_module
+from hf_bole.generation.budget import rule as rule_module
+from hf_bole.generation.budget import tables as tables_module
 from hf_bole.generation.budget import (
     BudgetEntry,
     BudgetResolver,
@@ -23,15 +28,14 @@ from hf_bole.generation.budget import (
     TableKey,
     cache_dir,
     choose_budget,
-    choose_goodput,
     fallback_budget,
     find_table,
     model_key,
     synthetic_draft_tree,
 )
-from hf_bole.generation import DraftTree, VerifyTree, select_nodes
-from hf_bole.generation.select_kernel import prepared_tree
-from hf_bole.models import Placement
+from hf_bole.generation import select_nodes
+from hf_bole.generation.select import prepared_tree
+from hf_bole.placement import Placement
 from hf_bole.models.twin import tree_twin
 from tests.models import tiny
 
@@ -43,8 +47,8 @@ def budget_cache(tmp_path, monkeypatch):
     """Every test gets an empty table folder and an empty folder of shipped tables, and forgets the log lines
     already given."""
     monkeypatch.setenv("HF_BOLE_CACHE", str(tmp_path / "hf_bole_cache"))
-    monkeypatch.setattr(budget_module, "PACKAGE_TABLES", tmp_path / "shipped")
-    monkeypatch.setattr(budget_module, "_WARNED", set())
+    monkeypatch.setattr(tables_module, "PACKAGE_TABLES", tmp_path / "shipped")
+    monkeypatch.setattr(rule_module, "_WARNED", set())
     return tmp_path / "hf_bole_cache" / "budgets"
 
 
@@ -142,108 +146,7 @@ def test_resolver_fixed_and_fallback(dense):
     assert fallback.max_budget == 128 == fallback_budget(8)
     assert fallback_budget(1) == BudgetResolver.fallback(batch_size=1).max_budget == 31
     # one request's fallback tree fills the verify width of 32 with its root, the widest at the GDN solve's least tile
-    assert graphs_module.row_width(fallback_budget(1), 1, fallback_budget(1) + 1) == 32
-
-
-GAIN = [0.9, 0.7] + [0.5] * 14 + [0.1] * 16 + [0.01] * 32  # best first: 16 nodes add 8.6 tokens, 32 add 10.2
-
-
-@pytest.mark.parametrize(
-    "t_ver, fixed, rows, max_budget, expected",
-    [
-        # (1 + 8.6) / 3.0 = 3.20 beats (1 + 10.2) / 3.6 = 3.11 and (1 + 10.52) / 5.0
-        pytest.param([2.0, 2.0, 2.0, 2.6, 4.0], 1.0, 1, 64, 16, id="yield-against-time"),
-        # a dearer rest of the round makes verify time relatively cheaper: 32 nodes pay off
-        pytest.param([2.0, 2.0, 2.0, 2.6, 4.0], 8.0, 1, 64, 32, id="dear-rest-verifies-more"),
-        # many rows: each round's bonus tokens dominate and the cheapest forward wins
-        pytest.param([2.0, 2.0, 3.0, 4.0, 6.0], 0.0, 64, 64, 8, id="bonus-tokens-dominate"),
-        pytest.param([2.0, 2.0, 2.0, 2.0, 2.0], 1.0, 1, 64, 64, id="free-nodes-all-taken"),
-        pytest.param([2.0, 2.0, 2.0, 2.0, 2.0], 1.0, 1, 20, 16, id="capped-by-max-budget"),
-        # equal rates: the smallest
-        pytest.param([1.0, 1.0, 1.0, 1.0, 1.0], 0.0, 1, 64, 64, id="larger-gain-same-time"),
-    ],
-)
-def test_choose_goodput(t_ver, fixed, rows, max_budget, expected):
-    nodes = [0, 8, 16, 32, 64]  # N = 0 (roots only) is never chosen: the floor verifies a node per row anyway
-    assert choose_goodput(nodes, t_ver, GAIN, fixed, rows, max_budget) == expected
-
-
-def test_choose_goodput_edges():
-    # the smallest of equal rates: no gain past 8 nodes, no extra time
-    assert choose_goodput([8, 16, 32], [2.0] * 3, [0.5] * 8, 0.0, 1, 64) == 8
-    # nodes past the gain's end add nothing; no size in [1, max_budget]: 0
-    assert choose_goodput([8, 16], [2.0, 2.0], [], 1.0, 1, 64) == 8
-    assert choose_goodput([0, 16], [2.0, 2.0], GAIN, 1.0, 1, 8) == 0
-    with pytest.raises(ValueError, match="2 node counts but 1 timings"):
-        choose_goodput([8, 16], [2.0], GAIN, 1.0, 1, 64)
-    with pytest.raises(ValueError, match="fixed must be >= 0 and rows >= 1"):
-        choose_goodput([8, 16], [2.0, 2.0], GAIN, -1.0, 1, 64)
-
-
-def _tree(rho_per_level: list[float], batch_size: int = 1) -> DraftTree:
-    """A chain per row whose i-th node has cumulative draft probability `rho_per_level[i]`."""
-    n = len(rho_per_level)
-    cumulative = torch.tensor(rho_per_level).log()
-    logprobs = torch.cat([cumulative[:1], cumulative[1:] - cumulative[:-1]]).expand(batch_size, n)
-    parents = (torch.arange(n) - 1).expand(batch_size, n)
-    return DraftTree(tokens=torch.arange(n).expand(batch_size, n), parents=parents, draft_logprobs=logprobs.clone())
-
-
-def _selected(tree: DraftTree) -> VerifyTree:
-    """What the decoding loop hands the goodput rule: the round's selection, with every draft node's log rho."""
-    return select_nodes(tree, torch.zeros(tree.tokens.shape[0], dtype=torch.long), 8, 127)
-
-
-def test_goodput_rule_learns_gain_and_rest_of_round(monkeypatch):
-    """First round: epsilon's budget. Then the budget of most tokens per ms, from the trees observed and the host's
-    round times, both as running averages."""
-    table = _table()  # batch 1, KV 512: nodes 0, 16, 32, 64 at 2.0, 2.04, 2.1, 2.6 ms; epsilon 0.1 chooses 32
-    clock = iter([0.0, 0.010, 0.020, 0.030])  # rounds of 10 ms on the host
-    # the budget module's clock only (not the process-wide time.perf_counter)
-    monkeypatch.setattr(budget_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    resolver = BudgetResolver.goodput(table, epsilon=0.1)
-    assert resolver.max_budget == 64 and resolver.source.startswith("goodput over table")
-    assert resolver(1, 512) == 32  # nothing observed yet
-    rule = resolver._rule
-    resolver.observe(_selected(_tree([0.9] * 16 + [0.001] * 48)))  # 16 confident nodes, then nothing
-    # 10 ms a round, 2.1 of them the forward of 32 nodes: the rest is 7.9 ms; 16 nodes give (1 + 14.4) / 9.94
-    assert resolver(1, 512) == 16
-    assert rule.fixed == pytest.approx(10.0 - 2.1)
-    assert rule.gain[:3].tolist() == pytest.approx([0.9] * 3) and rule.gain.shape == (64,)
-    resolver.observe(_selected(_tree([0.9] * 64)))  # now every node is likely: the average moves towards them
-    assert resolver(1, 512) == 64
-    assert rule.gain[20].item() == pytest.approx(0.7 * 0.001 + 0.3 * 0.9)
-    assert rule.fixed == pytest.approx(0.7 * 7.9 + 0.3 * (10.0 - 2.04))
-    # finished rows (draft log-probabilities at -inf) and NaN add nothing
-    tree = _tree([0.5] * 4, batch_size=2)
-    tree.draft_logprobs[1] = float("-inf")
-    tree.draft_logprobs[0, 3] = float("nan")
-    resolver.observe(_selected(tree))
-    sorted_rho, _ = rule._pending
-    assert sorted_rho[:4].tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0]) and not sorted_rho[4:].any()
-
-
-def test_generate_goodput_matches_plain(dense, monkeypatch, caplog):
-    """bole_budget="goodput" with a table (the goodput rule on a table for this CPU) decodes exactly as plain greedy
-    and looks at every round's trees; without one (here: off CUDA) it names the fallback."""
-    ref = _generate(dense, PROMPTS)
-    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
-        out = _generate(dense, PROMPTS, custom_generate="hf_bole", bole_drafter="ngram", bole_budget="goodput")
-    assert torch.equal(out, ref)
-    assert "budget='goodput' uses the fallback" in caplog.records[-1].getMessage()
-
-    observed = []
-    table = _table()
-    resolver = BudgetResolver.goodput(table, epsilon=0.1)
-    observe = resolver._rule.observe
-    monkeypatch.setattr(resolver._rule, "observe", lambda vt: (observed.append(vt.draft_log_rho.shape), observe(vt)))
-    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(lambda cls, *a: resolver))
-    rounds = _record_rounds(monkeypatch)
-    out = _generate(dense, PROMPTS, custom_generate="hf_bole", bole_drafter="ngram", bole_cuda_graphs=False)
-    assert torch.equal(out, ref)
-    assert len(observed) == len(rounds) > 1
-    assert rounds[0][0] == 32  # epsilon 0.1 at the batch-1, KV-512 bucket (2 rows, KV 10: the buckets below)
-    assert all(budget in (16, 32, 64) for budget, _ in rounds)
+    assert select_module.row_width(fallback_budget(1), 1, fallback_budget(1) + 1) == 32
 
 
 def test_table_round_trip(budget_cache):
@@ -340,10 +243,11 @@ def test_table_key_of_a_conditional_generation_checkpoint(tmp_path):
 
 
 def _fake_gpu_model(monkeypatch):
-    monkeypatch.setattr(budget_module, "device_name", lambda device: "NVIDIA Test GPU")
+    monkeypatch.setattr(tables_module, "device_name", lambda device: "NVIDIA Test GPU")
     gpu = torch.device("cuda", 0)
     one_gpu = lambda model: Placement(gpu, gpu, (gpu,) * 4)  # noqa: E731
-    monkeypatch.setattr(budget_module, "placement", one_gpu)
+    monkeypatch.setattr(tables_module, "placement", one_gpu)
+    monkeypatch.setattr(rule_module, "placement", one_gpu)
     monkeypatch.setattr(graphs_module, "placement", one_gpu)
     return _FakeModel(
         device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config(), named_modules=lambda: iter(())
@@ -401,7 +305,8 @@ def test_auto_for_a_spread_model_is_the_fallback(monkeypatch, caplog):
     table.save(table.default_path())
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     spread = Placement(gpus[0], gpus[1], (gpus[0], gpus[0], gpus[1], gpus[1]))
-    monkeypatch.setattr(budget_module, "placement", lambda model: spread)
+    monkeypatch.setattr(rule_module, "placement", lambda model: spread)
+    monkeypatch.setattr(tables_module, "placement", lambda model: spread)
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(cuda_graphs=False), batch_size=4)
     assert resolver.source == "fallback" and resolver(2, 1000) == 62
@@ -433,7 +338,7 @@ def test_auto_finds_a_shipped_table_after_the_users(monkeypatch, caplog):
     key; one in the cache folder (the user's own calibration) comes first. The log line says which file is read."""
     model = _fake_gpu_model(monkeypatch)
     key = TableKey.for_model(model)
-    shipped_path = _table(key).save(budget_module.PACKAGE_TABLES / key.filename)  # at epsilon 0.3: 64 at batch 1
+    shipped_path = _table(key).save(tables_module.PACKAGE_TABLES / key.filename)  # at epsilon 0.3: 64 at batch 1
     with caplog.at_level(logging.INFO, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
     assert str(shipped_path) in caplog.records[-1].getMessage() and resolver(1, 512) == 64
@@ -451,7 +356,7 @@ def test_package_ships_the_house_table():
 
     from eval.shapes import HOUSE_CHECKPOINT
 
-    folder = budget_module.Path(budget_module.__file__).resolve().parents[1] / "budgets"
+    folder = tables_module.Path(tables_module.__file__).resolve().parents[2] / "budgets"
     key = TableKey(model_key(AutoConfig.from_pretrained(HOUSE_CHECKPOINT)), "NVIDIA H200", "bfloat16", "closed_form",
                    "triton-attention-graphs")  # fmt: skip
     table = find_table(key, folder)
@@ -474,7 +379,7 @@ def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
     assert str(path) in message and "format 3 is not 4" in message
     assert "Measure it again with `python -m hf_bole.calibrate --model <checkpoint>" in message
     # a usable table shipped with the package is then read
-    table.save(budget_module.PACKAGE_TABLES / path.name)
+    table.save(tables_module.PACKAGE_TABLES / path.name)
     assert BudgetResolver.for_model(model, BoleConfig(), batch_size=4).source.startswith("table ")
 
 
@@ -497,7 +402,7 @@ def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
     rounds = []
 
     def select_round(tree, root_tokens, budget, max_nodes_per_row, active=None, safe=None):
-        vt = budget_module.select_nodes(prepared_tree(tree, active, safe), root_tokens, budget, max_nodes_per_row)
+        vt = select_nodes(prepared_tree(tree, active, safe), root_tokens, budget, max_nodes_per_row)
         rounds.append((budget, int(vt.num_nodes.sum()) - len(root_tokens)))
         return vt
 
@@ -561,15 +466,13 @@ def test_synthetic_draft_tree():
 def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
     """Selection pads every row to the most one row could get; the timed forward is as wide as the widest row
     kept, as in the decoding loop (at batch 4 a budget of 8 leaves each row a few nodes, not 8)."""
-    import hf_bole.models
-
     widths = []
-    forward = hf_bole.models.tree_forward
+    forward = verify_module.tree_forward
     def recorded(model, cache, ids, *args, **kwargs):
         widths.append(ids.shape[1])
         return forward(model, cache, ids, *args, **kwargs)
 
-    monkeypatch.setattr(hf_bole.models, "tree_forward", recorded)
+    monkeypatch.setattr(verify_module, "tree_forward", recorded)
     table = budget_module.calibrate(
         dense, [4], [8], [0, 8], warmup=1, reps=1, progress=False, cuda_graphs=False, attention="model"
     )  # fmt: skip
@@ -587,7 +490,7 @@ def test_calibrate_times_by_default_the_most_nodes_each_width_holds(dense):
     forward's cost rises (`capacities`), within the synthetic trees' size (topk 2, depth 2: 6 nodes a row)."""
     assert budget_module.capacities(1, tree_nodes=6) == [3] and budget_module.capacities(2, tree_nodes=6) == [6]
     assert budget_module.capacities(1) == [3, 7, 15, 31, 63, 127]
-    assert all(graphs_module.row_width(n, 4, 128) == n // 4 + 1 for n in budget_module.capacities(4))  # full rows
+    assert all(select_module.row_width(n, 4, 128) == n // 4 + 1 for n in budget_module.capacities(4))  # full rows
     table = budget_module.calibrate(
         dense, [1, 2], [8], topk=2, depth=2, warmup=1, reps=1, progress=False, cuda_graphs=False
     )  # fmt: skip
@@ -650,7 +553,7 @@ def test_cli_saves_after_every_bucket(dense, tmp_path, budget_cache, monkeypatch
     folder = tmp_path / "tiny"
     dense.save_pretrained(folder)
     out = tmp_path / "table.json"
-    measure, measured = budget_module._measure_bucket, []
+    measure, measured = calibration_module._measure_bucket, []
 
     def stop_at_the_second_batch_size(model, b, *args):
         if measured:
@@ -659,7 +562,7 @@ def test_cli_saves_after_every_bucket(dense, tmp_path, budget_cache, monkeypatch
         measure(model, b, *args)
         measured.append(b)
 
-    monkeypatch.setattr(budget_module, "_measure_bucket", stop_at_the_second_batch_size)
+    monkeypatch.setattr(calibration_module, "_measure_bucket", stop_at_the_second_batch_size)
     argv = ["--model", str(folder), "--device", "cpu", "--dtype", "fp32", "--batch-sizes", "1", "2",
             "--kv-lengths", "8", "--nodes", "0", "4", "--warmup", "1", "--reps", "1", "--out", str(out)]  # fmt: skip
     with pytest.raises(KeyboardInterrupt):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from hf_bole.generation import DraftContext, DraftTree, loop
+from hf_bole.generation import DraftContext, DraftTree, plan
 from hf_bole.generation.prefill import unchainable
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
 from tests.generation.test_loop import Recorder, RowBias, _char, _tokenizer, padded_tree
@@ -167,7 +167,7 @@ def _case(seed: int, models, light: bool = False) -> tuple[dict, str]:
     if settings["bole_verify"] == "closed_form":
         settings["bole_prefill"] = rng.choice(["auto", "plain", "chains"])
     drafter = rng.choice(["mtp", "ngram", "random", "random"] if kind == "dense" else ["ngram", "random", "random"])
-    room = rng.choice([2, 16, loop.INITIAL_ROOM])  # small: the cache and the sequences grow inside the call
+    room = rng.choice([2, 16, plan.INITIAL_ROOM])  # small: the cache and the sequences grow inside the call
     if drafter == "random":
         P = ids.shape[1]
         real = mask.sum(-1).tolist()
@@ -181,9 +181,9 @@ def _case(seed: int, models, light: bool = False) -> tuple[dict, str]:
                     if k not in ("attention_mask", "logits_processor", "tokenizer", "stopping_criteria")},
                  **{k: (type(v).__name__ if k == "bole_drafter" and not isinstance(v, str) else v)
                     for k, v in settings.items()}}  # fmt: skip
-    initial_room = loop.INITIAL_ROOM
+    initial_room = plan.INITIAL_ROOM
     try:
-        loop.INITIAL_ROOM = room
+        plan.INITIAL_ROOM = room
         out = model.generate(ids, custom_generate="hf_bole", streamer=streamers[1], **common, **settings)
     except ValueError as e:
         chainable = unchainable(mask.bool(), tiny.generate_positions(mask)) is None
@@ -191,7 +191,7 @@ def _case(seed: int, models, light: bool = False) -> tuple[dict, str]:
             return described, f"refused: {e}"
         raise AssertionError(f"case {described} raised: {e}") from e
     finally:
-        loop.INITIAL_ROOM = initial_room
+        plan.INITIAL_ROOM = initial_room
     assert torch.equal(out, ref), f"case {described}:\nhf_bole {out.tolist()}\nplain   {ref.tolist()}"
     if streamers[0] is not None:
         same = len(streamers[1].puts) == len(streamers[0].puts) and all(map(torch.equal, *(s.puts for s in streamers)))

@@ -22,9 +22,11 @@ from transformers import (
 
 import hf_bole
 from hf_bole.config import BoleConfig
-from hf_bole.generation import DraftContext, DraftTree, graphs, loop
-from hf_bole.generation.loop import _spread_settings
-from hf_bole.models import Placement
+from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop, plan, select
+from hf_bole.generation import prefill as prefill_module
+from hf_bole.generation import writes as writes_module
+from hf_bole.generation.requests import spread_settings
+from hf_bole.placement import Placement
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
 from hf_bole.models.twin import tree_twin
 from tests.generation import sampling
@@ -133,8 +135,8 @@ def test_greedy_matches_plain_oracle(request, kind, rows):
 
 @pytest.mark.interpreter
 def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
-    """Every round selects with select_nodes_triton's kernel (here under the Triton interpreter, as the GDN kernels)."""
-    from hf_bole.generation import select_kernel
+    """Every round selects with tree_select_nodes's kernel (here under the Triton interpreter, as the GDN kernels)."""
+    from hf_bole.kernels.tree_select import kernel as select_kernel
 
     launches = []
     kernel = select_kernel._select_nodes_fwd
@@ -151,7 +153,7 @@ def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
 
 
 def test_rows_are_capped_at_the_width_of_their_budget(dense, monkeypatch):
-    """Every round selects into `graphs.row_width` of its budget and active rows, decided without reading the trees:
+    """Every round selects into `select.row_width` of its budget and active rows, decided without reading the trees:
     three rows share a budget of 6 at 3 nodes each (width 4); once one row is left it may keep all 6."""
     rounds = []
     select_nodes = loop.select_round
@@ -170,7 +172,7 @@ def test_rows_are_capped_at_the_width_of_their_budget(dense, monkeypatch):
         bole_cuda_graphs=False, **lengths,
     )  # fmt: skip
     assert torch.equal(out, ref)
-    assert rounds and all(cap + 1 == graphs.row_width(6, rows, 7) for _, rows, cap, _ in rounds)
+    assert rounds and all(cap + 1 == select.row_width(6, rows, 7) for _, rows, cap, _ in rounds)
     assert {cap for _, rows, cap, _ in rounds if rows == 3} == {3}
     assert all(widest <= cap + 1 for *_, cap, widest in rounds)
 
@@ -243,17 +245,17 @@ def test_greedy_matches_plain_ngram(request, kind):
 def test_release_frees_what_calls_keep(dense_with_mtp):
     """`hf_bole.release(model)` drops the MTP drafter and the graphed caches kept for the next call; that call
     builds them again and decodes the same."""
-    from hf_bole.generation import graphs, loop
+    from hf_bole.generation import draft, select, verify
 
     model = dense_with_mtp
     first = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
-    assert model in loop._MTP_DRAFTERS
-    graphs.graphed_cache(model, 2, 64, "closed_form")  # what a CUDA call keeps (its graphs capture on first use)
-    graphs.graphed_select(model)
+    assert model in draft._MTP_DRAFTERS
+    verify.graphed_cache(model, 2, 64, "closed_form")  # what a CUDA call keeps (its graphs capture on first use)
+    select.graphed_select(model)
     hf_bole.release(model)
-    assert model not in loop._MTP_DRAFTERS and model not in graphs._STORE and model not in graphs._SELECT
+    assert model not in draft._MTP_DRAFTERS and model not in verify._KEPT and model not in select._KEPT
     again = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3)
-    assert torch.equal(again, first) and model in loop._MTP_DRAFTERS
+    assert torch.equal(again, first) and model in draft._MTP_DRAFTERS
 
 
 def _in_threads(*calls) -> list:
@@ -363,7 +365,7 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
     from torch._dynamo.testing import CompileCounter
 
     import hf_bole.models.adapter as adapter
-    from hf_bole.generation import loop
+    from hf_bole.generation import draft
 
     counter = CompileCounter()
     monkeypatch.setattr(torch, "compile", lambda fn: torch._dynamo.optimize(counter)(fn))
@@ -373,7 +375,7 @@ def test_greedy_matches_plain_mtp_compiled(dense_with_mtp, monkeypatch):
     ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
     out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, bole_depth=3, bole_topk=3, bole_compile=True)
     assert torch.equal(out, ref)
-    drafter = loop._MTP_DRAFTERS[model][3, 3, True, True, True]  # (depth, topk, cuda_graphs, compile, fused)
+    drafter = draft._MTP_DRAFTERS[model][3, 3, True, True, True]  # (depth, topk, cuda_graphs, compile, fused)
     assert drafter._compiled_round is not None
     assert tree_twin(model.get_decoder(), projections=True, norms=False).module in adapter._COMPILED
     assert counter.frame_count >= 2  # the drafter's rounds and the verify forward
@@ -393,12 +395,12 @@ def test_drafter_compiles_on_cuda_only(dense_with_mtp):
         (BoleConfig(compile=True, compile_drafter=False), cpu, True),
         (BoleConfig(fuse_projections=False), cpu, False),
     ]:
-        drafter = loop._make_drafter(dense_with_mtp, config, device)
+        drafter = draft.make_drafter(dense_with_mtp, config, device)
         assert drafter.compile is compiled, (config, device)
         assert drafter.fuse_projections is config.fuse_projections
         key = (config.depth, config.topk, config.cuda_graphs, compiled, config.fuse_projections)
-        assert loop._MTP_DRAFTERS[dense_with_mtp][key] is drafter
-    assert len(loop._MTP_DRAFTERS[dense_with_mtp]) == 3  # compiled or not, fused or not: the unfused one its own
+        assert draft._MTP_DRAFTERS[dense_with_mtp][key] is drafter
+    assert len(draft._MTP_DRAFTERS[dense_with_mtp]) == 3  # compiled or not, fused or not: the unfused one its own
     hf_bole.release(dense_with_mtp)
 
 
@@ -416,8 +418,8 @@ def test_greedy_matches_plain_with_prefill_chains(dense_with_mtp, drafter, monke
     from tests.generation.test_prefill import long_prompts
 
     chained = []
-    prefill = loop.chain_prefill
-    monkeypatch.setattr(loop, "chain_prefill", lambda *a, **k: chained.append(1) or prefill(*a, **k))
+    prefill = prefill_module.chain_prefill
+    monkeypatch.setattr(prefill_module, "chain_prefill", lambda *a, **k: chained.append(1) or prefill(*a, **k))
     prompts = long_prompts()
     ref = plain(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False)
     settings = dict(bole_drafter=oracle_for(dense_with_mtp, prompts)) if drafter == "oracle" else dict(bole_depth=3)
@@ -530,8 +532,9 @@ def test_memory_follows_the_tokens_generated_not_max_new_tokens(dense, monkeypat
     """`max_new_tokens=100000` and an EOS a few tokens in: the cache and the sequences are sized for the tokens made
     (plus a fixed room), not for max_new_tokens, and the output is plain greedy's."""
     widths = []
-    init = loop._Writes.__init__
-    monkeypatch.setattr(loop._Writes, "__init__", lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a))
+    init = writes_module.Writes.__init__
+    recorded = lambda self, B, w, *a: widths.append(w) or init(self, B, w, *a)  # noqa: E731
+    monkeypatch.setattr(writes_module.Writes, "__init__", recorded)
     probe = plain(dense, PROMPTS, max_new_tokens=12, do_sample=False)
     eos = probe[:, -6].tolist()  # every row stops where it first makes one of these
     ref = plain(dense, PROMPTS, max_new_tokens=100000, do_sample=False, eos_token_id=eos)
@@ -557,12 +560,12 @@ def test_cache_and_sequences_grow_with_the_tokens(dense, monkeypatch, graphed):
     if ref.is_cuda:
         ref = bole(dense, PROMPTS, max_new_tokens=new, do_sample=False, bole_drafter=oracle_for(dense, PROMPTS, new=new),
                    bole_budget=64)  # fmt: skip
-    monkeypatch.setattr(loop, "INITIAL_ROOM", 2)
+    monkeypatch.setattr(plan, "INITIAL_ROOM", 2)
     if graphed:
-        monkeypatch.setattr(loop, "captures", lambda model, cuda_graphs: True)
+        monkeypatch.setattr(plan, "captures", lambda model, cuda_graphs: True)
         monkeypatch.setattr(graphs, "capture", recording_capture([]))
         monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
-        monkeypatch.setattr(graphs, "CAPACITY_STEP", 16)
+        monkeypatch.setattr(graphs, "KEPT_CAPACITY_STEP", 16)
     for drafter in (oracle_for(dense, PROMPTS, new=new), *(() if graphed else ("ngram",))):  # pipelined, and not
         out = bole(dense, PROMPTS, max_new_tokens=new, do_sample=False, bole_drafter=drafter, bole_budget=64,
                    return_dict_in_generate=True)  # fmt: skip
@@ -867,7 +870,7 @@ def test_stopping_multi_token_stop_strings(dense, longest):
     prompt (9 > 7 + 1: a window would reach before the first column)."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from hf_bole.generation.loop import _Stopping
+    from hf_bole.generation.stopping import Stopping
 
     prompts = PROMPTS[:3]
     greedy = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
@@ -875,161 +878,13 @@ def test_stopping_multi_token_stop_strings(dense, longest):
     text = lambda row, start, n: "".join(_char(int(t)) for t in greedy[row, P + start : P + start + n])  # noqa: E731
     stops = [text(0, 4, 3), text(2, 7, 2), text(1, 2, longest)]  # the last ends at step 2 + longest of row 1
     tok = _tokenizer()
-    batched = _Stopping([StopStringCriteria(tok, stops)], P).suffix
+    batched = Stopping([StopStringCriteria(tok, stops)], P).suffix
     assert bool(batched) == (longest <= P + 1)
     kwargs = dict(max_new_tokens=NEW, do_sample=False, stop_strings=stops, tokenizer=tok)
     ref = plain(dense, prompts, **kwargs)
     assert ref.shape[1] < P + NEW  # every row met a stop string (without EOS, rows run on until the last stops)
     out = bole(dense, prompts, bole_drafter=oracle_for(dense, prompts), bole_budget=64, **kwargs)
     assert torch.equal(out, ref)
-
-
-def test_stop_string_windows_past_a_finished_row():
-    """A finished row's count may run past `max_new` by the rounds in flight (pipelined), so the stop strings'
-    windows over its meaningless entries reach the spare last column. That column must hold a token id, not the -1
-    of an accepted path's padding: the criterion embeds every id of its windows (on the CPU an IndexError, which
-    ended eval/run.py's house runs at batch 8, depth 6, budget 32; on CUDA a device-side assert)."""
-    from transformers.generation.stopping_criteria import StopStringCriteria
-
-    from hf_bole.generation.loop import _Rows, _Stopping, _Writes
-
-    P, max_new, pad = 4, 6, 0
-    stopping = _Stopping([StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])], P)
-    prompts = torch.full((2, P), pad)
-    writes = _Writes.for_call(None, prompts, P + max_new + 3, pad, stopping, graphed=False)  # 3 spare columns
-    seq = writes.seq
-    rows = _Rows(2, P, max_new, stopping, writes)
-    rows.generated.copy_(torch.tensor([max_new + 2, 1]))  # row 0 done; row 1 has its first token (in place)
-    tokens = torch.tensor([[-1, -1, -1, -1, -1], [3, 1, 2, -1, -1]])  # [B, L]: -1 past each row's path
-    written = rows.write(tokens, torch.tensor([0, 3]))
-    assert seq[:, -1].tolist() == [pad, pad]
-    assert seq[1, P + 1 : P + 4].tolist() == [3, 1, 2]
-    stops = written.host[:, 1 + 5 :]  # [B, L] after the lengths and the tokens
-    assert stops[1, :3].tolist() == [0, 0, 1]  # "bc" ends at row 1's third token
-
-
-def test_replayed_writes_are_the_eager_writes(monkeypatch):
-    """`_Rows.write` replayed from graphs (`graphed`; a recorded call stands for the CUDA graph): the first write of a
-    width runs eagerly, the second captures, later ones replay with the round's tokens copied in. The sequence, the
-    rows' counts and what goes to the host (lengths, tokens, stop-string hits) equal eager writes' every round. The
-    writes are kept for the model's next calls: one graph serves every round of that width in calls of other prompt
-    lengths and new criteria objects of the same stop strings (the same tables or equal ones); other stop strings, a
-    longer sequence or another batch size get writes of their own."""
-    from transformers.generation.stopping_criteria import STOP_STRING_EMBEDDING_CACHE, StopStringCriteria
-
-    from hf_bole.generation import graphs as graphs_module
-    from hf_bole.generation.loop import _Rows, _Stopping, _Writes
-    from tests.generation.recorded_graph import recording_queued_capture
-
-    captured = []
-    monkeypatch.setattr(graphs_module, "capture_queued", recording_queued_capture(captured))
-    model = torch.nn.Module()  # the key the writes are kept under
-    B, L, max_new, pad = 3, 5, 30, 0
-    generator = torch.Generator(torch.get_default_device()).manual_seed(0)  # CUDA under HF_BOLE_TEST_DEVICE
-    hits = 0
-    kept = []
-    for P in (4, 9, 6):
-        if P == 6:  # tables of its own, equal: transformers 5.17 misses its cache when the vocabulary's order differs
-            STOP_STRING_EMBEDDING_CACHE.clear()
-        # new criteria every call, as `generate(stop_strings=...)` builds them: the same stop string and vocabulary
-        criteria = [StopStringCriteria(_tokenizer(), [_char(1) + _char(2)])]
-        stopping = _Stopping(criteria, P)
-        prompts = torch.randint(0, 4, (B, P), generator=generator)
-        writes = [_Writes.for_call(model, prompts, P + max_new + 8, pad, stopping, graphed=g) for g in (False, True)]
-        kept.append(writes[1])
-        rows = [_Rows(B, P, max_new, stopping, w) for w in writes]
-        for _ in range(4):
-            tokens = torch.randint(0, 4, (B, L), generator=generator)  # ids 0-3: "bc" turns up
-            lengths = torch.randint(0, L + 1, (B,), generator=generator)
-            eager, replayed = (r.write(tokens, lengths).host.clone() for r in rows)
-            assert torch.equal(replayed, eager)
-            width = rows[0].seq.shape[1]  # the kept sequence is wider: its columns past the eager one's hold padding
-            assert torch.equal(rows[1].seq[:, :width], rows[0].seq) and bool((rows[1].seq[:, width:] == pad).all())
-            assert torch.equal(rows[1].generated, rows[0].generated)
-            hits += int(eager[:, 1 + L :].sum())
-    assert hits > 0
-    assert kept[0] is kept[1] is kept[2]
-    assert len(captured) == 1
-    others = [StopStringCriteria(_tokenizer(), [_char(2) + _char(1)])]  # another stop string
-    assert _Writes.for_call(model, prompts, 40, pad, _Stopping(others, 6), graphed=True) is not kept[0]
-    stopping = _Stopping(criteria, 6)
-    assert _Writes.for_call(model, prompts, 40, pad, stopping, graphed=True) is not kept[0]  # back to `criteria`
-    renewed = _Writes.for_call(model, prompts, 40, pad, stopping, graphed=True)
-    assert _Writes.for_call(model, prompts, 4000, pad, stopping, graphed=True) is not renewed
-    assert _Writes.for_call(model, prompts[:2], 40, pad, stopping, graphed=True) is not renewed
-
-
-def _read_token_by_token(rows, written) -> list[int]:
-    """`_Rows.read` as plain decoding's rules read literally: every token in turn, the limit and each criterion asked
-    again before it (the loop's form before it read a row at a time)."""
-    stopping, host, L = rows.stopping, written.host.tolist(), written.width
-    counted = []
-    for b in range(rows.B):
-        counted.append(0 if rows.frozen[b] or rows.n_gen[b] >= rows.limit() else host[b][0])
-        for j in range(host[b][0]):
-            if rows.frozen[b] or rows.n_gen[b] >= rows.limit():
-                break
-            token = host[b][1 + j]
-            rows.tokens[b].append(token)
-            rows.n_gen[b] += 1
-            length = rows.P + rows.n_gen[b]
-            stop = (written.suffix and bool(host[b][1 + L + j])) or token in stopping.eos
-            stop = stop or any(length >= m for m in stopping.max_lengths)
-            if rows.finished_at[b] is None and (
-                stop or (bool(stopping.others) and bool(stopping.others(rows.seq[b : b + 1, :length], None).any()))
-            ):
-                rows.finished_at[b] = rows.n_gen[b]
-                rows.frozen[b] = stopping.pads_finished
-    return counted
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
-    """`_Rows.read` emits, counts and stops rows exactly as reading token by token does, and calls a user criterion
-    with the same ids in the same order: random rounds of EOS, stop-string hits, a max length, a user criterion
-    that stops on one token id, with and without padding of finished rows."""
-    from transformers.generation.stopping_criteria import (
-        EosTokenCriteria,
-        MaxLengthCriteria,
-        StoppingCriteria,
-        StoppingCriteriaList,
-    )
-
-    from hf_bole.generation.loop import _Rows, _Stopping, _Writes, _Written
-
-    class StopsOn(StoppingCriteria):
-        def __init__(self, token):
-            self.token, self.calls = token, []
-
-        def __call__(self, input_ids, scores, **kwargs):
-            self.calls.append(input_ids.tolist())
-            return input_ids[:, -1] == self.token
-
-    B, P, L, max_new = 4, 3, 5, 14
-    for pads in (True, False):
-        states = []
-        for read in (_Rows.read, _read_token_by_token):
-            user = StopsOn(7)
-            criteria = [MaxLengthCriteria(P + max_new), user] + ([EosTokenCriteria(5)] if pads else [])
-            stopping = _Stopping(StoppingCriteriaList(criteria), P)
-            prompts = torch.zeros(B, P, dtype=torch.long)
-            writes = _Writes.for_call(None, prompts, P + max_new + 3 * L, 0, stopping, False)
-            seq = writes.seq
-            rows = _Rows(B, P, max_new, stopping, writes)
-            draws = torch.Generator().manual_seed(seed + 100 * pads)
-            counted = []
-            while any(rows.active()):
-                lengths = torch.randint(1, L + 1, (B,), generator=draws, device="cpu")
-                tokens = torch.randint(3, 12, (B, L), generator=draws, device="cpu")
-                hits = torch.rand(B, L, generator=draws, device="cpu") < 0.05  # what the stop strings would say
-                for b in range(B):  # the criteria read the row's ids, which `write` puts in `seq`
-                    n = min(rows.n_gen[b], seq.shape[1] - P - L)
-                    seq[b, P + n : P + n + L] = tokens[b]
-                host = torch.cat([lengths[:, None], tokens, hits.long()], dim=1)
-                counted.append(read(rows, _Written(host, loop._Done(), L, True)))
-            states.append((counted, rows.tokens, rows.n_gen, rows.finished_at, rows.frozen, user.calls))
-        assert states[0] == states[1]
-        assert any(f is not None for f in states[0][3])  # some row stopped inside a round
 
 
 class RandomDrafter:
@@ -1198,13 +1053,13 @@ def test_spread_model_settings(caplog):
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     spread = Placement(gpus[0], gpus[1], (gpus[0], gpus[0], gpus[1], gpus[1]))
     with caplog.at_level(logging.WARNING):
-        settings = _spread_settings(BoleConfig(), spread)
+        settings = spread_settings(BoleConfig(), spread)
     assert not settings.cuda_graphs and not settings.compile_drafter
     assert "CUDA graphs and the drafter's compile are off: the model spans 2 devices (cuda:0, cuda:1)" in caplog.text
     with pytest.raises(ValueError, match="bole_compile=True.*spread over 2 devices.*drop bole_compile"):
-        _spread_settings(BoleConfig(compile=True), spread)
+        spread_settings(BoleConfig(compile=True), spread)
     one = Placement(gpus[0], gpus[0], (gpus[0],) * 4)
-    assert _spread_settings(BoleConfig(compile=True), one) == BoleConfig(compile=True)
+    assert spread_settings(BoleConfig(compile=True), one) == BoleConfig(compile=True)
 
 
 @pytest.mark.skipif(
@@ -1223,7 +1078,7 @@ def test_greedy_matches_plain_on_two_gpus(dense_with_mtp, drafter):
     model = type(dense_with_mtp).from_pretrained(
         dense_with_mtp.name_or_path, attn_implementation="sdpa", device_map=device_map
     ).eval()
-    assert hf_bole.models.placement(model).devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert hf_bole.placement.placement(model).devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
     ref = plain(model, PROMPTS, max_new_tokens=NEW, do_sample=False)
     kwargs = dict(bole_depth=3, bole_topk=3) if drafter == "mtp" else dict(bole_drafter=oracle_for(model, PROMPTS))
     out = bole(model, PROMPTS, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, **kwargs)

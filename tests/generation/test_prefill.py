@@ -9,7 +9,7 @@ import torch
 
 from hf_bole.cache import BoleCache
 from hf_bole.generation import graphs as graphs_module
-from hf_bole.generation.graphs import CommitGraphs
+from hf_bole.generation.commit import CommitGraphs
 from hf_bole.generation.prefill import (
     chain_limit,
     chain_prefill,
@@ -18,7 +18,7 @@ from hf_bole.generation.prefill import (
 )
 from hf_bole.models import tree_forward
 from tests.generation.recorded_graph import recording_queued_capture
-from tests.generation.test_graphs import _assert_same_committed
+from tests.generation.test_verify import _assert_same_committed
 from tests.models import tiny
 
 pytestmark = pytest.mark.usefixtures("torch_gdn")
@@ -74,7 +74,7 @@ def test_replayed_chain_commits_leave_the_eager_cache(monkeypatch):
     caches = [BoleCache(model.config, batch_size=B, max_cache_len=P + 130) for _ in range(2)]
     commits = [None, CommitGraphs(caches[1])]
     hidden = [
-        chain_prefill(functools.partial(tree_forward, model, cache), cache, ids, mask.bool(), 0, commit)
+        chain_prefill(_round_per_width(model, cache), cache, ids, mask.bool(), 0, commit)
         for cache, commit in zip(caches, commits)
     ]
     torch.testing.assert_close(hidden[1], hidden[0], rtol=0, atol=0)
@@ -83,6 +83,18 @@ def test_replayed_chain_commits_leave_the_eager_cache(monkeypatch):
     assert caches[1]._length_bound >= 530
     # chains of 128, 128, 128, 128 and 32 (18 tokens): one capture, at the second chain of 128
     assert len(commits[1]._graphs) == 1
+
+
+def _round_per_width(model, cache):
+    """`tree_forward` filling one round's buffers per tree width, as the verify graphs do."""
+    rounds = {}
+
+    def forward(ids, parents):
+        out = tree_forward(model, cache, ids, parents, tree_round=rounds.get(ids.shape[1]))
+        rounds[ids.shape[1]] = out.tree_round
+        return out
+
+    return forward
 
 
 def test_which_prefill():

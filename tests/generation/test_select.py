@@ -1,14 +1,22 @@
-"""select_nodes: batch-shared top-rho selection with the root-child floor, a per-row cap and an exact budget."""
+"""Step 2, select (`hf_bole.generation.select`): `select_nodes`, batch-shared top-rho selection with the root-child
+floor, a per-row cap and an exact budget; the rows' widths from the budget; selection replayed from graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+import hf_bole
 from hf_bole.generation import DraftTree, select_nodes
+from hf_bole.generation import graphs as graphs_module
+from hf_bole.generation.budget import synthetic_draft_tree
+from hf_bole.generation.select import WIDTH_BUCKETS, SelectGraphs, prepared_tree, row_width, width_bucket
+from tests.generation.recorded_graph import recording_capture
 
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 INF = float("-inf")
 
 
@@ -190,7 +198,7 @@ def test_select_matches_reference_on_random_trees(B, N, budget, cap):
         assert len(kept[b]) <= cap
         assert all(tree.parents[b, i].item() in kept[b] | {-1} for i in kept[b])  # prefix-connected
     _check_structure(vt, tree, roots)
-    # every draft node's log rho, as the goodput budget reads it (log-probabilities here are <= 0)
+    # every draft node's log rho, selection's ranking key (log-probabilities here are <= 0)
     torch.testing.assert_close(vt.draft_log_rho, tree.cumulative_logprobs())
 
 
@@ -202,3 +210,72 @@ def _random_tree(B: int, N: int) -> DraftTree:
     lengths = torch.randint(0, N + 1, (B,), generator=g)
     probs[torch.arange(N)[None, :] >= lengths[:, None]] = 0.0  # padding at the end of each row: no children
     return _tree(torch.randint(0, 1000, (B, N), generator=g).tolist(), parents.tolist(), probs.tolist())
+
+
+def test_width_bucket():
+    assert [width_bucket(w, 128) for w in (1, 4, 5, 16, 17, 100, 128)] == [4, 4, 8, 16, 32, 128, 128]
+    assert width_bucket(20, 24) == 24  # never wider than selection padded the trees
+    assert WIDTH_BUCKETS[-1] == hf_bole.kernels.utils.MAX_TREE_NODES  # the kernels' largest tree
+
+
+def test_row_width_holds_the_budget_in_a_bucket():
+    """The smallest bucket whose rows hold the whole budget (root included), never wider than selection pads."""
+    assert row_width(192, 8, 64) == 32  # 8 x 31 nodes hold 192
+    assert row_width(248, 8, 64) == 32 and row_width(249, 8, 64) == 64
+    assert row_width(64, 8, 64) == 16 and row_width(32, 8, 64) == 8
+    assert row_width(32, 1, 64) == 64 and row_width(8, 1, 64) == 16  # one row: its budget's bucket
+    assert row_width(500, 2, 64) == 64 and row_width(40, 1, 21) == 21  # at most the padded width
+    assert row_width(0, 3, 64) == 4 and row_width(5, 0, 64) == 8  # roots only; no active row
+
+
+def test_replayed_selection_reads_its_static_inputs(monkeypatch):
+    """Selection from graphs (a recorded call in place of a CUDA graph): each call's trees reach the captured
+    selection through its static buffers, one capture per (tree shape, dtype, budget, cap)."""
+    captured = []
+    monkeypatch.setattr(graphs_module, "capture", recording_capture(captured))
+    select = SelectGraphs()
+    generator = torch.Generator().manual_seed(0)
+    for budget in (4, 4, 9, 4, 9):
+        tree = synthetic_draft_tree(3, 3, 3, generator)
+        roots = torch.randint(0, 50, (3,), generator=generator, device=generator.device)
+        replayed, direct = select(tree, roots, budget, 7), select_nodes(tree, roots, budget, 7)
+        for field in dataclasses.fields(direct):
+            torch.testing.assert_close(getattr(replayed, field.name), getattr(direct, field.name), rtol=0, atol=0)
+    assert len(captured) == 2  # budgets 4 and 9
+
+
+def test_replayed_selection_prepares_the_tree_inside(monkeypatch):
+    """The rows that are done and a custom drafter's tree made safe (`prepared_tree`) are part of the replayed
+    selection: a tree with a token out of the vocabulary, too deep a node and a finished row selects as
+    select_nodes does on the prepared tree, one capture per (budget, safe) whatever rows are active."""
+    captured = []
+    monkeypatch.setattr(graphs_module, "capture", recording_capture(captured))
+    select = SelectGraphs()
+    generator = torch.Generator().manual_seed(2)
+    for active in ([True, False, True], [True, True, False], [True, False, True]):
+        tree = synthetic_draft_tree(3, 3, 3, generator)
+        tree.tokens[0, 1] = 10**6  # outside any vocabulary: clamped
+        roots = torch.randint(0, 50, (3,), generator=generator, device=generator.device)
+        active_t = torch.tensor(active, device=generator.device)
+        for safe in ((50, 2), None):
+            replayed = select(tree, roots, 6, 7, active_t, safe)
+            direct = select_nodes(prepared_tree(tree, active_t, safe), roots, 6, 7)
+            for field in dataclasses.fields(direct):
+                torch.testing.assert_close(getattr(replayed, field.name), getattr(direct, field.name), rtol=0, atol=0)
+        assert not bool(replayed.node_mask[~active_t, 1:].any())  # finished rows verify their root only
+    assert len(captured) == 2  # made safe or not
+
+
+def test_selection_reads_nothing_on_the_host(monkeypatch):
+    """What capturing selection relies on: after the trees' one parents check, `select_nodes` reads nothing back."""
+    tree = synthetic_draft_tree(3, 3, 3, torch.Generator().manual_seed(1))
+    roots = torch.tensor([1, 2, 3])
+    select_nodes(tree, roots, 6, 7)  # the parents check reads them here, once
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+        record = lambda self, *a, _original=original, _name=name, **k: reads.append(_name) or _original(self, *a, **k)  # noqa: E731
+        monkeypatch.setattr(torch.Tensor, name, record)
+    select_nodes(tree, roots, 6, 7)
+    monkeypatch.undo()
+    assert reads == []

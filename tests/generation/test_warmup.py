@@ -7,14 +7,14 @@ import torch
 
 import hf_bole
 from hf_bole.generation.warmup import WIDTHS, _binary_path
-from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
+from hf_bole.kernels.utils import MAX_TREE_NODES
 from tests.models import tiny
 
 
 def test_widths_cover_every_specialisation():
-    """Per power-of-two tile up to MAX_NODES: a width that is a multiple of 16 and one that is not; and width 1."""
-    assert WIDTHS[0] == 1 and max(WIDTHS) == MAX_NODES
-    tiles = {max(16, 1 << (w - 1).bit_length()) for w in range(1, MAX_NODES + 1)}
+    """Per power-of-two tile up to MAX_TREE_NODES: a width that is a multiple of 16 and one that is not; and width 1."""
+    assert WIDTHS[0] == 1 and max(WIDTHS) == MAX_TREE_NODES
+    tiles = {max(16, 1 << (w - 1).bit_length()) for w in range(1, MAX_TREE_NODES + 1)}
     for tile in tiles:
         inside = [w for w in WIDTHS if max(16, 1 << (w - 1).bit_length()) == tile and w > 1]
         assert any(w % 16 == 0 for w in inside) and any(w % 16 for w in inside), (tile, inside)
@@ -54,5 +54,5 @@ def test_warmup_rejects_bad_arguments():
     model = tiny.build_model()
     with pytest.raises(ValueError, match="batch_size must be positive"):
         hf_bole.warmup(model, batch_size=0)
-    with pytest.raises(ValueError, match=f"max_nodes must be in \\[1, {MAX_NODES}\\]"):
-        hf_bole.warmup(model, batch_size=1, max_nodes=MAX_NODES + 1)
+    with pytest.raises(ValueError, match=f"max_nodes must be in \\[1, {MAX_TREE_NODES}\\]"):
+        hf_bole.warmup(model, batch_size=1, max_nodes=MAX_TREE_NODES + 1)

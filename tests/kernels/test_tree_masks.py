@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_bole.kernels.tree_gdn.ancestors import MAX_WIDTH, _tree_masks_fwd, tree_masks, tree_masks_torch
+from hf_bole.kernels.tree_gdn.ancestors import _tree_masks_fwd, tree_masks, tree_masks_torch
+from hf_bole.kernels.utils import MAX_TREE_NODES
 from tests.kernels.trees import make_parents, path_to
 
 pytestmark = pytest.mark.interpreter
@@ -226,8 +227,8 @@ def test_wider_trees_take_the_torch_path_and_say_so(monkeypatch, caplog, device)
 
     monkeypatch.setattr(module, "_tree_masks_fwd", None)  # calling it would fail
     module.logger.warning_once.cache_clear()  # said once per process: maybe by an earlier test
-    parents = make_parents("mixed", MAX_WIDTH + 1, 2).to(device)
-    lengths, positions, valid = (x.to(device) for x in cache_inputs(MAX_WIDTH + 1, 2, None, seed=3))
+    parents = make_parents("mixed", MAX_TREE_NODES + 1, 2).to(device)
+    lengths, positions, valid = (x.to(device) for x in cache_inputs(MAX_TREE_NODES + 1, 2, None, seed=3))
     with caplog.at_level(logging.WARNING):
         out = tree_masks(parents, lengths, positions, valid)
     assert all(torch.equal(a, b) for a, b in zip(out, tree_masks_torch(parents, lengths, positions, valid)))

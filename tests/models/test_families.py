@@ -46,7 +46,7 @@ def test_tree_forward(name, shape, attn, attention):
         trees = make_trees(shape, gen)
         tokens, out = check_tree_logits(model, cache, committed, roots, trees, gen, attention=attention)
         paths = [tiny.random_path(tree, gen) for tree in trees]
-        cache.commit(tiny.batch_trees(paths))
+        cache.commit(out.tree_round, tiny.batch_trees(paths))
         for b, path in enumerate(paths):
             committed[b] += tokens[b, path].tolist()
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)

@@ -87,7 +87,7 @@ def test_tree_forward(kind, shape, attn, attention):
         trees = make_trees(shape, gen)
         tokens, out = check_tree_logits(model, cache, committed, roots, trees, gen, attention=attention)
         paths = [random_path(tree, gen) for tree in trees]
-        cache.commit(batch_trees(paths))  # -1 right-padding, as commit expects
+        cache.commit(out.tree_round, batch_trees(paths))  # -1 right-padding, as commit expects
         for b, path in enumerate(paths):
             committed[b] += tokens[b, path].tolist()
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
@@ -159,11 +159,12 @@ def test_serial_matches_closed_form():
     parents = batch_trees(trees)
     tokens = torch.randint(1, VOCAB, parents.shape, generator=gen)
     paths = batch_trees([random_path(tree, gen) for tree in trees])
-    logits = {}
+    logits, sizes = {}, {}
     for verify, cache in caches.items():
         tokens[:, 0] = prefill(model, cache, PROMPTS)
-        logits[verify] = tree_forward(model, cache, tokens, parents, verify=verify).logits
-        cache.commit(paths)
+        out = tree_forward(model, cache, tokens, parents, verify=verify)
+        logits[verify], sizes[verify] = out.logits, out.tree_round.transient_bytes
+        cache.commit(out.tree_round, paths)
     torch.testing.assert_close(logits["serial"], logits["closed_form"], atol=1e-5, rtol=1e-5)
     closed, serial = caches["closed_form"], caches["serial"]
     torch.testing.assert_close(serial.lengths, closed.lengths, rtol=0, atol=0)
@@ -171,8 +172,8 @@ def test_serial_matches_closed_form():
         torch.testing.assert_close(a.conv_states[0], b.conv_states[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(serial.layers[3].keys, closed.layers[3].keys, atol=1e-5, rtol=1e-5)
-    assert serial.transient_bytes["snapshots"] > 0 and serial.transient_bytes["factors"] == 0
-    assert closed.transient_bytes["factors"] > 0 and closed.transient_bytes["snapshots"] == 0
+    assert sizes["serial"]["snapshots"] > 0 and sizes["serial"]["factors"] == 0
+    assert sizes["closed_form"]["factors"] > 0 and sizes["closed_form"]["snapshots"] == 0
 
 
 def _eager_norms_and_rotary_as_compiled(monkeypatch) -> None:
@@ -285,7 +286,7 @@ def test_compiled_tree_forward_hands_its_kernels_no_views_of_storage_later_layer
         tokens[:, 0] = prefill(model, cache, PROMPTS)
     conv_inputs.clear()
     eager = tree_forward(model, caches[0], tokens, parents)
-    stack = caches[0].current_round().groups[0].conv_io.untyped_storage().data_ptr()
+    stack = eager.tree_round.groups[0].conv_io.untyped_storage().data_ptr()
     assert len(conv_inputs) == 6 and all(x.untyped_storage().data_ptr() != stack for x in conv_inputs)
     compiled = tree_forward(model, caches[1], tokens, parents, compile=True)
     (graph,) = graphs
@@ -316,8 +317,9 @@ def test_inductor_graph_with_the_capacity_symbolic_keeps_every_attention_layer(m
         for compile in (False, True):
             cache = BoleCache(model.config, batch_size=3, max_cache_len=capacity)
             tokens[:, 0] = prefill(model, cache, PROMPTS)
-            logits = tree_forward(model, cache, tokens, parents, compile=compile).logits
-            cache.commit(path)
+            out = tree_forward(model, cache, tokens, parents, compile=compile)
+            logits = out.logits
+            cache.commit(out.tree_round, path)
             group = cache._groups[0]
             runs.append((logits, group.recurrent, group.conv, group.keys, group.values))
         for compiled, eager in zip(runs[1], runs[0]):

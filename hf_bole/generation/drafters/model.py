@@ -4,7 +4,7 @@
 Every call does two things, all rows of the batch at once:
 
 1. extend: each row's tokens committed since the last call (the whole prompt at the first call; then the accepted
-   path's tokens and the bonus token, the new root last) enter the drafter's state as chains of at most `MAX_NODES`
+   path's tokens and the bonus token, the new root last) enter the drafter's state as chains of at most `MAX_TREE_NODES`
    nodes, each committed whole (`DraftModelTrees`: a transformer's per-row KV, or a hybrid GDN model's `BoleCache`).
    The drafter's logits after the root give the root's children.
 2. draft: the tree grows one depth per forward of the drafter, as the MTP drafter grows it: the `topk` best nodes of
@@ -33,7 +33,7 @@ from hf_bole.generation.drafters.topk_tree import TopkLevels
 from hf_bole.generation.drafters.model_trees import DraftModelTrees, check_draft_model
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.topk import MAX_K, naive_row_topk, row_topk
-from hf_bole.kernels.tree_gdn.closed_form import MAX_NODES
+from hf_bole.kernels.utils import MAX_TREE_NODES
 
 
 class ModelDrafter:
@@ -73,10 +73,10 @@ class ModelDrafter:
             )
         if depth < 1 or topk < 1 or topk > vocab:
             raise ValueError(f"the small-model drafter needs depth >= 1 and 1 <= topk <= {vocab}, got {depth}, {topk}")
-        if topk * (depth - 1) > MAX_NODES:
+        if topk * (depth - 1) > MAX_TREE_NODES:
             raise ValueError(
                 f"the small-model drafter runs its deepest level's forward over topk * (depth - 1) = {topk * (depth - 1)} "
-                f"nodes, at most {MAX_NODES}: lower bole_topk or bole_depth"
+                f"nodes, at most {MAX_TREE_NODES}: lower bole_topk or bole_depth"
             )
         self.drafter, self.depth, self.topk = drafter, depth, topk
         self._trees: DraftModelTrees | None = None
@@ -115,13 +115,13 @@ class ModelDrafter:
         return self.drafter.get_input_embeddings().weight.device
 
     def _extend(self, new: list[torch.Tensor]) -> None:
-        """Commits each row's `new` tokens as chains of at most `MAX_NODES`, and keeps the logits after each row's last
-        one in `_root`."""
+        """Commits each row's `new` tokens as chains of at most `MAX_TREE_NODES`, and keeps the logits after each row's
+        last one in `_root`."""
         B, device = len(new), self._device
         counts = torch.tensor([len(x) for x in new], device=device)  # [B]
         longest = max(len(x) for x in new)
-        for start in range(0, longest, MAX_NODES):
-            width = min(MAX_NODES, longest - start)
+        for start in range(0, longest, MAX_TREE_NODES):
+            width = min(MAX_TREE_NODES, longest - start)
             tokens = pad_sequence([x[start : start + width] for x in new], batch_first=True)  # [B, width]
             steps = torch.arange(width, device=device)
             real = steps < (counts - start)[:, None]  # [B, width] the row's tokens in this chunk

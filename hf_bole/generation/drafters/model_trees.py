@@ -7,7 +7,7 @@ Two kinds of drafter model, one interface (`DraftModelTrees`):
         nodes are written after each row's committed slots and attend to the committed slots and their ancestors
         (`kernels.tree_masks`); `commit(path)` moves a path's KV into place (`kernels.kv_commit`)
     a hybrid GDN model of a supported family (a small Qwen3.5)   a `BoleCache`, verified by `tree_forward` and
-        committed by `BoleCache.commit`, as the target is
+        committed by `BoleCache.commit` from the forward's `TreeRound`, as the target is
 
 Nothing of a tree forward is kept unless committed: the next tree starts from the committed state again.
 """
@@ -18,7 +18,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
 
-from hf_bole.cache import BoleCache
+from hf_bole.cache import BoleCache, TreeRound
 from hf_bole.kernels import kv_commit, tree_masks
 from hf_bole.models import cache_argument, check_supported_model, family_of, tree_forward
 
@@ -130,6 +130,7 @@ class DraftModelTrees:
         self.device = model.get_input_embeddings().weight.device
         if self.hybrid:
             self.cache = BoleCache.for_model(model, batch_size)
+            self._round: TreeRound | None = None  # the last forward's; the next forward of its shape fills its buffers
         else:
             config = model.config.get_text_config(decoder=True)
             self.cache = TreeKVCache(config.num_hidden_layers, batch_size, self.device)
@@ -140,7 +141,9 @@ class DraftModelTrees:
         """The drafter's logits `[B, N, vocab]` at every node of trees `tokens`, `parents` (`[B, N]`; parent -1: a child
         of the row's last committed token; node 0's parent is -1), from the committed state, which is kept as it is."""
         if self.hybrid:
-            return tree_forward(self.model, self.cache, tokens, parents.to(self.cache.device)).logits
+            out = tree_forward(self.model, self.cache, tokens, parents.to(self.cache.device), tree_round=self._round)
+            self._round = out.tree_round
+            return out.logits
         cache = self.cache
         cache.reserve(tokens.shape[1])
         # no padding slots: positions are the committed counts
@@ -158,7 +161,7 @@ class DraftModelTrees:
     def commit(self, path: torch.Tensor) -> None:
         """Keeps each row's path `[B, L]` of the last `logits` call (root-to-leaf, right-padded with -1)."""
         if self.hybrid:
-            self.cache.commit(path.to(self.cache.device), check_values=False)
+            self.cache.commit(self._round, path.to(self.cache.device), check_values=False)
         else:
             self.cache.commit(path)
 

@@ -32,7 +32,7 @@ from hf_bole.generation.drafters.base import DraftContext
 from hf_bole.generation.drafters.topk_tree import TopkLevels
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
-from hf_bole.kernels.attention import MAX_NODES as MAX_QUERY_ROWS
+from hf_bole.kernels.attention import MAX_QUERY_ROWS
 from hf_bole.kernels.ops import row_topk
 from hf_bole.kernels.topk import MAX_K, naive_row_topk
 from hf_bole.models import attention_backends, graph_unsafe_experts
@@ -41,8 +41,8 @@ from hf_bole.models.twin import tree_twin
 
 logger = logging.get_logger(__name__)
 
-# Committed capacity grows in steps of this many entries (and at least doubles), so reallocations are rare.
-_CAPACITY_STEP = 256
+# The drafter's KV cache grows in steps of this many entries (and at least doubles), so reallocations are rare.
+_MTP_KV_GROWTH_STEP = 256
 # Under CUDA graphs a prompt's extension replays one graph per batch size over chunks of this many entries (the last
 # padded): a prompt's length changes from call to call, a chunk's does not.
 _EXTEND_CHUNK = 128
@@ -322,14 +322,14 @@ class MTPDrafter:
                 batch_size,
                 self.mtp.config.num_key_value_heads,
                 attn.head_dim,
-                capacity=_round_up(length, _CAPACITY_STEP),
+                capacity=_round_up(length, _MTP_KV_GROWTH_STEP),
                 scratch=self.topk * (self.depth - 1),
                 dtype=self.mtp.fc.weight.dtype,
                 device=device,
             )
         elif length > cache.capacity:
             self._drop_graphs()
-            cache.grow(_round_up(max(length, 2 * cache.capacity), _CAPACITY_STEP))
+            cache.grow(_round_up(max(length, 2 * cache.capacity), _MTP_KV_GROWTH_STEP))
         return cache
 
     def _drop_graphs(self) -> None:

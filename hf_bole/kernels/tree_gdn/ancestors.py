@@ -42,13 +42,9 @@ import triton
 import triton.language as tl
 from transformers.utils import logging
 
-from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, on_device, use_triton
+from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device, check_shape, on_device, use_triton
 
 logger = logging.get_logger(__name__)
-
-# Program 0 holds a few [BT, BT] tiles in registers: 128 x 128 lanes is the most we allow, a root and the 127 draft
-# nodes a row that the budget tables reach (budget.py), as accept_kernel.py does.
-MAX_WIDTH = 128
 
 # Slots of the attention mask per program k >= 1: a node row's [BLOCK_C] vector is 8 bytes a thread at 4 warps.
 BLOCK_C = 1024
@@ -129,17 +125,17 @@ def _ancestor_mask_torch(parents: torch.Tensor) -> torch.Tensor:
 
 
 def _use_kernel(parents: torch.Tensor) -> bool:
-    """The kernel for a nonempty tree of at most MAX_WIDTH nodes on CUDA (or the interpreter), outside a
+    """The kernel for a nonempty tree of at most MAX_TREE_NODES nodes on CUDA (or the interpreter), outside a
     `torch.compile` trace (which takes the torch ops; the verify forward's kernels are custom ops of their own).
     A wider tree (only `tree_forward(..., verify="serial")` takes one: the decoding loop's are at most 128 nodes)
     takes the torch path, said once."""
     B, N = parents.shape
     if not use_triton(parents) or B == 0 or N == 0 or torch.compiler.is_compiling():
         return False
-    if N > MAX_WIDTH:
+    if N > MAX_TREE_NODES:
         logger.warning_once(
-            f"hf_bole: trees of more than {MAX_WIDTH} nodes (here {N}) get their ancestor mask and the round's masks "
-            f"from torch's repeated squaring (about 40 small kernels), not the one-launch kernel"
+            f"hf_bole: trees of more than {MAX_TREE_NODES} nodes (here {N}) get their ancestor mask and the round's "
+            f"masks from torch's repeated squaring (about 40 small kernels), not the one-launch kernel"
         )
         return False
     return True
@@ -148,7 +144,7 @@ def _use_kernel(parents: torch.Tensor) -> bool:
 def tree_ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """`parents [B, T]` (-1 = child of the committed state) -> `[B, T, T]` bool, `mask[b, i, j]` is True
     when node j is node i or one of its ancestors. One launch of the kernel (see the module docstring) for
-    `T <= MAX_WIDTH` on CUDA, the torch path's repeated squaring otherwise; no host synchronisation either way."""
+    `T <= MAX_TREE_NODES` on CUDA, the torch path's repeated squaring otherwise; no host synchronisation either way."""
     if not _use_kernel(parents):
         return _ancestor_mask_torch(parents)
     return _tree_ancestors(parents)[0]
@@ -232,7 +228,7 @@ def tree_masks(
 
     Args:
         parents (`torch.LongTensor` of shape `(batch_size, N)`): parent of every node, `-1 <= parents[b, i] < i`
-            (-1: a root or a padding node); the kernel takes `N <= 128` (`MAX_WIDTH`), wider trees the torch path.
+            (-1: a root or a padding node); the kernel takes `N <= 128` (`MAX_TREE_NODES`), wider trees the torch path.
             The values are not checked here.
         lengths (`torch.LongTensor` of shape `(batch_size,)`): committed KV slots of each row; the tree's nodes
             take the slots `lengths[b] + i`.
@@ -268,3 +264,11 @@ def tree_masks(
     attention_mask = torch.empty(B, 1, N, C, dtype=torch.bool, device=parents.device)
     _tree_masks_fwd(parents, lengths, positions, valid, ancestors, position_ids, attention_mask)
     return ancestors, position_ids, attention_mask
+
+
+def duplicate_siblings(tokens: torch.Tensor, parents: torch.Tensor, node_mask: torch.Tensor) -> torch.BoolTensor:
+    """`[B, N]`: True for a real node that repeats the token of a real sibling with a smaller index."""
+    N = tokens.shape[1]
+    earlier = torch.ones(N, N, dtype=torch.bool, device=tokens.device).tril(-1)  # [i, j]: j < i
+    same = (tokens[:, :, None] == tokens[:, None, :]) & (parents[:, :, None] == parents[:, None, :])
+    return node_mask & (same & earlier & node_mask[:, None, :]).any(-1)

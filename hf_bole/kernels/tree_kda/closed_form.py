@@ -93,8 +93,7 @@ def tree_kda_verify(
         initial_state: `[B, H, K, V]` float32 committed state, or None for zeros. Never modified.
         scale: query scale, `K ** -0.5` by default.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (Kimi-Linear and GLM-5-Next do).
-        dot_precision: how float32 matmuls run on the GPU: "tf32x3" (default, ~1e-6 relative), "ieee"
-            or "tf32" (fast, ~1e-3).
+        dot_precision: how float32 matmuls run on the GPU: "tf32x3" (default, ~1e-6 relative) or "ieee".
 
     Returns:
         o: `[B, T, H, V]` in the dtype of v.

@@ -1,6 +1,7 @@
-"""select_nodes_triton: every VerifyTree field equals select_nodes' on the trees test_select uses, and more.
+"""tree_select_nodes: every output equals naive_tree_select_nodes' (through `select_nodes`) on the trees test_select
+uses, and more.
 
-The kernel runs compiled on a GPU and under TRITON_INTERPRET=1 on the CPU; select_nodes runs on the CPU.
+The kernel runs compiled on a GPU and under TRITON_INTERPRET=1 on the CPU; the reference runs on the CPU.
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_bole.generation import DraftTree, select_nodes
-from hf_bole.generation.select_kernel import MAX_NODES, select_nodes_triton, select_round
+from hf_bole.generation import DraftTree, VerifyTree, select_nodes
+from hf_bole.generation.select import select_round
+from hf_bole.kernels import tree_select_nodes
+from hf_bole.kernels.tree_select import MAX_ROUND_NODES
 from tests.generation.test_select import RANDOM_CASES, _random_tree, _tree
 
 pytestmark = pytest.mark.interpreter
@@ -24,6 +27,12 @@ def _trees_on_the_cpu():
     path sums can round apart in the last bit between torch's order and the kernel's (the module's docstring)."""
     with torch.device("cpu"):
         yield
+
+
+def select_nodes_triton(tree: DraftTree, root_tokens, budget: int, max_nodes_per_row: int) -> VerifyTree:
+    """The kernel on a DraftTree's fields, as `select_nodes` runs the reference."""
+    selected = tree_select_nodes(tree.tokens, tree.parents, tree.draft_logprobs, root_tokens, budget, max_nodes_per_row)
+    return VerifyTree(*selected)
 
 
 def _on(tree: DraftTree, device) -> DraftTree:
@@ -136,9 +145,9 @@ def test_select_kernel_strided_inputs(device):
 
 
 def test_select_kernel_checks_sizes():
-    N = MAX_NODES // 4 + 1
+    N = MAX_ROUND_NODES // 4 + 1
     tree = DraftTree(torch.zeros(4, N, dtype=torch.long), torch.full((4, N), -1), torch.zeros(4, N))
-    with pytest.raises(ValueError, match=f"exceeds its limit of {MAX_NODES}"):
+    with pytest.raises(ValueError, match=f"exceeds its limit of {MAX_ROUND_NODES}"):
         select_nodes_triton(tree, torch.zeros(4, dtype=torch.long), budget=8, max_nodes_per_row=8)
     small = _random_tree(2, 4)
     with pytest.raises(ValueError, match="draft_logprobs"):
@@ -152,10 +161,11 @@ def test_select_kernel_checks_sizes():
 def test_select_round_past_the_kernel_says_so_and_selects_as_select_nodes(caplog, monkeypatch):
     # B * N past the kernel's limit (lowered here, so select_nodes stays quick): select_nodes' small kernels, with a
     # warning that names the limit and the way back
-    from hf_bole.generation import select_kernel
+    from hf_bole.generation import select
+    from hf_bole.kernels.tree_select import kernel
 
-    monkeypatch.setattr(select_kernel, "MAX_NODES", 64)
-    monkeypatch.setattr(select_kernel, "_select_nodes_fwd", None)  # never reached
+    monkeypatch.setattr(select, "MAX_ROUND_NODES", 64)
+    monkeypatch.setattr(kernel, "_select_nodes_fwd", None)  # never reached
     tree = _random_tree(3, 22)
     roots = torch.arange(3)
     with caplog.at_level("WARNING"):

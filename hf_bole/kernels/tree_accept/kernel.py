@@ -1,19 +1,19 @@
-"""`accept_greedy` as one Triton launch, one program per batch row.
+"""`naive_tree_greedy_accept` as one Triton launch, one program per batch row.
 
-Why: `accept_greedy` (acceptance.py, the reference and the specification) walks the verified tree in about 60 small
-torch kernels (the target's argmax at every node's parent, the duplicate-sibling test, the ancestor mask's repeated
-squaring, the accepted set, the leaf, the path's scatter and the emitted tokens), almost all of their time launch
-latency. This kernel does the same walk in one launch, from the argmax tokens.
+Why: `naive_tree_greedy_accept` (naive.py, the reference and the specification) walks the verified tree in about 60
+small torch kernels (the target's argmax at every node's parent, the duplicate-sibling test, the ancestor mask's
+repeated squaring, the accepted set, the leaf, the path's scatter and the emitted tokens), almost all of their time
+launch latency. This kernel does the same walk in one launch, from the argmax tokens.
 
-Exactness: every output is an integer computed by the same rules, so `accept_greedy_kernel(tree, scores.argmax(-1))`
-equals `accept_greedy(tree, scores)` bit for bit on every `VerifyTree` (nodes in topological order, `-1 <=
-parents[b, i] < i`), also where a row has padding in between or real nodes with parent -1; the tests compare every
+Exactness: every output is an integer computed by the same rules, so `tree_greedy_accept` equals
+`naive_tree_greedy_accept` bit for bit on every verify tree (nodes in topological order, `-1 <= parents[b, i] < i`),
+also where a row has padding in between or real nodes with parent -1; the tests compare every
 field by `torch.equal`, on the CPU under the interpreter and compiled on a GPU.
 
 One program holds a row's `T <= 128` nodes in a block of `BT = next_power_of_2(T)` lanes and never gathers: every
 "value at another node" is a reduction over a `[BT, BT]` one-hot tile in registers.
 
-1. `chosen[i]`: node i's token is the argmax at its parent (the root's for parent -1, as `accept_greedy` clamps), it is
+1. `chosen[i]`: node i's token is the argmax at its parent (the root's for parent -1, as the reference clamps), it is
    real, and no real earlier sibling carries the same token; the root is always chosen.
 2. `accepted[i]`: i and all its ancestors are chosen, by pointer jumping with self-loops at the roots: after round k,
    `up[i]` is i's 2^k-th ancestor (or its root) and `accepted[i]` covers i's 2^k nearest ancestors-or-self; the
@@ -32,13 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.generation.acceptance import Acceptance, accept_argmax
-from hf_bole.generation.tree import VerifyTree
-from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, on_device, use_triton
-
-# A program holds a few [BT, BT] tiles in registers: 128 x 128 lanes is the most we allow, a root and the 127 draft
-# nodes a row that the budget tables reach (budget.py).
-MAX_WIDTH = 128
+from hf_bole.kernels.tree_accept.naive import AcceptedPaths, naive_tree_greedy_accept
+from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device, check_shape, on_device, use_triton
 
 _INT64_MIN = tl.constexpr(-(2**63))
 
@@ -88,10 +83,10 @@ def accept_greedy_fwd_kernel(
     b_real = tl.load(node_mask + b * stride_mb + o_n * stride_mt, mask=m_n, other=0) != 0
     b_tgt = tl.load(target + b * stride_gb + o_n * stride_gt, mask=m_n, other=0)
 
-    # Parents as int32 for the tiles: a VerifyTree's are in [-1, T) (accept_greedy's gather fails on larger ones).
+    # Parents as int32 for the tiles: a VerifyTree's are in [-1, T) (the reference's gather fails on larger ones).
     b_p32 = tl.minimum(tl.maximum(b_par, -1), T).to(tl.int32)
 
-    # 1. chosen: node i's token is the argmax at its parent (the root's for parent -1, as accept_greedy's gather
+    # 1. chosen: node i's token is the argmax at its parent (the root's for parent -1, as the reference's gather
     # clamps), i is real, and no real earlier sibling carries the same token. Such a sibling is chosen by the same
     # test, so "the same token" is "also a candidate": the sibling tile compares parents alone.
     t_par = o_n[None, :] == tl.maximum(b_p32, 0)[:, None]  # [i, j]: j is i's parent
@@ -100,7 +95,7 @@ def accept_greedy_fwd_kernel(
     m_dup = tl.max(t_sib.to(tl.int32), axis=1) > 0
     b_acc = ((m_cand & ~m_dup) | (o_n == 0)).to(tl.int32)
 
-    # 2. accepted, by pointer jumping. An ancestor is a parent in [0, T), as in VerifyTree.ancestor_mask; nodes with
+    # 2. accepted, by pointer jumping. An ancestor is a parent in [0, T), as in tree_ancestor_mask; nodes with
     # none (the root, padding, parent -1) point at themselves, so a finished chain ANDs its root's flag again. The
     # flag and the pointer travel packed in one int32, 2 * up + accepted: one reduction a round. Once a round moves
     # no pointer every `up` is a root and that round has ANDed it in: a tree of depth d stops after ceil(log2 d) + 1
@@ -145,7 +140,9 @@ def accept_greedy_fwd_kernel(
     tl.store(leaf + b, i_leaf.to(tl.int64))
 
 
-def _accept_greedy_fwd(tree: VerifyTree, target: torch.Tensor) -> Acceptance:
+def _accept_greedy_fwd(
+    input_ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, node_mask: torch.Tensor, target: torch.Tensor
+) -> AcceptedPaths:
     B, T = target.shape
     device = target.device
     path, tokens = (torch.empty(B, T, dtype=torch.long, device=device) for _ in range(2))
@@ -153,57 +150,57 @@ def _accept_greedy_fwd(tree: VerifyTree, target: torch.Tensor) -> Acceptance:
     BT = max(16, triton.next_power_of_2(T))
     with on_device(target):
         accept_greedy_fwd_kernel[(B,)](
-            tree.input_ids, tree.parents, tree.depths, tree.node_mask, target,
+            input_ids, parents, depths, node_mask, target,
             path, accept_lengths, tokens, bonus, leaf,
-            *tree.input_ids.stride(), *tree.parents.stride(), *tree.depths.stride(), *tree.node_mask.stride(),
-            *target.stride(),
+            *input_ids.stride(), *parents.stride(), *depths.stride(), *node_mask.stride(), *target.stride(),
             T,
             BT=BT, LOG_BT=(BT - 1).bit_length(),
             num_warps=4 if BT <= 32 else 8 if BT <= 64 else 32,  # the fastest on an H200, fewest spills at 128
         )  # fmt: skip
-    return Acceptance(path=path, accept_lengths=accept_lengths, tokens=tokens, bonus=bonus, leaf=leaf)
+    return AcceptedPaths(path, accept_lengths, tokens, bonus, leaf)
 
 
-def accept_greedy_kernel(tree: VerifyTree, target: torch.LongTensor) -> Acceptance:
+def tree_greedy_accept(
+    input_ids: torch.LongTensor,
+    parents: torch.LongTensor,
+    depths: torch.LongTensor,
+    node_mask: torch.BoolTensor,
+    target: torch.LongTensor,
+) -> AcceptedPaths:
     r"""
-    `accept_greedy` in one Triton launch: the same walk and the same `Acceptance` (dtypes, shapes, device, values),
-    from the argmax tokens instead of the scores, with no host synchronisation, so it can be captured in a CUDA graph.
+    `naive_tree_greedy_accept` in one Triton launch: the same walk and the same outputs (dtypes, shapes, device,
+    values), with no host synchronisation, so it can be captured in a CUDA graph.
 
     Triton runs on CUDA tensors and, under `TRITON_INTERPRET=1`, on CPU tensors; on plain CPU tensors (and for an
-    empty batch) this calls `accept_greedy`'s torch walk on `target` instead, which gives the same outputs.
+    empty batch) this calls the reference's torch walk instead, which gives the same outputs.
 
     Args:
-        tree (`VerifyTree`): the verified trees, width `T <= 128` (`MAX_WIDTH`), nodes in topological order.
-        target (`torch.LongTensor` of shape `(batch_size, T)`): the target's argmax token at every node,
-            `scores.argmax(-1)` for the scores `accept_greedy` takes.
+        input_ids, parents, depths (`torch.LongTensor` of shape `(batch_size, T)`), node_mask (`torch.BoolTensor` of
+            shape `(batch_size, T)`): the verified trees (a `VerifyTree`'s fields), width `T <= 128`
+            (`MAX_TREE_NODES`), nodes in topological order.
+        target (`torch.LongTensor` of shape `(batch_size, T)`): the target's argmax token at every node.
 
     Returns:
-        `Acceptance`, equal to `accept_greedy(tree, scores)` field by field.
+        `AcceptedPaths`, equal to `naive_tree_greedy_accept`'s field by field.
     """
-    fields = {
-        "tree.input_ids": tree.input_ids,
-        "tree.parents": tree.parents,
-        "tree.depths": tree.depths,
-        "tree.node_mask": tree.node_mask,
-        "target": target,
-    }
+    fields = {"input_ids": input_ids, "parents": parents, "depths": depths, "node_mask": node_mask, "target": target}
     for name, x in fields.items():
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
-        check_dtype(name, x, (torch.bool,) if name == "tree.node_mask" else (torch.int64,))
-    if tree.input_ids.dim() != 2:
-        raise ValueError(f"`tree.input_ids` must have shape [B, T], got {tuple(tree.input_ids.shape)}")
-    B, T = tree.input_ids.shape
+        check_dtype(name, x, (torch.bool,) if name == "node_mask" else (torch.int64,))
+    if input_ids.dim() != 2:
+        raise ValueError(f"`input_ids` must have shape [B, T], got {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
     for name, x in fields.items():
         check_shape(name, x, (B, T), "[B, T]")
-    check_same_device(**{name.removeprefix("tree."): x for name, x in fields.items()})
+    check_same_device(**fields)
     if T == 0:
-        raise ValueError("accept_greedy_kernel needs the root: the trees have width T = 0")
-    if T > MAX_WIDTH:
+        raise ValueError("tree_greedy_accept needs the root: the trees have width T = 0")
+    if T > MAX_TREE_NODES:
         raise ValueError(
-            f"accept_greedy_kernel holds a row's T x T node pairs in one program: T = {T} exceeds its limit of "
-            f"{MAX_WIDTH}; use accept_greedy"
+            f"tree_greedy_accept holds a row's T x T node pairs in one program: T = {T} exceeds its limit of "
+            f"{MAX_TREE_NODES}; use naive_tree_greedy_accept"
         )
     if not use_triton(target) or B == 0:
-        return accept_argmax(tree, target)
-    return _accept_greedy_fwd(tree, target)
+        return naive_tree_greedy_accept(input_ids, parents, depths, node_mask, target)
+    return _accept_greedy_fwd(input_ids, parents, depths, node_mask, target)

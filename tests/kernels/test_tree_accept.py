@@ -1,4 +1,5 @@
-"""accept_greedy_kernel: every Acceptance field equals accept_greedy's, on hand-written and random verify trees.
+"""tree_greedy_accept: every Acceptance field equals accept_greedy's (the reference walk, naive_tree_greedy_accept), on
+hand-written and random verify trees.
 
 The kernel runs compiled on a GPU and under TRITON_INTERPRET=1 on the CPU; accept_greedy runs on the same device.
 """
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from hf_bole.generation import VerifyTree, accept_greedy
-from hf_bole.generation.accept_kernel import MAX_WIDTH, accept_greedy_kernel
+from hf_bole.generation.accept import greedy_accept as accept_greedy_kernel
+from hf_bole.kernels.utils import MAX_TREE_NODES
 from tests.generation.test_acceptance import BUSHY, CHAIN, V, _argmax_scores, _vtree
 
 pytestmark = pytest.mark.interpreter
@@ -163,10 +165,10 @@ def test_accept_kernel_strided_inputs(device):
 
 
 def test_accept_kernel_on_plain_cpu_tensors_takes_the_torch_walk(monkeypatch):
-    from hf_bole.generation import accept_kernel
+    from hf_bole.kernels.tree_accept import kernel
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(accept_kernel, "_accept_greedy_fwd", None)  # never reached
+    monkeypatch.setattr(kernel, "_accept_greedy_fwd", None)  # never reached
     tree, scores, _ = _random_case(3, 16, "bushy", random.Random(1))
     ref = accept_greedy(tree, scores)
     out = accept_greedy_kernel(tree, scores.argmax(-1))
@@ -175,9 +177,9 @@ def test_accept_kernel_on_plain_cpu_tensors_takes_the_torch_walk(monkeypatch):
 
 
 def test_accept_kernel_checks_inputs(device):
-    T = MAX_WIDTH + 1
+    T = MAX_TREE_NODES + 1
     wide = _on(_vtree([(list(range(T)), list(range(-1, T - 1)))]), device)
-    with pytest.raises(ValueError, match=f"T = {T} exceeds its limit of {MAX_WIDTH}"):
+    with pytest.raises(ValueError, match=f"T = {T} exceeds its limit of {MAX_TREE_NODES}"):
         accept_greedy_kernel(wide, torch.zeros(1, T, dtype=torch.long, device=device))
     tree = _on(_vtree([BUSHY]), device)
     target = torch.zeros(1, 7, dtype=torch.long, device=device)
@@ -185,21 +187,22 @@ def test_accept_kernel_checks_inputs(device):
         accept_greedy_kernel(tree, target.int())
     with pytest.raises(ValueError, match=r"`target` must have shape \[B, T\]"):
         accept_greedy_kernel(tree, target[:, :5])
-    with pytest.raises(ValueError, match="tree.node_mask"):
+    with pytest.raises(ValueError, match="`node_mask` must have dtype"):
         accept_greedy_kernel(VerifyTree(**{**tree.__dict__, "node_mask": tree.node_mask.long()}), target)
 
 
 def test_accept_kernel_takes_any_int64_tokens(device):
     # Tokens past int32 and negative ones (the kernel splits them into int32 halves in its tiles), compared with the
     # torch walk on the same argmax tokens (what accept_greedy runs after its argmax)
-    from hf_bole.generation.acceptance import accept_argmax
+    from hf_bole.kernels import naive_tree_greedy_accept
 
     tree, scores, _ = _random_case(8, 64, "mixed", random.Random(2))
     tree = _on(tree, device)
     for offset in (2**40 + 7, -(2**35), 2**63 - 16):
         shifted = VerifyTree(**{**tree.__dict__, "input_ids": tree.input_ids + offset})
         target = scores.argmax(-1).to(device) + offset
-        out, ref = accept_greedy_kernel(shifted, target), accept_argmax(shifted, target)
+        fields = (shifted.input_ids, shifted.parents, shifted.depths, shifted.node_mask, target)
+        out, ref = accept_greedy_kernel(shifted, target), naive_tree_greedy_accept(*fields)
         assert ref.accept_lengths.max() > 2
         for name in FIELDS:
             assert torch.equal(getattr(out, name), getattr(ref, name)), name

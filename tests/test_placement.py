@@ -8,7 +8,7 @@ import pytest
 import torch
 from accelerate import dispatch_model
 
-from hf_bole.models import execution_device, placement
+from hf_bole.placement import execution_device, placement
 from tests.models import tiny
 
 

@@ -1,8 +1,8 @@
-"""`select_nodes` as one Triton launch: the whole batch in one program (DESIGN.md §3 step 2).
+"""`naive_tree_select_nodes` as one Triton launch: the whole batch in one program (DESIGN.md §3 step 2).
 
-`select_nodes` (select.py, the reference and the specification) runs about 80 small kernels per decoding round on a
-GPU; this kernel does the same in one launch, and the decoding loop selects with it (`select_round`) wherever the
-batch's draft nodes fit one program.
+`naive_tree_select_nodes` (naive.py, the reference and the specification) runs about 80 small kernels per decoding
+round on a GPU; this kernel does the same in one launch, and the decoding loop selects with it
+(`hf_bole.generation.select`) wherever the batch's draft nodes fit one program.
 
 One program holds all `B * N` draft nodes, one per lane of a block of `BLOCK = next_power_of_2(B * N)` lanes:
 
@@ -13,11 +13,11 @@ One program holds all `B * N` draft nodes, one per lane of a block of `BLOCK = n
    to an order-preserving integer); a node's row rank is its sorted position minus `row * N`;
 3. the batch order by a second sort, of `(floor first, other eligible nodes next, key descending, depth, b * N + i)`:
    the selected nodes are the floors and eligible nodes at sorted positions below `max(budget, floors)`;
-4. compaction by a cumulative sum (per-row offsets through scratch), then the `VerifyTree` fields.
+4. compaction by a cumulative sum (per-row offsets through scratch), then the verify trees' fields.
 
-Rounding: `select_nodes` sums `log rho` in the dtype of the log-probabilities in torch's reduction order, this kernel
-in float64 rounded once, so the two agree exactly where the float32 path sums are exact (they are on the trees of the
-tests) and otherwise to rounding, which can reorder nodes whose `log rho` differ by an ulp.
+Rounding: `naive_tree_select_nodes` sums `log rho` in the dtype of the log-probabilities in torch's reduction order,
+this kernel in float64 rounded once, so the two agree exactly where the float32 path sums are exact (they are on the
+trees of the tests) and otherwise to rounding, which can reorder nodes whose `log rho` differ by an ulp.
 """
 
 from __future__ import annotations
@@ -25,17 +25,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from transformers.utils import logging
 
-from hf_bole.generation.select import check_selection, select_nodes
-from hf_bole.generation.tree import DraftTree, VerifyTree
+from hf_bole.kernels.tree_select.naive import SelectedNodes, check_selection, naive_tree_select_nodes
 from hf_bole.kernels.utils import check_dtype, check_same_device, on_device, use_triton
 
-logger = logging.get_logger(__name__)
-
-# One program holds every node in registers and sorts them there: 8192 int64 keys is the most we allow (register
-# pressure at 16 warps; the sort's bit fields also need B * N <= 2**13, see the key layouts in the kernel).
-MAX_NODES = 8192
+# Draft nodes of a whole round (all rows together) the one program holds in registers and sorts there: 8192 int64 keys
+# is the most we allow (register pressure at 16 warps; the sort's bit fields also need B * N <= 2**13, see the key
+# layouts in the kernel).
+MAX_ROUND_NODES = 8192
 
 # The order-preserving descending code of -inf: codes below it are real nodes (see `_desc_code`).
 _NEG_INF_DESC = tl.constexpr(0xFFFFFFFF - 0x7FFFFF)
@@ -196,11 +193,17 @@ def select_nodes_fwd_kernel(
 
 
 def _select_nodes_fwd(
-    tree: DraftTree, root_tokens: torch.Tensor, budget: int, max_nodes_per_row: int, M: int
-) -> VerifyTree:
-    B, N_in = tree.tokens.shape
-    N, T = max(N_in, 1), M + 1  # N = 0 becomes one padding node, as in select_nodes
-    device = tree.tokens.device
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_logprobs: torch.Tensor,
+    root_tokens: torch.Tensor,
+    budget: int,
+    max_nodes_per_row: int,
+    M: int,
+) -> SelectedNodes:
+    B, N_in = tokens.shape
+    N, T = max(N_in, 1), M + 1  # N = 0 becomes one padding node, as in naive_tree_select_nodes
+    device = tokens.device
     BLOCK = max(16, triton.next_power_of_2(B * N))
     WI = max(1, (N - 1).bit_length())  # depth and index < N
     WF = (BLOCK - 1).bit_length()  # a lane < BLOCK
@@ -208,106 +211,68 @@ def _select_nodes_fwd(
     out = {name: torch.empty(B, T, dtype=torch.long, device=device) for name in ("ids", "parents", "depths", "index")}
     node_mask = torch.empty(B, T, dtype=torch.bool, device=device)
     num_nodes = torch.empty(B, dtype=torch.long, device=device)
-    draft_log_rho = torch.empty(B, N, dtype=tree.draft_logprobs.dtype, device=device)
+    draft_log_rho = torch.empty(B, N, dtype=draft_logprobs.dtype, device=device)
     ws_f = torch.empty(BLOCK, dtype=torch.float64, device=device)
     ws_i = torch.empty(4 * BLOCK, dtype=torch.long, device=device)
-    with on_device(tree.tokens):
+    with on_device(tokens):
         select_nodes_fwd_kernel[(1,)](
-            tree.tokens, tree.parents, tree.draft_logprobs, root_tokens,
+            tokens, parents, draft_logprobs, root_tokens,
             out["ids"], out["parents"], out["depths"], out["index"], node_mask, num_nodes, draft_log_rho,
             ws_f, ws_i,
-            *tree.tokens.stride(), *tree.parents.stride(), *tree.draft_logprobs.stride(),
+            *tokens.stride(), *parents.stride(), *draft_logprobs.stride(),
             B, N, N_in, T, min(budget, B * N), min(max_nodes_per_row, N),
             BLOCK=BLOCK, LOG_N=(N - 1).bit_length(), WI=WI, WF=WF,
             num_warps=4 if BLOCK <= 512 else 8 if BLOCK <= 2048 else 16,
         )  # fmt: skip
-    return VerifyTree(
-        input_ids=out["ids"],
-        parents=out["parents"],
-        depths=out["depths"],
-        draft_index=out["index"],
-        node_mask=node_mask,
-        num_nodes=num_nodes,
-        draft_log_rho=draft_log_rho,
-    )
+    return SelectedNodes(out["ids"], out["parents"], out["depths"], out["index"], node_mask, num_nodes, draft_log_rho)
 
 
-def select_nodes_triton(
-    tree: DraftTree, root_tokens: torch.LongTensor, budget: int, max_nodes_per_row: int
-) -> VerifyTree:
+def tree_select_nodes(
+    tokens: torch.LongTensor,
+    parents: torch.LongTensor,
+    draft_logprobs: torch.Tensor,
+    root_tokens: torch.LongTensor,
+    budget: int,
+    max_nodes_per_row: int,
+) -> SelectedNodes:
     r"""
-    `select_nodes` in one Triton launch (one program for the whole batch): the same rules, arguments and
-    `VerifyTree`, with no host synchronisation and shapes fixed by the arguments, so it can be captured in a CUDA
-    graph. On CPU tensors without `TRITON_INTERPRET=1` it calls `select_nodes`.
+    `naive_tree_select_nodes` in one Triton launch (one program for the whole batch): the same rules, arguments and
+    outputs, with no host synchronisation and shapes fixed by the arguments, so it can be captured in a CUDA graph.
+    On CPU tensors without `TRITON_INTERPRET=1` it calls `naive_tree_select_nodes`.
 
-    `log rho` is summed in float64 and rounded once, where `select_nodes` sums in the log-probabilities' dtype: the
+    `log rho` is summed in float64 and rounded once, where the reference sums in the log-probabilities' dtype: the
     two agree exactly where those sums are exact, otherwise to rounding (see the module docstring).
 
     Args:
-        tree (`DraftTree`): the drafter's proposal, `[B, N]` with `B * N <= 8192` (`MAX_NODES`); log-probabilities in
-            float32, bfloat16 or float16.
+        tokens, parents (`torch.LongTensor` of shape `(batch_size, N)`): the draft trees, `B * N <= 8192`
+            (`MAX_ROUND_NODES`).
+        draft_logprobs (`torch.Tensor` of shape `(batch_size, N)`): float32, bfloat16 or float16; -inf on padding.
         root_tokens (`torch.LongTensor` of shape `(batch_size,)`): the last committed token of every row.
         budget (`int`): total draft nodes to verify across the batch (the roots not counted).
         max_nodes_per_row (`int`): the most draft nodes one row may keep.
 
     Returns:
-        `VerifyTree` of width `T = 1 + M`, `M = min(max_nodes_per_row, max(budget, 1), N)`, as `select_nodes`.
+        `SelectedNodes` of width `T = 1 + M`, `M = min(max_nodes_per_row, max(budget, 1), N)`, as the reference.
     """
-    check_selection(tree, root_tokens, budget, max_nodes_per_row)
-    B, N = tree.tokens.shape
-    if tree.parents.shape != (B, N) or tree.draft_logprobs.shape != (B, N):
+    check_selection(tokens, root_tokens, budget, max_nodes_per_row)
+    B, N = tokens.shape
+    if parents.shape != (B, N) or draft_logprobs.shape != (B, N):
         raise ValueError(
-            f"DraftTree fields must share one shape [B, N] = {[B, N]}, got parents {list(tree.parents.shape)} "
-            f"and draft_logprobs {list(tree.draft_logprobs.shape)}"
+            f"tokens, parents and draft_logprobs must share one shape [B, N] = {[B, N]}, got parents "
+            f"{list(parents.shape)} and draft_logprobs {list(draft_logprobs.shape)}"
         )
-    check_dtype("tokens", tree.tokens, (torch.int64,))
-    check_dtype("parents", tree.parents, (torch.int64,))
-    check_dtype("draft_logprobs", tree.draft_logprobs, (torch.float32, torch.bfloat16, torch.float16))
+    check_dtype("tokens", tokens, (torch.int64,))
+    check_dtype("parents", parents, (torch.int64,))
+    check_dtype("draft_logprobs", draft_logprobs, (torch.float32, torch.bfloat16, torch.float16))
     if root_tokens.dtype.is_floating_point or root_tokens.dtype == torch.bool:
         raise ValueError(f"`root_tokens` must have an integer dtype, got {root_tokens.dtype}")
-    check_same_device(tokens=tree.tokens, parents=tree.parents, draft_logprobs=tree.draft_logprobs, roots=root_tokens)
-    if B * max(N, 1) > MAX_NODES:
+    check_same_device(tokens=tokens, parents=parents, draft_logprobs=draft_logprobs, roots=root_tokens)
+    if B * max(N, 1) > MAX_ROUND_NODES:
         raise ValueError(
-            f"select_nodes_triton holds the whole batch in one program: B * N = {B} * {N} = {B * N} nodes exceeds "
-            f"its limit of {MAX_NODES}; use select_nodes"
+            f"tree_select_nodes holds the whole batch in one program: B * N = {B} * {N} = {B * N} nodes exceeds "
+            f"its limit of {MAX_ROUND_NODES}; use naive_tree_select_nodes"
         )
     M = min(max_nodes_per_row, max(budget, 1), N)
-    if not use_triton(tree.tokens) or B == 0:
-        return select_nodes(tree, root_tokens, budget, max_nodes_per_row)
-    return _select_nodes_fwd(tree, root_tokens, budget, max_nodes_per_row, M)
-
-
-def select_round(
-    tree: DraftTree,
-    root_tokens: torch.LongTensor,
-    budget: int,
-    max_nodes_per_row: int,
-    active: torch.BoolTensor | None = None,
-    safe: tuple[int, int] | None = None,
-) -> VerifyTree:
-    """The decoding loop's selection: `select_nodes_triton` where the batch's `B * N` draft nodes fit its one program
-    (`MAX_NODES`), else `select_nodes` (about 80 small kernels), said once in a warning; of the tree
-    `prepared_tree(tree, active, safe)`, so that a replayed selection (`SelectGraphs`) replays that too."""
-    tree = prepared_tree(tree, active, safe)
-    if tree.tokens.numel() <= MAX_NODES:
-        return select_nodes_triton(tree, root_tokens, budget, max_nodes_per_row)
-    logger.warning_once(
-        f"hf_bole: this batch drafts {tree.tokens.shape[0]} x {tree.tokens.shape[1]} nodes, more than the "
-        f"{MAX_NODES} the one-launch selection kernel holds; node selection runs as select_nodes' small kernels "
-        f"instead (slower by a fraction of a millisecond a round). Fewer rows per call or a smaller draft tree "
-        f"(bole_topk, bole_depth) keep it in one launch"
-    )
-    return select_nodes(tree, root_tokens, budget, max_nodes_per_row)
-
-
-def prepared_tree(
-    tree: DraftTree, active: torch.BoolTensor | None = None, safe: tuple[int, int] | None = None
-) -> DraftTree:
-    """What the loop selects from: with `safe = (vocab_size, max_depth)`, a custom drafter's tree made safe to verify
-    (`DraftTree.made_safe`: about 15 small kernels); with `active` (`[B]` bool), the drafts of rows that are done
-    turned into padding (they verify their root only and take none of the budget)."""
-    if safe is not None:
-        tree = tree.made_safe(*safe)
-    if active is not None:
-        tree = DraftTree(tree.tokens, tree.parents, torch.where(active[:, None], tree.draft_logprobs, float("-inf")))
-    return tree
+    if not use_triton(tokens) or B == 0:
+        return naive_tree_select_nodes(tokens, parents, draft_logprobs, root_tokens, budget, max_nodes_per_row)
+    return _select_nodes_fwd(tokens, parents, draft_logprobs, root_tokens, budget, max_nodes_per_row, M)

@@ -1,0 +1,107 @@
+"""What a `generate` call may ask for: refusals of settings hf_bole cannot honour, each with what to do instead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import Cache, GenerationConfig
+from transformers.utils import logging
+
+from hf_bole.config import BoleConfig
+from hf_bole.models import check_supported_model
+from hf_bole.placement import Placement
+
+logger = logging.get_logger(__name__)
+
+
+ASSISTANT_ERROR = (
+    "hf_bole drafts with its own drafter: drop {name} and choose one with bole_drafter ('mtp', the checkpoint's "
+    "MTP head; 'ngram', prompt lookup; a small causal LM sharing the tokenizer, also as assistant_model=; or an "
+    "object with propose(ctx) -> DraftTree)"
+)
+# GenerationConfig settings that ask transformers for its own assisted decoding (some only in later versions).
+_ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type")
+CACHE_ERROR = (
+    "hf_bole builds its own BoleCache for every request and does not continue from a cache: drop {name}= (a cache "
+    "returned by an earlier generate call included) and pass the whole conversation as input_ids"
+)
+# Names `generate` takes a cache by (5.17-5.25).
+_CACHE_ARGS = ("cache", "past_key_values", "cache_params")
+
+# Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def check_request(model, generation_config: GenerationConfig, model_kwargs: dict, dropped: dict) -> None:
+    check_supported_model(model)
+    if generation_config.num_beams != 1:
+        raise ValueError(f"hf_bole decodes one sequence per row; num_beams={generation_config.num_beams} is not supported")
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("hf_bole returns one sequence per row; repeat the prompts instead of num_return_sequences")
+    check_assisted({}, generation_config)
+    if dropped.get("synced_gpus"):
+        raise ValueError("hf_bole does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
+    for flag in _UNSUPPORTED_OUTPUTS:
+        if getattr(generation_config, flag, False):
+            raise ValueError(f"hf_bole does not return per-step tensors: {flag}=True is not supported")
+    # `generate` puts a fresh cache of its own here, under `cache` (5.24 on) or `past_key_values`; one the user
+    # passed, under either name, carries `_is_user_defined`.
+    for name, value in model_kwargs.items():
+        if isinstance(value, Cache) and getattr(value, "_is_user_defined", False):
+            raise ValueError(CACHE_ERROR.format(name=name))
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("hf_bole needs input_ids (it drafts and verifies tokens); inputs_embeds is not supported")
+    for key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
+        if model_kwargs.get(key) is not None:
+            raise ValueError(f"hf_bole verifies text-only requests; `{key}` is not supported")
+
+
+def check_cache_args(kwargs: dict) -> None:
+    """Refuses a cache among `generate`'s keyword arguments `kwargs`, by any name a transformers version takes."""
+    for name in _CACHE_ARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(CACHE_ERROR.format(name=name))
+
+
+def assistant_drafter(assistant_model, kwargs: dict) -> None:
+    """`assistant_model=` is `bole_drafter=`: puts the assistant into `kwargs` (`generate`'s keyword arguments) as
+    hf_bole's drafter; refuses it next to another `bole_drafter`."""
+    if assistant_model is None:
+        return
+    if kwargs.get("bole_drafter") not in (None, assistant_model):
+        raise ValueError(
+            "assistant_model= and bole_drafter= both name a drafter: pass one (assistant_model=small is "
+            "bole_drafter=small)"
+        )
+    kwargs["bole_drafter"] = assistant_model
+
+
+def check_assisted(kwargs: dict, *configs) -> None:
+    """Refuses settings of `kwargs` or `configs` (GenerationConfigs, or None) that ask for transformers' assisted
+    decoding without a model (prompt lookup, early exit, MTP)."""
+    for name in _ASSISTED_SETTINGS:
+        values = [kwargs.get(name)] + [getattr(config, name, None) for config in configs if config is not None]
+        if any(value not in (None, False) for value in values):
+            raise ValueError(ASSISTANT_ERROR.format(name=name))
+
+
+def spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
+    """`bole` for a model spread over several devices (accelerate's `device_map`): refuses `compile` and turns CUDA
+    graphs and the drafter's compile off, saying so once (a graph is captured on one device's stream; compiled
+    drafting there, whose embedding and rotary embedding run on other devices, was never run)."""
+    if not place.spans_devices:
+        return bole
+    devices = ", ".join(map(str, place.devices))
+    if bole.compile:
+        raise ValueError(
+            f"bole_compile=True compiles the verify forward into one graph on one device, but this model is spread "
+            f"over {len(place.devices)} devices ({devices}) by its device_map; drop bole_compile (or load the model on "
+            f"one device)"
+        )
+    if (bole.cuda_graphs or bole.compile_drafter) and any(d.type == "cuda" for d in place.devices):
+        logger.warning_once(
+            f"hf_bole: CUDA graphs and the drafter's compile are off: the model spans {len(place.devices)} devices "
+            f"({devices}); verify forwards and MTP drafting launch their kernels from Python (bole_cuda_graphs=False "
+            f"and bole_compile_drafter=False say the same without this warning)"
+        )
+    return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)
