@@ -13,7 +13,7 @@ input sets (so neither launch overhead nor a warm L2 flatters it), median of man
 allocation of one eager call above what its inputs hold (its outputs included). Writes JSON lines, prints a markdown
 table last.
 
-    python eval/bench_kda.py --out results/kda.jsonl            # on a GPU
+    python eval/bench_kda.py --out benchmarks/kda.jsonl         # on a GPU
     python eval/bench_kda.py --cpu-smoke --out /tmp/kda.jsonl   # tiny sizes on the CPU (Triton interpreter)
 """
 
