@@ -226,7 +226,11 @@ def shipped_tables() -> list[str]:
         "|---|---|---|---|---|---|---:|---|",
     ]
     for path in sorted(PACKAGE_TABLES.glob("*.json")):
-        t = BudgetTable.load(path)
+        try:
+            t = BudgetTable.load(path)
+        except ValueError as unreadable:  # an older format: generate skips it too, until it is measured again
+            lines.append(f"| `{path.name}` | | | | | not read: {unreadable} | | |")
+            continue
         entries = sorted(t.entries, key=lambda e: e.batch_size)
         by_batch = " / ".join(f"{e.batch_size}: {entry_budget(e, 0.3)}" for e in entries)
         kv = ", ".join(map(str, sorted({e.kv_length for e in t.entries})))

@@ -67,8 +67,8 @@ def decode(
     graphed_writes = plan.graphed and device.type == "cuda"
     writes = Writes.for_call(model, plan.input_ids, width, plan.pad_token, plan.stopping, graphed_writes)
     state = Rows(B, P, plan.max_new, plan.stopping, writes)
-    draft_args = (plan.drafter, writes, plan.columns, plan.per_row, plan.mask.sum(-1), P, plan.step, device)
-    if isinstance(bole.drafter, str):
+    draft_args = (plan.drafter, writes, plan.columns, plan.mask.sum(-1), P, plan.step, device)
+    if isinstance(bole.drafter, str) or plan.drafter is None:
         draft = Draft(*draft_args)
     else:  # a user's drafter gets its trees checked every round
         draft = CheckedDraft(
@@ -116,12 +116,16 @@ def decode(
         longest = max(n for n, a in zip(state.n_gen, active) if a) + plan.step * len(queued)
         rows = sum(active)
 
+        # The round's budget, from host-side counts: the active rows and the longest active row's KV length. It caps
+        # every row's tree at its forward's width, so the drafter need draft no deeper (0: the roots alone).
+        budget = plan.budget_for(rows, P - 1 + longest)
+        cap = select.cap(budget, rows)
         # 1. Draft a tree per row from what the drafter has not seen yet.
-        drafted = draft(unseen, state.n_gen, longest)
+        drafted = draft(unseen, state.n_gen, longest, cap)
         timer.mark("draft")
         # 2. Select the round's budget of nodes across the batch. Rows that are done verify their root only (their
-        # draft gets no budget) and commit nothing. The KV length: the longest active row's, from host-side counts.
-        verify_tree = select(drafted, root, plan.budget_for(rows, P - 1 + longest), rows, active_t)
+        # draft gets no budget) and commit nothing.
+        verify_tree = select(drafted, root, budget, cap, active_t)
         timer.mark("select")
         # 3. Verify every row's tree in one target forward from the committed state.
         verified = verify(verify_tree, rows)

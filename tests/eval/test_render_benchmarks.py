@@ -48,6 +48,18 @@ def test_render(tmp_path, monkeypatch):
         {**_row(f"bole b{b}", 8, t), "settings": budget_settings, "tree_budget": b, "tree_epsilon": 0.3,
          "tree_depth": 5} for b, t in ((32, 900.0), (128, 1000.0), ("auto", 990.0))
     ])  # fmt: skip
+    # the shipped tables: one of the house model's shape, and one of an older format, which generate does not read
+    from hf_bole.generation import budget
+    from eval.shapes import shape_config
+
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(budget, "PACKAGE_TABLES", shipped)
+    key = budget.TableKey(budget.model_key(shape_config("house")), "NVIDIA H200", "bfloat16", "closed_form", "graphs")
+    entry = budget.BudgetEntry(1, 1024, [0, 1, 3], [1.0, 1.05, 1.1], 0.1, 3)
+    budget.BudgetTable(key, 0.3, [entry], {"versions": {"torch": "2.11"}, "created": "2026-12-06"}).save(
+        shipped / key.filename
+    )
+    (shipped / "old.json").write_text(json.dumps({"format": 4}))
     render.main()
     text = doc.read_text()
     # e2e: every mode's tokens/s, a failed mode's error, bole against each baseline, where the budget came from
@@ -57,6 +69,7 @@ def test_render(tmp_path, monkeypatch):
     assert "| 32 | 1 | 16 | 0.040 | – | 0.010 | 4.0× | – | 32 | 3.0 |" in text and "commit unknown" in text
     assert "| 8 | 900.0 | **1000.0** | 990.0 | 0.99 |" in text and "the house model, mbpp" in text
     assert "old e2e_9b_b1" in text and "old budget_9b" in text  # no data: left as it was
-    assert "| house model | NVIDIA H200 | bfloat16 | closed_form |" in text  # the shipped tables
+    assert "| house model | NVIDIA H200 | bfloat16 | closed_form | graphs | 1: 3 | 1024 |" in text
+    assert "| `old.json` | | | | | not read: budget table format 4 is not 5: calibrate again |" in text
     assert (data / "speedup.png").stat().st_size > 0
     assert "| house | mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.00× | 1.25× |" in readme.read_text()
