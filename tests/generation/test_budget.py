@@ -716,3 +716,35 @@ def test_calibrate_times_the_tree_attention_kernel(dense, monkeypatch):
         dense, [1], [8], [0, 2], warmup=1, reps=1, progress=False, cuda_graphs=False, attention="triton"
     )  # fmt: skip
     assert table.key.launch == "triton-attention-eager" and calls
+
+
+def test_generate_never_widens_a_call_as_its_rows_finish(dense, monkeypatch):
+    """A call of 3 rows under a table whose one-row budget is 63 nodes and three-row budget 9: every round keeps
+    each row within the 3 nodes a row gets at 3 rows, also once rows have finished, and the drafter is asked for
+    no more; the output is plain greedy's."""
+    entries = [
+        _entry(1, 1024, [1.0] * 7, [0, 1, 3, 7, 15, 31, 63]),  # 63 at epsilon 0.3
+        _entry(3, 1024, [1.0, 1.0, 1.05, 1.5], [0, 3, 9, 21]),  # 9: 3 a row
+    ]
+    table = BudgetTable(TableKey("m", "NVIDIA H200", "bfloat16", "closed_form", "graphs"), 0.3, entries)
+    from_table = lambda cls, model, config, batch_size: cls.from_table(table, 0.3, batch_size)  # noqa: E731
+    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(from_table))
+    rounds, asked = [], []
+
+    def select_round(tree, root_tokens, budget, max_nodes_per_row, active=None, safe=None):
+        rounds.append((int(active.sum()), budget, max_nodes_per_row))
+        return select_nodes(prepared_tree(tree, active, safe), root_tokens, budget, max_nodes_per_row)
+
+    monkeypatch.setattr(loop, "select_round", select_round)
+    ngram = hf_bole.generation.NgramDrafter(BoleConfig(depth=8))
+    propose = ngram.propose
+    monkeypatch.setattr(ngram, "propose", lambda ctx: asked.append(ctx.max_nodes) or propose(ctx))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3, 4], [9, 9, 9, 9, 9]]
+    probe = _generate(dense, prompts)
+    eos = [int(probe[0, -11]), int(probe[1, -6]), int(probe[2, -3])]  # rows stop 2, 7 and 10 tokens in
+    ref = _generate(dense, prompts, eos_token_id=eos)
+    out = _generate(dense, prompts, eos_token_id=eos, custom_generate="hf_bole", bole_drafter=ngram,
+                    bole_cuda_graphs=False)  # fmt: skip
+    assert torch.equal(out, ref)
+    assert {rows for rows, *_ in rounds} > {3}  # rows finished before the last round
+    assert all(budget == 3 * rows and cap == 3 for rows, budget, cap in rounds) and set(asked) == {3}
