@@ -31,7 +31,7 @@ def test_render(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
     monkeypatch.setattr(render, "README", readme)
-    sections = [*render.E2E, "kernels", *render.BUDGETS, "tables"]
+    sections = [*render.E2E, "kernels", *render.BUDGETS, "batch_sweep", "tables"]
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
         _row("ar", 1, 100.0), _row("ar-static", 1, 500.0, exact=0.75), _row("chain", 1, 2000.0, acc=6.5, exact=1.0),
@@ -47,6 +47,21 @@ def test_render(tmp_path, monkeypatch):
     _write(data / "budget_house.jsonl", [
         {**_row(f"bole b{b}", 8, t), "settings": budget_settings, "tree_budget": b, "tree_epsilon": 0.3,
          "tree_depth": 5} for b, t in ((32, 900.0), (128, 1000.0), ("auto", 990.0))
+    ])  # fmt: skip
+    sweep = {**SETTINGS, "model": "random 9B shape", "prompt_length": 128, "depth": [6], "chain_depth": [6],
+             "oracle_accept": 0.8, "max_new_tokens": 64}  # fmt: skip
+    gib = 2**30
+    _write(data / "batch_sweep.jsonl", [
+        {**_row("ar-static", 256, 2000.0, peak_memory_bytes=40 * gib), "settings": sweep},
+        {**_row("chain", 256, 1500.0, acc=2.9, peak_memory_bytes=50 * gib), "settings": sweep},
+        {**_row("bole", 256, 2600.0, acc=1.8, peak_memory_bytes=45 * gib, row_nodes=1,
+                transient_bytes={"factors": 256 * 2**20, "conv_inputs": 0, "tree_kv": 0, "snapshots": 0},
+                budget_source="table t.json at epsilon 0.3"), "settings": sweep},
+    ])  # fmt: skip
+    _write(data / "batch_sweep_mtp.jsonl", [
+        {**_row("chain", 256, 900.0), "settings": {**sweep, "drafter": "mtp"}},
+        {**_row("bole bauto", 256, 1900.0, row_nodes=0, peak_memory_bytes=44 * gib), "settings": {**sweep, "drafter": "mtp"}},
+        {**_row("bole b0", 256, 1900.0, row_nodes=0), "settings": {**sweep, "drafter": "mtp"}},
     ])  # fmt: skip
     # the shipped tables: one of the house model's shape, and one of an older format, which generate does not read
     from hf_bole.generation import budget
@@ -69,6 +84,10 @@ def test_render(tmp_path, monkeypatch):
     assert "| 32 | 1 | 16 | 0.040 | – | 0.010 | 4.0× | – | 32 | 3.0 |" in text and "commit unknown" in text
     assert "| 8 | 900.0 | **1000.0** | 990.0 | 0.99 |" in text and "the house model, mbpp" in text
     assert "old e2e_9b_b1" in text and "old budget_9b" in text  # no data: left as it was
+    # the batch sweep: the oracle's run, then the MTP head's against the oracle run's ar-static
+    assert "| 256 | 2000.0 | 1500.0 | 2600.0 | 1.30× | 1.73× | 2.90 / 1.80 | 1 | 40.0 / 50.0 / 45.0 | 1.00 |" in text
+    assert "| 256 | 900.0 | 1900.0 | 1900.0 | 2000.0 | 0.95× | 0.95× | 0 | 44.0 |" in text
+    assert "budget from table t.json" in text
     assert "| house model | NVIDIA H200 | bfloat16 | closed_form | graphs | 1: 3 | 1024 |" in text
     assert "| `old.json` | | | | | not read: budget table format 4 is not 5: calibrate again |" in text
     assert (data / "speedup.png").stat().st_size > 0
