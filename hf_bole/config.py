@@ -14,7 +14,7 @@ BUILTIN_DRAFTERS = ("mtp", "ngram")
 KWARG_PREFIX = "bole_"
 AUTO_BUDGET = "auto"
 # What `budget="auto"` verifies per round where no calibration table applies (no table for this model, GPU, dtype
-# and verify mode; or not a CUDA device): this many draft nodes per active request, at most FALLBACK_BUDGET_MAX
+# and verify mode; or not a CUDA device): this many draft nodes per request, at most FALLBACK_BUDGET_MAX
 # across the batch (a forward of a few hundred tokens is compute-bound on current GPUs at every model size). 31: a
 # request's tree then fills a verify width of 32 with its root, where one more node would double the kernels' tiles
 # (`hf_bole.generation.budget.capacities`).

@@ -177,7 +177,8 @@ def _verify_and_select(model, plan: CallPlan):
             model, plan.input_ids.shape[0], plan.capacity, bole.verify, bole.compile, bole.fuse_projections,
             bole.attention,
         )  # fmt: skip
-        return cache, graphs.step, Select(graphed_select(model), plan.per_row), graphs
+        kept = graphed_select(model)
+        return cache, graphs.step, Select(kept, plan.per_row, kept.roots_only), graphs
     cache = BoleCache.for_model(model, plan.input_ids.shape[0])  # grows on demand
     cache.reserve(plan.capacity)
     verify = Verify(model, cache, bole.verify, bole.compile, bole.fuse_projections, bole.attention, plan.pipelined)

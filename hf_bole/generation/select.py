@@ -124,16 +124,23 @@ def row_width(budget: int, rows: int, max_width: int) -> int:
     return width_bucket(-(-budget // max(rows, 1)) + 1, max_width)
 
 
+def roots_only(root: torch.Tensor) -> VerifyTree:
+    """The trees of a round that verifies no draft (budget 0): every row's root alone, `[B, 1]`."""
+    zeros = torch.zeros(root.shape[0], 1, dtype=torch.long, device=root.device)
+    return VerifyTree(
+        input_ids=root[:, None].clone(), parents=zeros - 1, depths=zeros, draft_index=zeros - 1,
+        node_mask=torch.ones_like(zeros, dtype=torch.bool), num_nodes=zeros[:, 0] + 1,
+    )  # fmt: skip
+
+
 class Select:
     """Step 2 as the loop calls it: `select(drafted, root, budget, cap, active)`, each active row capped at `cap`
     draft nodes (`cap(budget, rows)`: its forward's width, `row_width`, less the root), through `select_round` or its
-    graphs (`SelectGraphs`), chosen once per call. A budget of 0 verifies the roots alone: no selection runs, and
-    the tree is one buffer of the call's whose root column takes the round's roots (a CUDA graph reading it keeps its
-    address)."""
+    graphs (`SelectGraphs`), chosen once per call. A budget of 0 verifies the roots alone (`roots`: `roots_only`, or
+    the graphs' kept buffer of it): no selection runs."""
 
-    def __init__(self, select, max_nodes_per_row: int):
-        self.select, self.max_nodes_per_row = select, max_nodes_per_row
-        self._roots: VerifyTree | None = None
+    def __init__(self, select, max_nodes_per_row: int, roots=roots_only):
+        self.select, self.max_nodes_per_row, self.roots = select, max_nodes_per_row, roots
 
     def cap(self, budget: int, rows: int) -> int:
         """The most draft nodes a row keeps in a round of `budget` nodes over `rows` active rows (0 for budget 0),
@@ -142,19 +149,8 @@ class Select:
 
     def __call__(self, drafted, root: torch.Tensor, budget: int, cap: int, active: torch.Tensor) -> VerifyTree:
         if budget == 0:
-            return self.roots_only(root)
+            return self.roots(root)
         return self.select(drafted.tree, root, budget, cap, active, drafted.safe)
-
-    def roots_only(self, root: torch.Tensor) -> VerifyTree:
-        """The trees of a round that verifies no draft: every row's root alone, `[B, 1]`."""
-        if self._roots is None or self._roots.input_ids.shape[0] != root.shape[0]:
-            zeros = torch.zeros(root.shape[0], 1, dtype=torch.long, device=root.device)
-            self._roots = VerifyTree(
-                input_ids=zeros.clone(), parents=zeros - 1, depths=zeros, draft_index=zeros - 1,
-                node_mask=torch.ones_like(zeros, dtype=torch.bool), num_nodes=zeros[:, 0] + 1,
-            )  # fmt: skip
-        self._roots.input_ids.copy_(root[:, None])
-        return self._roots
 
 
 class SelectGraphs:
@@ -166,6 +162,17 @@ class SelectGraphs:
     def __init__(self):
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], VerifyTree]] = {}
         self._pool = None
+        self._roots: dict[tuple, VerifyTree] = {}  # (batch size, device) -> `roots_only`'s trees, kept
+
+    def roots_only(self, root: torch.Tensor) -> VerifyTree:
+        """`roots_only(root)` in a buffer kept across calls, its root column refilled: the graphs that read a round's
+        trees where they are (the greedy tail's, keyed by their addresses) find the same ones every round and call."""
+        key = (root.shape[0], root.device)
+        if key not in self._roots:
+            self._roots[key] = roots_only(root)
+        trees = self._roots[key]
+        trees.input_ids.copy_(root[:, None])
+        return trees
 
     def __call__(
         self,

@@ -24,6 +24,7 @@ import hf_bole
 from hf_bole.config import BoleConfig
 from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop, plan, select
 from hf_bole.generation import prefill as prefill_module
+from hf_bole.generation import commit as commit_module
 from hf_bole.generation import writes as writes_module
 from hf_bole.generation.requests import spread_settings
 from hf_bole.placement import Placement
@@ -1117,11 +1118,17 @@ def test_budget_0_is_plain_decoding(dense, monkeypatch, graphed, rows):
         monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
     made = []
     monkeypatch.setattr(plan, "make_drafter", lambda *a: made.append(a))
+    trees = []  # the trees the greedy tail's graphs read, by their addresses
+    tail = commit_module.TailGraphs.__call__
+    monkeypatch.setattr(commit_module.TailGraphs, "__call__", lambda self, verify, *a: trees.append(verify) or tail(self, verify, *a))
     prompts = [PROMPTS[r] for r in rows]
     ref = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
-    out = bole(dense, prompts, max_new_tokens=NEW, do_sample=False, bole_budget=0, return_dict_in_generate=True)
-    assert torch.equal(out.sequences, ref) and not made
-    assert out.accept_lengths.shape[1] == NEW - 1 and out.mean_accepted_tokens == 1.0  # the first token: prefill's
+    for _ in range(2):
+        out = bole(dense, prompts, max_new_tokens=NEW, do_sample=False, bole_budget=0, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref) and not made
+        assert out.accept_lengths.shape[1] == NEW - 1 and out.mean_accepted_tokens == 1.0  # the first: prefill's
+    # from graphs, every round of both calls reads one buffer of roots: one tail graph, replayed by the second call
+    assert len({id(t.input_ids) for t in trees}) == graphed
 
 
 @pytest.mark.parametrize("graphed", [False, True])

@@ -291,12 +291,15 @@ def test_selection_reads_nothing_on_the_host(monkeypatch):
 
 
 def test_a_budget_of_0_verifies_the_roots_alone():
-    """No selection runs: every row's root alone, in one buffer of the call's, refilled each round (a CUDA graph that
-    reads it keeps reading the round's roots)."""
+    """No selection runs: every row's root alone; from graphs, in one buffer kept across calls and refilled each
+    round (the graphs that read it keep reading the round's roots)."""
     select = Select(lambda *a: pytest.fail("a budget of 0 selects nothing"), max_nodes_per_row=0)
     assert select.cap(0, 3) == 0
     first = select(None, torch.tensor([4, 5, 6]), budget=0, cap=0, active=torch.ones(3, dtype=torch.bool))
     assert first.input_ids.tolist() == [[4], [5], [6]] and first.parents.tolist() == [[-1]] * 3
     assert first.node_mask.all() and first.num_nodes.tolist() == [1, 1, 1] and first.depths.tolist() == [[0]] * 3
-    again = select(None, torch.tensor([7, 8, 9]), budget=0, cap=0, active=torch.ones(3, dtype=torch.bool))
+    kept = SelectGraphs()
+    graphed = Select(kept, max_nodes_per_row=0, roots=kept.roots_only)
+    first = graphed(None, torch.tensor([4, 5, 6]), budget=0, cap=0, active=torch.ones(3, dtype=torch.bool))
+    again = Select(kept, 0, kept.roots_only)(None, torch.tensor([7, 8, 9]), 0, 0, torch.ones(3, dtype=torch.bool))
     assert again.input_ids is first.input_ids and first.input_ids.tolist() == [[7], [8], [9]]
