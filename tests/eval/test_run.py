@@ -290,6 +290,7 @@ def test_warm_up_runs_every_batch_when_compiled_or_graphed(monkeypatch):
     warmed_batches = []
     monkeypatch.setattr(run, "run_batch", lambda model, tokenizer, prompts, batch, *a: warmed_batches.append(batch))
     monkeypatch.setattr(run.hf_bole, "warmup", lambda *a, **k: None)
+    monkeypatch.setattr(run, "budget_for", lambda *a: argparse.Namespace(max_row_nodes=3))
     args = argparse.Namespace(cuda_graphs=True, compile_drafter=True, device_map=False)
     batches = [[0], [1], [2]]
     for compiled, expected in ((False, [[0]]), (True, batches)):

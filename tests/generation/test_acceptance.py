@@ -28,7 +28,7 @@ from hf_bole.generation import (
     process_logits,
     select_nodes,
 )
-from hf_bole.generation.select import Select
+from hf_bole.generation.select import roots_only
 
 V = 10  # vocabulary of the hand-built cases
 
@@ -233,7 +233,7 @@ def _sample_three(kind: str, processors: LogitsProcessorList, budget: int, n: in
         tree = _draft_tree(contexts, kind)
         roots = torch.zeros(len(contexts), dtype=torch.long)
         # budget 0: the roots alone, as the decoding loop verifies them (no selection)
-        vt = Select(None, 0).roots_only(roots) if budget == 0 else select_nodes(tree, roots, budget, 127)
+        vt = roots_only(roots) if budget == 0 else select_nodes(tree, roots, budget, 127)
         logits = _node_logits(vt, contexts)
         scores = process_logits(processors, logits, vt, contexts=[torch.tensor(c) for c in contexts])
         rows = torch.tensor([which[tuple(emitted[r])] for r in active])
