@@ -179,9 +179,9 @@ def batch_sweep(oracle: list[dict], mtp: list[dict]) -> list[str]:
     budgets = sorted({r["budget_source"].split(" at epsilon")[0] for r in rows if r.get("budget_source")})
     lines = provenance(rows) + [
         f"- {s.get('model')}, {s.get('dtype')}, greedy, random prompts of {s.get('prompt_length')} tokens, one batch "
-        f"per batch size, at most {s.get('max_new_tokens')} new tokens; bole depth {s['depth'][0]}, top-{s.get('topk')},"
-        f" budget from {', '.join(budgets) or 'as set'}; chain depth {(s.get('chain_depth') or [3])[0]} (every "
-        f"request's chain verified); tokens/s over the generate calls' wall time, prefill included, {timing}. "
+        f"per batch size, at most {s.get('max_new_tokens')} new tokens; bole depth {s['depth'][0]}, "
+        f"top-{s.get('topk')}, budget from {', '.join(budgets) or 'as set'}; chain depth "
+        f"{(s.get('chain_depth') or [3])[0]} (every request's chain verified); tokens/s over the generate calls' wall time, prefill included, {timing}. "
         "\"nodes a row\": the most draft nodes \"auto\" gives a row at that batch size (0: plain decoding). Tree "
         "state: the round's GDN factors, pre-conv inputs and tree KV per request, at the widest round.",
     ]

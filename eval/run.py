@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, help="prompts per dataset (all processes together; default 4, or "
                     "--num-batches times the largest batch size)")  # fmt: skip
     ap.add_argument("--num-batches", type=int, help="batches per batch size: each batch size runs its first "
-                    "N x batch size prompts (a sweep over batch sizes at one batch each: 1, then 256 prompts)")  # fmt: skip
+                    "N x batch size prompts (a sweep over batch sizes at one batch each)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=None, help="passed to eval.data.load_prompts")
     ap.add_argument("--shots", type=int, default=None, help="few-shot exemplars (MBPP, GSM8K); default: the dataset's")

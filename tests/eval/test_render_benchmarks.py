@@ -60,7 +60,8 @@ def test_render(tmp_path, monkeypatch):
     ])  # fmt: skip
     _write(data / "batch_sweep_mtp.jsonl", [
         {**_row("chain", 256, 900.0), "settings": {**sweep, "drafter": "mtp"}},
-        {**_row("bole bauto", 256, 1900.0, row_nodes=0, peak_memory_bytes=44 * gib), "settings": {**sweep, "drafter": "mtp"}},
+        {**_row("bole bauto", 256, 1900.0, row_nodes=0, peak_memory_bytes=44 * gib),
+         "settings": {**sweep, "drafter": "mtp"}},
         {**_row("bole b0", 256, 1900.0, row_nodes=0), "settings": {**sweep, "drafter": "mtp"}},
     ])  # fmt: skip
     # the shipped tables: one of the house model's shape, and one of an older format, which generate does not read

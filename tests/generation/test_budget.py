@@ -545,7 +545,8 @@ def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
 
     monkeypatch.setattr(verify_module, "tree_forward", recorded)
     commit = hf_bole.BoleCache.commit
-    monkeypatch.setattr(hf_bole.BoleCache, "commit", lambda self, r, path, **k: commits.append(path.shape) or commit(self, r, path, **k))
+    recorded = lambda self, r, path, **k: commits.append(path.shape) or commit(self, r, path, **k)  # noqa: E731
+    monkeypatch.setattr(hf_bole.BoleCache, "commit", recorded)
     table = budget_module.calibrate(
         dense, [4], [8], [0, 8], warmup=1, reps=2, progress=False, cuda_graphs=False, attention="model"
     )  # fmt: skip

@@ -1120,7 +1120,8 @@ def test_budget_0_is_plain_decoding(dense, monkeypatch, graphed, rows):
     monkeypatch.setattr(plan, "make_drafter", lambda *a: made.append(a))
     trees = []  # the trees the greedy tail's graphs read, by their addresses
     tail = commit_module.TailGraphs.__call__
-    monkeypatch.setattr(commit_module.TailGraphs, "__call__", lambda self, verify, *a: trees.append(verify) or tail(self, verify, *a))
+    recorded = lambda self, verify, *a: trees.append(verify) or tail(self, verify, *a)  # noqa: E731
+    monkeypatch.setattr(commit_module.TailGraphs, "__call__", recorded)
     prompts = [PROMPTS[r] for r in rows]
     ref = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
     for _ in range(2):
@@ -1145,11 +1146,13 @@ def test_rounds_of_the_roots_alone_between_trees_keep_the_drafter_in_step(dense_
         monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
         monkeypatch.setattr(mtp_module, "capture", recording_capture([]))
     kvs = list(range(64))
-    every_other = lambda cls, model, config, batch_size: cls(kvs, [6 * (kv % 2) for kv in kvs], batch_size, "test")  # noqa: E731
+    budgets = [6 * (kv % 2) for kv in kvs]
+    every_other = lambda cls, model, config, batch_size: cls(kvs, budgets, batch_size, "test")  # noqa: E731
     monkeypatch.setattr(BudgetResolver, "for_model", classmethod(every_other))
     trees = []
     propose = mtp_module.MTPDrafter.propose
-    monkeypatch.setattr(mtp_module.MTPDrafter, "propose", lambda self, ctx: trees.append(propose(self, ctx)) or trees[-1])
+    recorded = lambda self, ctx: trees.append(propose(self, ctx)) or trees[-1]  # noqa: E731
+    monkeypatch.setattr(mtp_module.MTPDrafter, "propose", recorded)
     prompts = [PROMPTS[r] for r in (0, 1, 2)]
     ref = plain(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False)
     out = bole(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)

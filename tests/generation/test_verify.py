@@ -160,5 +160,6 @@ def test_round_bytes_is_what_a_round_allocates(verify, width):
     parents = torch.arange(-1, width - 1).expand(3, -1)  # chains: any tree of the width allocates the same
     out = tree_forward(model, cache, torch.ones_like(parents), parents, verify=verify)
     expected = round_bytes(model.config, width, model.dtype, verify)
-    allocated = {**out.tree_round.transient_bytes, "logits": out.logits.nbytes, "hidden_states": out.hidden_states.nbytes}
+    outputs = {"logits": out.logits.nbytes, "hidden_states": out.hidden_states.nbytes}
+    allocated = {**out.tree_round.transient_bytes, **outputs}
     assert allocated == {part: 3 * n for part, n in expected.items()}

@@ -146,7 +146,8 @@ class BudgetResolver:
     def __init__(self, kv_buckets: Sequence[int], budgets: Sequence[int], batch_size: int, source: str):
         if len(kv_buckets) != len(budgets) or not budgets:
             raise ValueError(f"one budget per KV bucket, got {len(budgets)} for {list(kv_buckets)}")
-        self.kv_buckets, self.budgets, self.batch_size, self.source = list(kv_buckets), list(budgets), batch_size, source
+        self.kv_buckets, self.budgets = list(kv_buckets), list(budgets)
+        self.batch_size, self.source = batch_size, source
         self.max_row_nodes = max(row_nodes(n, batch_size) for n in budgets)
 
     def __call__(self, active_rows: int, kv_length: int) -> int:
@@ -157,7 +158,7 @@ class BudgetResolver:
 
     @property
     def drafts(self) -> bool:
-        """Whether any round of the call verifies a draft (else every round decodes plainly and no drafter is needed)."""
+        """Whether any round of the call verifies a draft (else every round decodes plainly: no drafter needed)."""
         return self.max_row_nodes > 0
 
     def __repr__(self) -> str:
@@ -280,9 +281,8 @@ def _per_request(low: BudgetEntry, high: BudgetEntry, batch_size: int, share: fl
     both measured (`low` itself scaled to `batch_size` requests with `high = low`), its budget at `epsilon`."""
     at_low = {Fraction(n, low.batch_size): t for n, t in zip(low.nodes, low.t_ver)}
     at_high = {Fraction(n, high.batch_size): t for n, t in zip(high.nodes, high.t_ver)}
-    timings = {
-        int(x * batch_size): at_low[x] + (at_high[x] - at_low[x]) * share for x in sorted(at_low.keys() & at_high.keys())
-    }
+    both = sorted(at_low.keys() & at_high.keys())
+    timings = {int(x * batch_size): at_low[x] + (at_high[x] - at_low[x]) * share for x in both}
     t_commit = low.t_commit + (high.t_commit - low.t_commit) * share
     nodes, t_ver = list(timings), list(timings.values())
     budget = choose_budget(nodes, t_ver, t_commit, batch_size, epsilon)
