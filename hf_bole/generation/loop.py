@@ -74,7 +74,8 @@ def decode(
         draft = CheckedDraft(
             *draft_args, vocab_size=plan.vocab_size, max_depth=plan.max_depth, pipelined=plan.pipelined
         )  # fmt: skip
-    # The drafter's next inputs keep one shape from round to round (one CUDA graph) with `max_depth`: `step` columns.
+    # The drafter's next inputs keep one shape from round to round (one CUDA graph) with `max_depth`: `step` columns,
+    # or the tree's width where narrower (one column after a round of the roots alone).
     unseen_width = plan.step if plan.max_depth is not None else None
     if graphs is not None and not plan.do_sample and not plan.logits_processor:
         # Greedy without processors reads nothing but the logits: acceptance and commit replay from one graph.

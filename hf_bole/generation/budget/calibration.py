@@ -144,7 +144,7 @@ def calibrate(
     (`synthetic_draft_tree` with `topk`/`depth`, split across the batch by `select_nodes`) is timed for every `N` in
     `nodes` that the batch can hold, `N = 0` (roots only) and `batch_size <= N <= batch_size * min(127, tree size)`,
     and for `N = batch_size`, the floor of selection, in ascending order until one costs more than `max_ratio` times
-    the floor; then a round's commit. Each timing is the median of `reps` after `warmup` calls. A bucket that runs out
+    the floor; a round's commit is timed right after the floor. Each timing is the median of `reps` after `warmup` calls. A bucket that runs out
     of GPU memory before its floor and commit were timed is left out, and logged; one that runs out later keeps what
     it measured.
 

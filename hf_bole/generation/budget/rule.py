@@ -13,13 +13,13 @@ bar: the rule stops drafting once one node a request would cost more than `1 + e
 alone, and verifies more only while it costs at most `1 + epsilon` times the floor's round.
 
 The forward of a batch runs every row at one width, finished rows too (as padding), so its cost follows the call's
-batch size, not the rows still active: the budget is looked up at the call's batch size and at the KV-length bucket
-at or below the longest active request's committed length (the smallest bucket when below all of them), once; each
-active row then gets as many nodes as a row gets at the full batch (`BudgetResolver.__call__`). As rows finish, the
-budget shrinks with them and no forward grows wider than the call's first: the tree state stays bounded by the
-batch size times that width, never by the batch size times the largest budget of a table. KV bucket i covers the
-range up to the next one, which is optimistic (a longer context turns compute-bound a little sooner), so put KV
-buckets where the budget changes fast.
+batch size, not the rows still active: every round the budget is looked up at the call's batch size and at the
+KV-length bucket at or below the longest active request's committed length (the smallest bucket when below all of
+them), and each active row gets as many nodes as a row gets at the full batch (`BudgetResolver.__call__`). As rows
+finish, the budget shrinks with them and no forward grows wider than its batch size's width in the table: the tree
+state stays bounded by the batch size times that width, never by the batch size times the largest budget of a
+table. KV bucket i covers the range up to the next one, which is optimistic (a longer context turns compute-bound a
+little sooner), so put KV buckets where the budget changes fast.
 
 A batch size between two of the table's batch buckets takes the timings on the line between theirs at equal nodes
 per request (a forward's cost grows with its tokens); one outside them takes the nearest bucket's timings at equal
