@@ -10,7 +10,8 @@
 #   tests       the test suite on CUDA: tests/kernels, then tests/models, cache, generation and
 #               test_custom_generate.py with HF_BOLE_TEST_DEVICE=cuda                                (logs only)
 #   calibrate   the budget tables of the published 9B, 27B and 35B-A3B shapes on this GPU, bf16: more than one
-#               10-minute command, so cal-9B, cal-27B, cal-35B-A3B one each (cal-house: the house checkpoint)
+#               10-minute command, so cal-9B, cal-27B, cal-35B-A3B one each (cal-house: the house checkpoint);
+#               9B and house at batch 1 to 256 (about 3 minutes for the 9B), 27B and 35B-A3B to 64
 #                                                                                  hf_bole/budgets/<key>.json
 #   auto        bole_budget="auto" on a random-weight 9B shape in bf16 must read a table in hf_bole/budgets/ (the
 #               log line), not calibrate or fall back                                                 (log only)
@@ -32,6 +33,10 @@
 #   next1       end to end on the random Qwen3-Next-80B-A3B shape cut to 40 of its 48 layers (one H200; the whole
 #               shape needs two GPUs), oracle drafter, batch 1: ar, ar-static, bole     benchmarks/e2e_next_b1.jsonl
 #   cal-next    its budget table                                        hf_bole/budgets/<key>.json
+#   batch-sweep   the random 9B shape at batch 1, 4, 16, 32, 64, 128 and 256, one batch each, oracle drafter:
+#                 ar-static, chain, bole ("auto": cal-9B first, on this GPU)         benchmarks/batch_sweep.jsonl
+#   batch-sweep-mtp  the same with a random MTP head (what drafting costs): chain, bole, and bole at budget 0
+#                 (plain decoding through hf_bole's loop)                        benchmarks/batch_sweep_mtp.jsonl
 #
 # After the parts: eval/render_benchmarks.py rewrites BENCHMARKS.md, README.md's results and benchmarks/speedup.png,
 # and everything the parts wrote, logs included, is packed into $OUT/gpu_results.tgz (OUT default runs/gpu); `tar
@@ -39,7 +44,7 @@
 # eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,39p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -81,15 +86,20 @@ harness() {  # harness NAME SECONDS ARGS...: eval/run.py, its rows into benchmar
     cp "/tmp/$name/results.md" "$LOGS/$name.md" 2>/dev/null
     RENDER=1
 }
-calibrate() {  # calibrate SHAPE SECONDS: a table of batch sizes 1, 4, 8, 16 at a KV length of 1024, into the package
-    local source="--shape $1"
-    [ "$1" = house ] && source="--model eval/house/checkpoint"
-    step "cal-$1" "$2" python3 -m hf_bole.calibrate $source --dtype bf16 --batch-sizes 1 4 8 16 --kv-lengths 1024 \
-        --reps 5 --table-dir hf_bole/budgets --plot "$LOGS/cal-$1.png"
+calibrate() {  # calibrate SHAPE SECONDS BATCH_SIZES...: a table at a KV length of 1024, into the package
+    local source="--shape $1" name=$1 limit=$2
+    shift 2
+    [ "$name" = house ] && source="--model eval/house/checkpoint"
+    step "cal-$name" "$limit" python3 -m hf_bole.calibrate $source --dtype bf16 --batch-sizes "$@" --kv-lengths 1024 \
+        --reps 5 --table-dir hf_bole/budgets --plot "$LOGS/cal-$name.png"
     RENDER=1
 }
+BATCHES="1 4 8 16 32 64 128 256"
 HOUSE="--datasets mbpp --num-prompts 8 --max-new-tokens 128 --depth 10 --chain-depth 10 --repeats 3 --interleave"
 SHAPE9B="--shape 9B --max-new-tokens 128 --depth 6 --chain-depth 6 --repeats 3 --interleave"
+# one batch per batch size, 64 new tokens: batch 256 then makes 16384 tokens a pass
+SWEEP="--shape 9B --batch-sizes 1 4 16 32 64 128 256 --num-batches 1 --max-new-tokens 64 --depth 6 --chain-depth 6 \
+    --repeats 3 --interleave"
 
 for PART in "$@"; do
 case $PART in
@@ -99,14 +109,14 @@ tests)
         tests/test_custom_generate.py
     ;;
 calibrate)
-    calibrate 9B 200
-    calibrate 27B 300
-    calibrate 35B-A3B 300
+    calibrate 9B 300 $BATCHES
+    calibrate 27B 300 1 4 8 16 32 64
+    calibrate 35B-A3B 300 1 4 8 16 32 64
     ;;
-cal-9B) calibrate 9B 200 ;;
-cal-27B) calibrate 27B 300 ;;
-cal-35B-A3B) calibrate 35B-A3B 300 ;;
-cal-house) calibrate house 200 ;;
+cal-9B) calibrate 9B 300 $BATCHES ;;
+cal-27B) calibrate 27B 300 1 4 8 16 32 64 ;;
+cal-35B-A3B) calibrate 35B-A3B 300 1 4 8 16 32 64 ;;
+cal-house) calibrate house 200 $BATCHES ;;
 auto)
     step auto 150 python3 eval/check_auto_budget.py --shape 9B
     ;;
@@ -146,6 +156,12 @@ cal-next) calibrate Qwen3-Next-80B-A3B-40L 400 ;;
 budget-9b)
     harness budget_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 8 1 --num-prompts 8 --max-new-tokens 96 \
         --budget 16 32 64 128 auto --repeats 3 --interleave
+    ;;
+batch-sweep)
+    harness batch_sweep 540 $SWEEP --modes ar-static chain bole
+    ;;
+batch-sweep-mtp)
+    harness batch_sweep_mtp 540 $SWEEP --drafter mtp --modes chain bole --budget auto 0
     ;;
 *)
     echo "unknown part $PART"

@@ -16,12 +16,15 @@ the machine's load). See eval/README.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import gc
 import hashlib
 import json
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,9 +47,11 @@ from eval.shapes import (  # noqa: E402
     parameter_bytes,
     shape_config,
     spread_max_memory,
+    with_random_mtp,
 )
 from hf_bole import BoleConfig  # noqa: E402
 from hf_bole.generation.budget import BudgetResolver  # noqa: E402
+from hf_bole.generation.verify import drop_verify_graphs  # noqa: E402
 
 FEW_SHOT = ("mbpp", "gsm8k")  # the datasets eval.data prompts with exemplars (the others are zero-shot)
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -60,11 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model", default=str(HOUSE_CHECKPOINT), help="checkpoint folder or Hub id (default: the house model)"
     )
     ap.add_argument("--shape", help=f"a random-weight model instead of --model: {', '.join(SHAPES)}, 'house' or a "
-                    "folder with a config.json; prompts are random token ids, the drafter is the oracle")  # fmt: skip
+                    "folder with a config.json; prompts are random token ids, the drafter is the oracle (or a random "
+                    "MTP head with --drafter mtp, for its cost)")  # fmt: skip
     ap.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), choices=DATASETS)
     ap.add_argument("--modes", nargs="+", default=["ar", "bole"], choices=MODES)
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
-    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per dataset (all processes together)")
+    ap.add_argument("--num-prompts", type=int, help="prompts per dataset (all processes together; default 4, or "
+                    "--num-batches times the largest batch size)")  # fmt: skip
+    ap.add_argument("--num-batches", type=int, help="batches per batch size: each batch size runs its first "
+                    "N x batch size prompts (a sweep over batch sizes at one batch each)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=None, help="passed to eval.data.load_prompts")
     ap.add_argument("--shots", type=int, default=None, help="few-shot exemplars (MBPP, GSM8K); default: the dataset's")
@@ -151,8 +160,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
 
     args.drafter = args.drafter or ("oracle" if args.shape else "mtp")
-    if args.shape and args.drafter == "mtp":
-        ap.error("random-weight shapes have no MTP head: use --drafter oracle (default) or ngram with --shape")
     if args.drafter == "oracle" and args.temperature > 0:
         ap.error("the oracle drafter knows greedy continuations only: use --temperature 0 with it")
     args.compile = [c == "on" for c in dict.fromkeys(args.compile or ["on"])]
@@ -160,8 +167,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--device-map spreads the model over GPUs: it needs --device cuda")
     if args.repeats is None:
         args.repeats = 3 if args.device.startswith("cuda") else 1
+    if args.num_prompts is None:
+        args.num_prompts = 4 if args.num_batches is None else args.num_batches * max(args.batch_sizes)
     for name in (
-        "batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "chain_depth", "topk", "repeats"
+        "batch_sizes", "num_prompts", "max_new_tokens", "prompt_length", "depth", "chain_depth", "topk", "repeats",
+        *(["num_batches"] if args.num_batches is not None else []),
     ):
         values = getattr(args, name)
         if any(v < 1 for v in (values if isinstance(values, list) else [values])):
@@ -175,8 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _budget(value: str) -> int | str:
     if value == "auto":
         return value
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"a positive int or 'auto', got {value!r}")
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"an int >= 0 (0: the roots alone, plain decoding) or 'auto', got {value!r}")
     return int(value)
 
 
@@ -232,6 +242,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if accelerator.is_main_process and not reference_only:
             row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
             row["budget_source"] = budget_source(model, mode, args, batch_size)
+            # the most draft nodes a row gets at this batch size (0: every round decodes plainly)
+            row["row_nodes"] = budget_for(model, mode, args, batch_size).max_row_nodes if mode.drafts else None
             rows.append({**row, "error": errors[0] if errors else None})
             report.write_jsonl(rows, header, out / "results.partial.jsonl")
 
@@ -240,8 +252,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     run_modes = ["ar"] * ("ar" not in args.modes and args.drafter == "oracle" and drafting) + args.modes
     warmed: set[tuple[str, int]] = set()  # (mode label, batch size)
     compiled: set[tuple[str, int, bool, str]] = set()  # (verify, rows, compile, attention) through hf_bole.warmup
-    for dataset, prompts in prompt_sets.items():
+    for dataset, all_prompts in prompt_sets.items():
         for batch_size in args.batch_sizes:
+            prompts = all_prompts[: args.num_batches * batch_size] if args.num_batches else all_prompts
             with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
                 batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
             reference: list[dict] = []
@@ -292,6 +305,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     outcomes[timed[i]] = result
                 for mode, (records, error) in zip(modes, outcomes):
                     finish(dataset, prompts, batch_size, mode, records, error, is_reference_only(mode, args))
+            # hf_bole keeps a tree cache and its graphs per batch size for later calls (at batch 256 on the 9B shape,
+            # 16 GiB): none has this one. The drafters stay, compiled.
+            drop_verify_graphs(model)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
     if accelerator.is_main_process:
         report.add_speedups(rows)
@@ -309,15 +328,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def budget_source(model, mode: Mode, args, batch_size: int) -> str | None:
-    """Where a drafting mode's budget comes from, as `generate` looks it up: "fixed N", "table <file> at epsilon e"
-    or "fallback"."""
-    if not mode.drafts:
-        return None
+def budget_for(model, mode: Mode, args, batch_size: int) -> BudgetResolver:
+    """A drafting mode's budgets at `batch_size` rows, looked up as `generate` looks them up."""
     looked_up = ("budget", "epsilon", "verify", "attention")
     fields = {k: v for k, v in mode.settings().items() if k in looked_up and v is not None}
     config = BoleConfig(**fields, compile=mode.compile, cuda_graphs=args.cuda_graphs)
-    return BudgetResolver.for_model(model, config, batch_size).source
+    return BudgetResolver.for_model(model, config, batch_size)
+
+
+def budget_source(model, mode: Mode, args, batch_size: int) -> str | None:
+    """Where a drafting mode's budget comes from: "fixed N", "table <file> at epsilon e" or "fallback"."""
+    return budget_for(model, mode, args, batch_size).source if mode.drafts else None
 
 
 def is_reference_only(mode, args) -> bool:
@@ -358,9 +379,11 @@ def warm_up(
     # growth, and each budget meets tree widths (graphs) of its own; every tree width a later round may reach
     # gets its kernels compiled here too (hf_bole.warmup).
     for n_rows in sorted({len(b) for b in batches} if mode.drafts else ()):
-        key = (mode.verify or "closed_form", n_rows, mode.compile, mode.attention or "auto")
+        # up to the widest tree the mode's calls verify: at a large batch a width of 128 would not fit in memory
+        widest = 1 + budget_for(model, mode, args, n_rows).max_row_nodes
+        key = (mode.verify or "closed_form", n_rows, mode.compile, mode.attention or "auto", widest)
         if key not in compiled:
-            hf_bole.warmup(model, n_rows, verify=key[0], compile=mode.compile, attention=key[3])
+            hf_bole.warmup(model, n_rows, max_nodes=widest, verify=key[0], compile=mode.compile, attention=key[3])
             compiled.add(key)
     # With CUDA graphs every batch runs once untimed: each tree width it meets is captured then. Compiled (or with
     # compiled drafting, on CUDA), each batch too: a longer prompt grows the MTP drafter's cache, and its compiled
@@ -408,8 +431,14 @@ def load_target(args, device: torch.device, dtype: torch.dtype):
     if args.shape:
         label = f"random {args.shape} shape"
         if max_memory is not None:
-            return build_model_across(config, dtype, max_memory, seed=args.seed), None, label
-        return build_model(config, device, dtype, seed=args.seed), None, label
+            model = build_model_across(config, dtype, max_memory, seed=args.seed)
+        else:
+            model = build_model(config, device, dtype, seed=args.seed)
+        if args.drafter == "mtp":
+            folder = Path(tempfile.mkdtemp(prefix="hf_bole_random_mtp_"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            with_random_mtp(model, folder)
+        return model, None, label
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.model == str(HOUSE_CHECKPOINT) and not HOUSE_CHECKPOINT.is_dir():

@@ -1,5 +1,6 @@
-"""The harness's random-weight models: the published Qwen3.5 and Qwen3-Next shapes of `hf_bole.shapes`, the house model's shape
-(`"house"`), and a shape larger than one GPU built across the GPUs.
+"""The harness's random-weight models: the published Qwen3.5 and Qwen3-Next shapes of `hf_bole.shapes`, the house model's
+shape (`"house"`), a shape larger than one GPU built across the GPUs, and a random MTP head for any of them
+(`with_random_mtp`: what the MTP drafter costs).
 
 A shape larger than one GPU (122B-A10B: 227 GiB in bf16) is built across the GPUs by `build_model_across`: on the meta
 device first, placed by accelerate's `infer_auto_device_map` under a per-GPU budget (`spread_max_memory`), each
@@ -15,13 +16,14 @@ import torch
 from torch import nn
 
 from hf_bole import shapes
+from hf_bole.models.mtp import MTP_PREFIX, Qwen3_5MTP
 from hf_bole.shapes import SHAPES, build_model, model_class, parameter_bytes, trained_like
 
 HOUSE_CHECKPOINT = Path(__file__).resolve().parent / "house" / "checkpoint"
 
 __all__ = [
     "HOUSE_CHECKPOINT", "SHAPES", "build_model", "build_model_across", "parameter_bytes", "shape_config",
-    "spread_max_memory",
+    "spread_max_memory", "with_random_mtp",
 ]  # fmt: skip
 
 
@@ -101,3 +103,18 @@ def build_model_across(config, dtype: torch.dtype, max_memory: dict, seed: int =
     model.initialize_weights()
     trained_like(model)
     return dispatch_model(model, device_map).eval()
+
+
+@torch.no_grad()
+def with_random_mtp(model, folder: Path) -> None:
+    """Gives a random-weight model an MTP head of random weights where `bole_drafter="mtp"` looks for a checkpoint's
+    (`Qwen3_5MTP.from_pretrained`): its `mtp.*` tensors in `folder/model.safetensors`, and `model.name_or_path` set to
+    `folder`. Its drafts are next to never accepted: it measures what the MTP drafter costs, not what it brings."""
+    from safetensors.torch import save_file
+    from transformers.utils import SAFE_WEIGHTS_NAME
+
+    mtp = Qwen3_5MTP.for_model(model)  # transformers' initialisation, on the LM head's device
+    tensors = {MTP_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in mtp.state_dict().items()}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, Path(folder) / SAFE_WEIGHTS_NAME, metadata={"format": "pt"})
+    model.name_or_path = str(folder)

@@ -2,12 +2,12 @@
 `hf_bole.generation.budget`), so that `generate(..., bole_budget="auto")` finds it.
 
     python -m hf_bole.calibrate --model Qwen/Qwen3.5-9B --dtype bf16
-    python -m hf_bole.calibrate --shape 9B --batch-sizes 1 4 8 16 --kv-lengths 512 2048 8192 --out budget_9b.json
+    python -m hf_bole.calibrate --shape 9B --batch-sizes 1 4 8 16 32 64 128 256 --kv-lengths 1024 --out budget_9b.json
 
 Writes the table to `$HF_BOLE_CACHE/budgets/<key>.json` (default `~/.cache/hf_bole/budgets/`), where "auto" looks
 first (or into `--table-dir`: `hf_bole/budgets` in a clone ships it with the package), and to `--out` if given,
 after every (batch size, KV length) bucket it finishes and once more at the end, plus a
-PNG of T_ver(N) / T_dec against N (`--plot`, default: beside the JSON; needs matplotlib). `--shape` builds a
+PNG of a round's cost against N (`--plot`, default: beside the JSON; needs matplotlib). `--shape` builds a
 random-weight model of a published Qwen3.5 shape (`hf_bole.shapes`): timings do not depend on the weights, and the
 table's key is the shape's, so it serves the published checkpoint of that shape.
 """
@@ -24,6 +24,7 @@ from hf_bole.config import ATTENTION_MODES, VERIFY_MODES, BoleConfig
 from hf_bole.generation.budget import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_KV_LENGTHS,
+    MAX_RATIO,
     cache_dir,
     calibrate,
     plot_table,
@@ -46,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="total draft nodes per verify forward (0: roots only); default: roots only and, per batch "
                          "size, the most nodes each verify width holds (hf_bole.generation.budget.capacities)")  # fmt: skip
     ap.add_argument(
-        "--epsilon", type=float, default=defaults.epsilon, help="B_ver = max{N : T_ver(N) <= (1+eps) T_dec}"
+        "--epsilon", type=float, default=defaults.epsilon, help="B_ver = max{N : T(N) <= (1+eps) T(floor)}, 0 where "
+        "T(floor) > (1+eps) T(0), T = T_ver + T_commit (hf_bole.generation.budget.rule)"
     )
     ap.add_argument("--verify", choices=VERIFY_MODES, default=defaults.verify)
     ap.add_argument(
@@ -65,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--depth", type=int, default=defaults.depth, help="shape of the synthetic draft trees")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10, help="timed calls per median")
+    ap.add_argument("--max-ratio", type=float, default=MAX_RATIO, help="a bucket's sweep stops at the first N whose "
+                    "forward costs more than this many times the floor's (N = batch size)")  # fmt: skip
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -81,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be positive, got {values}")
     if any(n < 0 for n in args.nodes or []):
         ap.error(f"--nodes must be >= 0, got {args.nodes}")
+    if not args.max_ratio > 1:
+        ap.error(f"--max-ratio must be > 1, got {args.max_ratio}")
     if not args.epsilon >= 0:
         ap.error(f"--epsilon must be >= 0, got {args.epsilon}")
     if args.no_save and args.out is None:
@@ -112,16 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     # Saved after every bucket too: a run stopped by a time limit keeps the buckets it finished.
     table = calibrate(
         model, args.batch_sizes, args.kv_lengths, args.nodes, epsilon=args.epsilon, verify=args.verify,
-        topk=args.topk, depth=args.depth, warmup=args.warmup, reps=args.reps, prefill_chunk=args.prefill_chunk,
+        topk=args.topk, depth=args.depth, warmup=args.warmup, reps=args.reps, max_ratio=args.max_ratio,
+        prefill_chunk=args.prefill_chunk,
         seed=args.seed, cuda_graphs=args.cuda_graphs, compile=args.compile, attention=args.attention, on_bucket=save,
     )  # fmt: skip
     written = save(table)
     key = table.key
     print(f"{key.model} on {key.device}, {key.dtype}, {key.verify}, {key.launch}, epsilon {table.epsilon}:")
-    print(f"{'batch':>6} {'KV':>7} {'T_dec ms':>9} {'B_ver':>6}  T_ver(N)/T_dec")
+    print(f"{'batch':>6} {'KV':>7} {'T_ver(floor)':>12} {'T_commit':>9} {'budget':>6}  N:T(N)/T(floor) (ms)")
     for e in table.entries:
-        ratios = " ".join(f"{n}:{t / e.t_dec:.2f}" for n, t in zip(e.nodes, e.t_ver))
-        print(f"{e.batch_size:>6} {e.kv_length:>7} {e.t_dec:>9.2f} {e.budget:>6}  {ratios}")
+        floor = e.t_floor + e.t_commit
+        ratios = " ".join(f"{n}:{(t + e.t_commit) / floor:.2f}" for n, t in zip(e.nodes, e.t_ver))
+        print(f"{e.batch_size:>6} {e.kv_length:>7} {e.t_floor:>12.2f} {e.t_commit:>9.2f} {e.budget:>6}  {ratios}")
     for path in written:
         print(f"wrote {path}")
     plot = args.plot or written[-1].with_suffix(".png")

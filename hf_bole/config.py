@@ -16,7 +16,7 @@ BUILTIN_DRAFTERS = ("mtp", "ngram")
 KWARG_PREFIX = "bole_"
 AUTO_BUDGET = "auto"
 # What `budget="auto"` verifies per round where no calibration table applies (no table for this model, GPU, dtype
-# and verify mode; or not a CUDA device): this many draft nodes per active request, at most FALLBACK_BUDGET_MAX
+# and verify mode; or not a CUDA device): this many draft nodes per request, at most FALLBACK_BUDGET_MAX
 # across the batch (a forward of a few hundred tokens is compute-bound on current GPUs at every model size). 31: a
 # request's tree then fills a verify width of 32 with its root, where one more node would double the kernels' tiles
 # (`hf_bole.generation.budget.capacities`).
@@ -39,18 +39,22 @@ class BoleConfig:
         budget (`int` or `"auto"`, *optional*, defaults to `"auto"`):
             Draft nodes verified per round across the whole batch, the roots not counted (DESIGN.md §5), shared by
             cumulative draft probability. Every request with a draft still keeps its best root child when the
-            budget is smaller than the batch. An int is a fixed budget. `"auto"` looks the budget up every round in
-            the calibration table of this model, GPU, dtype and verify mode (`python -m hf_bole.calibrate`; see
-            `hf_bole.generation.budget`), at the number of active requests (between two batch-size buckets, on the
-            line between their budgets) and the KV-length bucket at or below the longest active request. Without a
-            table, or off CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * active requests, FALLBACK_BUDGET_MAX)`
-            (31 per request, at most 128) and says so once in a log line.
+            budget is smaller than the batch. An int is a fixed budget; 0 verifies the roots alone, plain decoding
+            through hf_bole's loop (no drafter is made). `"auto"` looks the budget up in the calibration table of
+            this model, GPU, dtype and verify mode (`python -m hf_bole.calibrate`; see `hf_bole.generation.budget`)
+            at the call's batch size (between two batch-size buckets, from the line between their timings) and the
+            KV-length bucket at or below the longest active request, every round; it is 0 (plain decoding) where one
+            draft node per request would cost a round more than `1 + epsilon` times plain decoding's. Without a
+            table, or off CUDA, it uses `min(FALLBACK_BUDGET_PER_REQUEST * batch size, FALLBACK_BUDGET_MAX)` (31 per
+            request, at most 128) and says so once in a log line. Either way a row never gets more nodes than at the
+            full batch: as rows finish the budget shrinks with them, and no verify forward grows wider.
         epsilon (`float`, *optional*, defaults to 0.3):
-            The slack of `budget="auto"`: the budget is the most nodes whose
-            verify forward costs at most `(1 + epsilon)` times the least forward a round runs, that of selection's
-            floor (one node per request), `B_ver = max{N : T_ver(N) <= (1 + epsilon) T_dec}`
-            (`hf_bole.generation.budget` says why not the roots-only step). Tables store the raw timings, so any
-            epsilon applies without measuring again (BENCHMARKS.md compares "auto" with fixed budgets).
+            The slack of `budget="auto"`: the budget is the most nodes whose round (verify forward and commit) costs
+            at most `(1 + epsilon)` times the least round that drafts, that of selection's floor (one node per
+            request), `B_ver = max{N : T(N) <= (1 + epsilon) T(floor)}`, or 0 where the floor's round itself costs
+            more than `(1 + epsilon)` times a round of the roots alone (`hf_bole.generation.budget.rule`). Tables store
+            the raw timings, so any epsilon applies without measuring again (BENCHMARKS.md compares "auto" with fixed
+            budgets).
         verify (`str`, *optional*, defaults to `"closed_form"`):
             How GDN layers verify the tree: `"closed_form"` (one solve over all nodes, state factors) or
             `"serial"` (node by node with a state snapshot per node, the SGLang-Tree baseline).
@@ -161,10 +165,13 @@ class BoleConfig:
 
     def __post_init__(self):
         for name in ("depth", "topk", "ngram_max_size", "ngram_min_size"):
-            if not _is_positive_int(getattr(self, name)):
+            if not _is_int_at_least(getattr(self, name), 1):
                 raise ValueError(f"BoleConfig.{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.budget != AUTO_BUDGET and not _is_positive_int(self.budget):
-            raise ValueError(f"BoleConfig.budget must be a positive int or {AUTO_BUDGET!r}, got {self.budget!r}")
+        if self.budget != AUTO_BUDGET and not _is_int_at_least(self.budget, 0):
+            raise ValueError(
+                f"BoleConfig.budget must be an int >= 0 (0: the roots alone, plain decoding) or {AUTO_BUDGET!r}, got "
+                f"{self.budget!r}"
+            )
         epsilon = self.epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"BoleConfig.epsilon must be a finite number >= 0, got {epsilon!r}")
@@ -266,6 +273,6 @@ def resolve_attention(attention: str, device) -> str:
     return "triton" if device.type == "cuda" else "model"
 
 
-def _is_positive_int(value: Any) -> bool:
+def _is_int_at_least(value: Any, least: int) -> bool:
     # bool is an int subclass: `bole_depth=True` is a mistake, not 1.
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least

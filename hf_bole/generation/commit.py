@@ -46,17 +46,17 @@ def round_tail(
     width: int | None,
 ) -> RoundTail:
     """Commits `accepted`'s paths of the `active [B]` rows (at most `step` nodes each) of the verify forward `out`'s
-    tree round and gathers the drafter's next inputs from its `hidden_states [B, T, hidden]`: to `width` columns (a
-    drafter with `max_depth`, whose inputs then keep one shape from round to round), or as wide as the paths with
-    `width=None`. Reads nothing
-    on the host."""
+    tree round and gathers the drafter's next inputs from its `hidden_states [B, T, hidden]`: to `width` columns, or
+    to the tree's `T` where narrower (a drafter with `max_depth`, whose inputs then keep one shape from round to round
+    of one width: one column after a round of the roots alone), or as wide as the paths with `width=None`. Reads
+    nothing on the host."""
     hidden_states = out.hidden_states
     path = torch.where(active[:, None], accepted.path[:, :step], -1)  # [B, <= step]
     positions = cache.positions.to(hidden_states.device, copy=True)  # [B] before the commit
     # paths of the acceptance walk: no host read of them
     cache.commit(out.tree_round, path.to(cache.device), check_values=False)
     committed_width = path.shape[1]
-    width = committed_width if width is None else width
+    width = committed_width if width is None else min(width, committed_width)
     path = torch.nn.functional.pad(path, (0, width - committed_width), value=-1)  # [B, width]
     hidden = hidden_states.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden_states.shape[-1]))
     next_tokens = accepted.tokens[:, :width].clamp(min=0)

@@ -30,41 +30,44 @@ class Unseen:
 class Drafted:
     """What step 1 hands to selection."""
 
-    tree: DraftTree  # on the loop's device
+    tree: DraftTree | None  # on the loop's device; None without a drafter
     host_copy: DraftTree | None = None  # a custom drafter's tree on its way to the host, checked when its round is read
     safe: tuple[int, int] | None = None  # (vocab_size, max_depth): selection makes the tree safe to verify first
 
 
 class Draft:
-    """Step 1 with a built-in drafter: `draft(unseen, n_gen, longest) -> Drafted`.
+    """Step 1 with a built-in drafter: `draft(unseen, n_gen, longest, max_nodes) -> Drafted`, the drafter given the
+    round's `max_nodes` per row (0 in a round that verifies no draft: it takes in what it has not seen and drafts
+    nothing). Without a drafter (a call whose every round verifies the roots alone) it drafts nothing at all.
 
     Args:
-        drafter: what proposes (`propose(ctx) -> DraftTree`).
+        drafter: what proposes (`propose(ctx) -> DraftTree`), or None.
         writes (`writes.Writes`): the rows' sequences and counts on the device.
         columns (`list`, *optional*): where each row's prompt sits in them (`rows.prompt_columns`); None while rounds
             are pipelined, whose drafters read no host-side sequences.
-        max_nodes (`int`): the most draft nodes one row's tree may hold.
         prompt_lengths (`torch.Tensor` of shape `(batch_size,)`): each row's prompt tokens, padding not counted.
         prompt_width (`int`): the prompts' columns, padding included (`P`).
         step (`int`): the most tokens one round commits per row.
         device (`torch.device`): where the loop runs (the LM head's device).
     """
 
-    def __init__(self, drafter, writes, columns: list | None, max_nodes: int, prompt_lengths: torch.Tensor,
-                 prompt_width: int, step: int, device: torch.device):  # fmt: skip
-        self.drafter, self.writes, self.columns, self.max_nodes = drafter, writes, columns, max_nodes
+    def __init__(self, drafter, writes, columns: list | None, prompt_lengths: torch.Tensor, prompt_width: int,
+                 step: int, device: torch.device):  # fmt: skip
+        self.drafter, self.writes, self.columns = drafter, writes, columns
         self.prompt_lengths, self.P, self.step, self.device = prompt_lengths, prompt_width, step, device
 
-    def __call__(self, unseen: Unseen, n_gen: list[int], longest: int) -> Drafted:
+    def __call__(self, unseen: Unseen, n_gen: list[int], longest: int, max_nodes: int) -> Drafted:
         """The trees of a round in which the longest active row has generated at most `longest` tokens (`n_gen`: each
-        row's count the host has read)."""
-        return Drafted(self._on_device(self.drafter.propose(self.context(unseen, n_gen, longest))))
+        row's count the host has read) and a row keeps at most `max_nodes` draft nodes."""
+        if self.drafter is None:
+            return Drafted(None)
+        return Drafted(self._on_device(self.drafter.propose(self.context(unseen, n_gen, longest, max_nodes))))
 
-    def context(self, unseen: Unseen, n_gen: list[int], longest: int) -> DraftContext:
+    def context(self, unseen: Unseen, n_gen: list[int], longest: int, max_nodes: int) -> DraftContext:
         P = self.P
         return DraftContext(
             sequences=None if self.columns is None else row_sequences(self.writes.seq, self.columns, P, n_gen),
-            max_nodes=self.max_nodes,
+            max_nodes=max_nodes,
             hidden_states=unseen.hidden,
             next_tokens=unseen.next_tokens,
             new_mask=unseen.mask,
@@ -85,8 +88,8 @@ class CheckedDraft(Draft):
         super().__init__(*args, **kwargs)
         self.vocab_size, self.max_depth, self.pipelined = vocab_size, max_depth, pipelined
 
-    def __call__(self, unseen: Unseen, n_gen: list[int], longest: int) -> Drafted:
-        tree = self.drafter.propose(self.context(unseen, n_gen, longest))
+    def __call__(self, unseen: Unseen, n_gen: list[int], longest: int, max_nodes: int) -> Drafted:
+        tree = self.drafter.propose(self.context(unseen, n_gen, longest, max_nodes))
         if not self.pipelined:
             self.check(tree)
             return Drafted(self._on_device(tree))

@@ -67,14 +67,15 @@ def decode(
     graphed_writes = plan.graphed and device.type == "cuda"
     writes = Writes.for_call(model, plan.input_ids, width, plan.pad_token, plan.stopping, graphed_writes)
     state = Rows(B, P, plan.max_new, plan.stopping, writes)
-    draft_args = (plan.drafter, writes, plan.columns, plan.per_row, plan.mask.sum(-1), P, plan.step, device)
-    if plan.builtin_drafter:
+    draft_args = (plan.drafter, writes, plan.columns, plan.mask.sum(-1), P, plan.step, device)
+    if plan.builtin_drafter or plan.drafter is None:
         draft = Draft(*draft_args)
     else:  # a user's drafter gets its trees checked every round
         draft = CheckedDraft(
             *draft_args, vocab_size=plan.vocab_size, max_depth=plan.max_depth, pipelined=plan.pipelined
         )  # fmt: skip
-    # The drafter's next inputs keep one shape from round to round (one CUDA graph) with `max_depth`: `step` columns.
+    # The drafter's next inputs keep one shape from round to round (one CUDA graph) with `max_depth`: `step` columns,
+    # or the tree's width where narrower (one column after a round of the roots alone).
     unseen_width = plan.step if plan.max_depth is not None else None
     if graphs is not None and not plan.do_sample and not plan.logits_processor:
         # Greedy without processors reads nothing but the logits: acceptance and commit replay from one graph.
@@ -116,12 +117,16 @@ def decode(
         longest = max(n for n, a in zip(state.n_gen, active) if a) + plan.step * len(queued)
         rows = sum(active)
 
+        # The round's budget, from host-side counts: the active rows and the longest active row's KV length. It caps
+        # every row's tree at its forward's width, so the drafter need draft no deeper (0: the roots alone).
+        budget = plan.budget_for(rows, P - 1 + longest)
+        cap = select.cap(budget, rows)
         # 1. Draft a tree per row from what the drafter has not seen yet.
-        drafted = draft(unseen, state.n_gen, longest)
+        drafted = draft(unseen, state.n_gen, longest, cap)
         timer.mark("draft")
         # 2. Select the round's budget of nodes across the batch. Rows that are done verify their root only (their
-        # draft gets no budget) and commit nothing. The KV length: the longest active row's, from host-side counts.
-        verify_tree = select(drafted, root, plan.budget_for(rows, P - 1 + longest), rows, active_t)
+        # draft gets no budget) and commit nothing.
+        verify_tree = select(drafted, root, budget, cap, active_t)
         timer.mark("select")
         # 3. Verify every row's tree in one target forward from the committed state.
         verified = verify(verify_tree, rows)
@@ -173,7 +178,8 @@ def _verify_and_select(model, plan: CallPlan):
             model, plan.input_ids.shape[0], plan.capacity, bole.verify, bole.compile, bole.fuse_projections,
             bole.attention,
         )  # fmt: skip
-        return cache, graphs.step, Select(graphed_select(model), plan.per_row), graphs
+        kept = graphed_select(model)
+        return cache, graphs.step, Select(kept, plan.per_row, kept.roots_only), graphs
     cache = BoleCache.for_model(model, plan.input_ids.shape[0])  # grows on demand
     cache.reserve(plan.capacity)
     verify = Verify(model, cache, bole.verify, bole.compile, bole.fuse_projections, bole.attention, plan.pipelined)

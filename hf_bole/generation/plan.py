@@ -49,8 +49,8 @@ class CallPlan:
     stopping: Stopping
     budget_for: BudgetResolver  # the budget of every round
     per_row: int  # the most draft nodes one row's tree keeps
-    drafter: object
-    max_depth: int | None  # the drafter's, when it declares one
+    drafter: object  # None where no round drafts
+    max_depth: int | None  # the drafter's, when it declares one (0 without a drafter)
     vocab_size: int
     graphed: bool  # verify forwards replay from CUDA graphs
     pipelined: bool  # round r + 1 is queued before the host reads round r
@@ -130,9 +130,10 @@ class CallPlan:
 
         # The budget of each round: fixed, or looked up by active rows and KV length ("auto", generation/budget).
         budget_for = BudgetResolver.for_model(model, bole, B)
-        per_row = max(1, min(MAX_TREE_NODES - 1, budget_for.max_budget))  # a tree's nodes, the root not counted
-        drafter = make_drafter(model, bole, device)
-        max_depth = drafter_max_depth(drafter)
+        per_row = min(MAX_TREE_NODES - 1, budget_for.max_row_nodes)  # a tree's nodes, the root not counted
+        # A call whose every round verifies the roots alone (budget 0: plain decoding) makes no drafter.
+        drafter = make_drafter(model, bole, device) if budget_for.drafts else None
+        max_depth = drafter_max_depth(drafter) if drafter is not None else 0
         graphed = captures(model, bole.cuda_graphs)
         # Pipelined rounds (`BoleConfig.pipeline`): round r + 1 is queued before the host reads round r's tokens.
         # Every launch of a round must then need nothing from the host that round r decides: a drafter that reads no

@@ -22,8 +22,10 @@ from hf_bole.kernels.utils import MAX_TREE_NODES
 logger = logging.get_logger(__name__)
 
 # The widths (root included) a row's tree is selected into and verified at: one CUDA graph each, the widest the tree
-# kernels' limit. Padding nodes are children of the committed state and are never accepted.
-WIDTH_BUCKETS = (4, 8, 16, 32, 64, MAX_TREE_NODES)
+# kernels' limit. Padding nodes are children of the committed state and are never accepted. 1: the roots alone (a
+# round of budget 0, plain decoding); 2: one draft node a row, the floor of selection, where a large batch's forward
+# is compute-bound and every column costs.
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, MAX_TREE_NODES)
 
 
 def select_nodes(tree: DraftTree, root_tokens: torch.LongTensor, budget: int, max_nodes_per_row: int) -> VerifyTree:
@@ -109,26 +111,45 @@ def width_bucket(width: int, max_width: int) -> int:
 
 def row_width(budget: int, rows: int, max_width: int) -> int:
     """The width (root included) each row's tree is selected into and verified at, from the round's budget alone:
-    the smallest bucket (`width_bucket`) whose `rows` rows hold the whole budget, at most `max_width`.
+    the smallest bucket (`width_bucket`) whose `rows` rows hold the whole budget, at most `max_width`; 1 (the roots
+    alone) for a budget of 0.
 
     Decided on the host before selection, so no round waits for the device to learn how wide its trees came out (the
     cut to the widest row kept that it replaces was such a read); selection caps every row there, and the forward
     runs at that width, a CUDA graph's. A cap costs a row nodes only where the batch-shared budget would pile more than
     its even share onto it, and then the tree keeps most of its accepted tokens while its forward runs narrower.
     """
+    if budget == 0:
+        return 1
     return width_bucket(-(-budget // max(rows, 1)) + 1, max_width)
 
 
+def roots_only(root: torch.Tensor) -> VerifyTree:
+    """The trees of a round that verifies no draft (budget 0): every row's root alone, `[B, 1]`."""
+    zeros = torch.zeros(root.shape[0], 1, dtype=torch.long, device=root.device)
+    return VerifyTree(
+        input_ids=root[:, None].clone(), parents=zeros - 1, depths=zeros, draft_index=zeros - 1,
+        node_mask=torch.ones_like(zeros, dtype=torch.bool), num_nodes=zeros[:, 0] + 1,
+    )  # fmt: skip
+
+
 class Select:
-    """Step 2 as the loop calls it: `select(drafted, root, budget, rows, active)`, each of the `rows` active rows
-    capped at its forward's width (`row_width`), through `select_round` or its graphs (`SelectGraphs`), chosen once
-    per call."""
+    """Step 2 as the loop calls it: `select(drafted, root, budget, cap, active)`, each active row capped at `cap`
+    draft nodes (`cap(budget, rows)`: its forward's width, `row_width`, less the root), through `select_round` or its
+    graphs (`SelectGraphs`), chosen once per call. A budget of 0 verifies the roots alone (`roots`: `roots_only`, or
+    the graphs' kept buffer of it): no selection runs."""
 
-    def __init__(self, select, max_nodes_per_row: int):
-        self.select, self.max_nodes_per_row = select, max_nodes_per_row
+    def __init__(self, select, max_nodes_per_row: int, roots=roots_only):
+        self.select, self.max_nodes_per_row, self.roots = select, max_nodes_per_row, roots
 
-    def __call__(self, drafted, root: torch.Tensor, budget: int, rows: int, active: torch.Tensor) -> VerifyTree:
-        cap = row_width(budget, rows, self.max_nodes_per_row + 1) - 1
+    def cap(self, budget: int, rows: int) -> int:
+        """The most draft nodes a row keeps in a round of `budget` nodes over `rows` active rows (0 for budget 0),
+        decided on the host before the round is drafted: the drafter need not draft deeper."""
+        return row_width(budget, rows, self.max_nodes_per_row + 1) - 1
+
+    def __call__(self, drafted, root: torch.Tensor, budget: int, cap: int, active: torch.Tensor) -> VerifyTree:
+        if budget == 0:
+            return self.roots(root)
         return self.select(drafted.tree, root, budget, cap, active, drafted.safe)
 
 
@@ -141,6 +162,17 @@ class SelectGraphs:
     def __init__(self):
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], VerifyTree]] = {}
         self._pool = None
+        self._roots: dict[tuple, VerifyTree] = {}  # (batch size, device) -> `roots_only`'s trees, kept
+
+    def roots_only(self, root: torch.Tensor) -> VerifyTree:
+        """`roots_only(root)` in a buffer kept across calls, its root column refilled: the graphs that read a round's
+        trees where they are (the greedy tail's, keyed by their addresses) find the same ones every round and call."""
+        key = (root.shape[0], root.device)
+        if key not in self._roots:
+            self._roots[key] = roots_only(root)
+        trees = self._roots[key]
+        trees.input_ids.copy_(root[:, None])
+        return trees
 
     def __call__(
         self,

@@ -25,6 +25,43 @@ from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import TreeForwardOutput, tree_forward
 
 
+def round_bytes(config, width: int, dtype: torch.dtype, verify: str = "closed_form") -> dict[str, int]:
+    """Bytes one request's verify round of `width` nodes (the root included) holds while it is in flight: the tree
+    state the commit reads (`TreeRound.transient_bytes`: GDN factors k, u and log-decay in closed form, or a state
+    snapshot per node in serial mode; every GDN layer's pre-conv input; the tree's KV, written into the cache's free
+    slots) and the forward's outputs (`logits` at every node, in `dtype`, and the final hidden states). A batch of B
+    requests holds B times as much: the width is per row (`select.row_width`), so it never scales with the batch
+    times a budget. Replayed from CUDA graphs, each width a call met keeps its buffers in its graph.
+
+    Args:
+        config: the model's (text) config.
+        width (`int`): nodes per row, the root included.
+        dtype (`torch.dtype`): the model's dtype (factors and states are float32 whatever it is).
+        verify (`str`): "closed_form" or "serial".
+
+    Returns:
+        `dict[str, int]`: bytes per request by part, the keys of `TreeRound.transient_bytes` and `logits`,
+        `hidden_states`.
+    """
+    config = config.get_text_config(decoder=True)
+    gdn = sum(t == "linear_attention" for t in config.layer_types)
+    attention = sum(t == "full_attention" for t in config.layer_types)
+    hk, k = config.linear_num_key_heads, config.linear_key_head_dim
+    hv, v = config.linear_num_value_heads, config.linear_value_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size, f32 = dtype.itemsize, 4
+    closed = verify == "closed_form"
+    per_node = {
+        "factors": gdn * (hk * k * size + hv * v * f32 + hv * f32) if closed else 0,
+        "snapshots": 0 if closed else gdn * hv * k * v * f32,
+        "conv_inputs": gdn * (2 * hk * k + hv * v) * size,
+        "tree_kv": 2 * attention * config.num_key_value_heads * head_dim * size,
+        "logits": config.vocab_size * size,
+        "hidden_states": config.hidden_size * size,
+    }
+    return {part: width * n for part, n in per_node.items()}
+
+
 @dataclass
 class Verified:
     """What step 3 hands to accept and commit."""

@@ -40,7 +40,9 @@ def warmup(
     Args:
         model: a Qwen3.5 model hf_bole supports, on its device and in its dtype.
         batch_size (`int`): the rows of the `generate` calls to prepare (the verify kernels autotune per batch size).
-        max_nodes (`int`): the widest tree a round verifies, root included (at most `MAX_TREE_NODES`).
+        max_nodes (`int`): the widest tree a round verifies, root included (at most `MAX_TREE_NODES`): at a large
+            batch, the width its budget gives a row (`BudgetResolver.max_row_nodes + 1`), or the widest forwards
+            take the memory of the batch times 128 nodes (at batch 256 on the 9B shape, 16 GiB of logits alone).
         verify (`str`): "closed_form" or "serial", as `bole_verify`.
         compile (`bool`): as `bole_compile`: the compiled forward is compiled here too (the MTP drafter's
             compiled rounds are not: they compile in the first `generate` call's rounds, in seconds).
@@ -58,11 +60,9 @@ def warmup(
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if not 1 <= max_nodes <= MAX_TREE_NODES:
         raise ValueError(f"max_nodes must be in [1, {MAX_TREE_NODES}] (the kernels' largest tree), got {max_nodes}")
+    # Width 1 too: a round of budget 0 (plain decoding) verifies the roots alone, from CUDA graphs as any other (and
+    # torch.compile specialises size 1: compiled, it is a compile of its own).
     widths = sorted({w for w in WIDTHS if w < max_nodes} | {max_nodes})
-    if compile:
-        # Width 1 would compile the whole forward once more (torch.compile specialises sizes 1), for forwards
-        # that generate runs only when a round keeps no draft node, and never from CUDA graphs (width >= 4).
-        widths = widths[1:] if len(widths) > 1 else widths
     # The cache's device: the first layer's (under a device_map the embedding's weight may be offloaded to meta).
     place = placement(model)
     device, vocab = place.layer_devices[0], model.get_input_embeddings().weight.shape[0]

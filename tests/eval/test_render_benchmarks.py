@@ -31,7 +31,7 @@ def test_render(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
     monkeypatch.setattr(render, "README", readme)
-    sections = [*render.E2E, "kernels", "kda", *render.BUDGETS, "tables"]
+    sections = [*render.E2E, "kernels", "kda", *render.BUDGETS, "batch_sweep", "tables"]
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
         _row("ar", 1, 100.0), _row("ar-static", 1, 500.0, exact=0.75), _row("chain", 1, 2000.0, acc=6.5, exact=1.0),
@@ -56,6 +56,34 @@ def test_render(tmp_path, monkeypatch):
         {**_row(f"bole b{b}", 8, t), "settings": budget_settings, "tree_budget": b, "tree_epsilon": 0.3,
          "tree_depth": 5} for b, t in ((32, 900.0), (128, 1000.0), ("auto", 990.0))
     ])  # fmt: skip
+    sweep = {**SETTINGS, "model": "random 9B shape", "prompt_length": 128, "depth": [6], "chain_depth": [6],
+             "oracle_accept": 0.8, "max_new_tokens": 64}  # fmt: skip
+    gib = 2**30
+    _write(data / "batch_sweep.jsonl", [
+        {**_row("ar-static", 256, 2000.0, peak_memory_bytes=40 * gib), "settings": sweep},
+        {**_row("chain", 256, 1500.0, acc=2.9, peak_memory_bytes=50 * gib), "settings": sweep},
+        {**_row("bole", 256, 2600.0, acc=1.8, peak_memory_bytes=45 * gib, row_nodes=1,
+                transient_bytes={"factors": 256 * 2**20, "conv_inputs": 0, "tree_kv": 0, "snapshots": 0},
+                budget_source="table t.json at epsilon 0.3"), "settings": sweep},
+    ])  # fmt: skip
+    _write(data / "batch_sweep_mtp.jsonl", [
+        {**_row("chain", 256, 900.0), "settings": {**sweep, "drafter": "mtp"}},
+        {**_row("bole bauto", 256, 1900.0, row_nodes=0, peak_memory_bytes=44 * gib),
+         "settings": {**sweep, "drafter": "mtp"}},
+        {**_row("bole b0", 256, 1900.0, row_nodes=0), "settings": {**sweep, "drafter": "mtp"}},
+    ])  # fmt: skip
+    # the shipped tables: one of the house model's shape, and one of an older format, which generate does not read
+    from hf_bole.generation import budget
+    from eval.shapes import shape_config
+
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(budget, "PACKAGE_TABLES", shipped)
+    key = budget.TableKey(budget.model_key(shape_config("house")), "NVIDIA H200", "bfloat16", "closed_form", "graphs")
+    entry = budget.BudgetEntry(1, 1024, [0, 1, 3], [1.0, 1.05, 1.1], 0.1, 3)
+    budget.BudgetTable(key, 0.3, [entry], {"versions": {"torch": "2.11"}, "created": "2026-12-06"}).save(
+        shipped / key.filename
+    )
+    (shipped / "old.json").write_text(json.dumps({"format": 4}))
     render.main()
     text = doc.read_text()
     # e2e: every mode's tokens/s, a failed mode's error, bole against each baseline, where the budget came from
@@ -67,6 +95,11 @@ def test_render(tmp_path, monkeypatch):
     assert "| 1 | 64 | 8 | 0.100 | 0.025 | 0.020 | 0.010 | 0.80× | 5.00× | 1.0 | – |" in text
     assert "largest error 2.0e-06" in text  # fla's own distance from float64 is not ours
     assert "old e2e_9b_b1" in text and "old budget_9b" in text  # no data: left as it was
-    assert "| house model | NVIDIA H200 | bfloat16 | closed_form |" in text  # the shipped tables
+    # the batch sweep: the oracle's run, then the MTP head's against the oracle run's ar-static
+    assert "| 256 | 2000.0 | 1500.0 | 2600.0 | 1.30× | 1.73× | 2.90 / 1.80 | 1 | 40.0 / 50.0 / 45.0 | 1.00 |" in text
+    assert "| 256 | 900.0 | 1900.0 | 1900.0 | 2000.0 | 0.95× | 0.95× | 0 | 44.0 |" in text
+    assert "budget from table t.json" in text
+    assert "| house model | NVIDIA H200 | bfloat16 | closed_form | graphs | 1: 3 | 1024 |" in text
+    assert "| `old.json` | | | | | not read: budget table format 4 is not 5: calibrate again |" in text
     assert (data / "speedup.png").stat().st_size > 0
     assert "| house | mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.00× | 1.25× |" in readme.read_text()

@@ -202,6 +202,30 @@ def test_run_shape_oracle(checkpoint, tmp_path):
     assert "drafter `oracle`" in (tmp_path / "results.md").read_text()
 
 
+def test_batch_sweep_on_a_random_shape(checkpoint, tmp_path):
+    """`eval/gpu.sh batch-sweep-mtp` on a tiny shape: one batch per batch size (its first prompts), a random MTP head
+    drafting (a random-weight shape has none of its own), bole by its budget and at budget 0, which decodes plainly;
+    BENCHMARKS.md's table renders the rows."""
+    from eval import render_benchmarks
+
+    argv = [
+        "--shape", str(checkpoint), "--drafter", "mtp", "--modes", "chain", "bole", "--budget", "auto", "0",
+        "--batch-sizes", "1", "3", "--num-batches", "1", "--max-new-tokens", "5", "--prompt-length", "6", "--depth",
+        "2", "--topk", "2", "--chain-depth", "2", "--output-dir", str(tmp_path), "--device", "cpu",
+    ]  # fmt: skip
+    rows = run.main(argv)
+    assert [(r["mode"], r["batch_size"], r["num_prompts"]) for r in rows] == [
+        (mode, b, b) for b in (1, 3) for mode in ("chain", "bole bauto", "bole b0")
+    ]
+    assert all(r["error"] is None and r["drafter"] == "mtp" for r in rows)
+    plain = [r for r in rows if r["mode"] == "bole b0"]
+    assert all(r["row_nodes"] == 0 and r["mean_accepted_tokens"] == 1.0 for r in plain)
+    assert all(r["row_nodes"] > 0 for r in rows if r["mode"] != "bole b0")  # on a CPU: the fallback
+    written = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    lines = render_benchmarks.batch_sweep([], written)
+    assert any(line.startswith("| 3 | ") for line in lines) and "bole at budget 0" in "\n".join(lines)
+
+
 def test_interleaved_passes_take_turns(checkpoint, tmp_path, monkeypatch):
     """--interleave: ar's outputs from an untimed pass, the warm-ups, then the modes' timed passes in turns, each turn
     starting one mode later; the rows are those of the same run without turns (outputs, exactness, the median)."""
@@ -266,6 +290,7 @@ def test_warm_up_runs_every_batch_when_compiled_or_graphed(monkeypatch):
     warmed_batches = []
     monkeypatch.setattr(run, "run_batch", lambda model, tokenizer, prompts, batch, *a: warmed_batches.append(batch))
     monkeypatch.setattr(run.hf_bole, "warmup", lambda *a, **k: None)
+    monkeypatch.setattr(run, "budget_for", lambda *a: argparse.Namespace(max_row_nodes=3))
     args = argparse.Namespace(cuda_graphs=True, compile_drafter=True, device_map=False)
     batches = [[0], [1], [2]]
     for compiled, expected in ((False, [[0]]), (True, batches)):
@@ -372,7 +397,7 @@ def test_first_token_timer_and_acceptance():
 
 def test_bad_arguments():
     with pytest.raises(SystemExit):
-        run.parse_args(["--shape", "9B", "--drafter", "mtp"])  # a random model has no MTP head
+        run.parse_args(["--num-batches", "0"])
     with pytest.raises(SystemExit):
         run.parse_args(["--batch-sizes", "0"])
     with pytest.raises(SystemExit):

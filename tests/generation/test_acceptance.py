@@ -28,6 +28,7 @@ from hf_bole.generation import (
     process_logits,
     select_nodes,
 )
+from hf_bole.generation.select import roots_only
 
 V = 10  # vocabulary of the hand-built cases
 
@@ -230,11 +231,14 @@ def _sample_three(kind: str, processors: LogitsProcessorList, budget: int, n: in
         contexts = sorted({tuple(emitted[r]) for r in active})
         which = {c: u for u, c in enumerate(contexts)}
         tree = _draft_tree(contexts, kind)
-        vt = select_nodes(tree, torch.zeros(len(contexts), dtype=torch.long), budget, max_nodes_per_row=127)
+        roots = torch.zeros(len(contexts), dtype=torch.long)
+        # budget 0: the roots alone, as the decoding loop verifies them (no selection)
+        vt = roots_only(roots) if budget == 0 else select_nodes(tree, roots, budget, 127)
         logits = _node_logits(vt, contexts)
         scores = process_logits(processors, logits, vt, contexts=[torch.tensor(c) for c in contexts])
         rows = torch.tensor([which[tuple(emitted[r])] for r in active])
-        batch = VerifyTree(**{k: getattr(vt, k)[rows] for k in vt.__dataclass_fields__})
+        fields = {k: getattr(vt, k) for k in vt.__dataclass_fields__}
+        batch = VerifyTree(**{k: None if v is None else v[rows] for k, v in fields.items()})
         out = accept_sampling(batch, scores[rows])
         for r, toks, k in zip(active, out.tokens.tolist(), out.accept_lengths.tolist()):
             emitted[r] += toks[:k]
@@ -276,6 +280,7 @@ def _chi2_pvalue(samples: torch.Tensor, expected: dict[tuple[int, ...], float]) 
         pytest.param("bad", LogitsProcessorList(), 10**6, id="bad-drafts"),
         pytest.param("chain", LogitsProcessorList(), 10**6, id="chain-draft"),
         pytest.param("good", LogitsProcessorList(), 5, id="good-drafts-budget5"),
+        pytest.param("good", LogitsProcessorList(), 0, id="roots-alone"),
         pytest.param(
             "bad",
             LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(3)]),

@@ -39,7 +39,7 @@ from hf_bole.placement import Placement
 from hf_bole.models.twin import tree_twin
 from tests.models import tiny
 
-NODES = [0, 16, 32, 64]
+NODES = [0, 4, 12, 28]  # batch 4: the roots alone, the floor (width 2), widths 4 and 8
 
 
 @pytest.fixture(autouse=True)
@@ -58,93 +58,153 @@ def dense():
 
 
 @pytest.mark.parametrize(
-    "t_ver, epsilon, expected",
+    "t_ver, t_commit, epsilon, expected",
     [
-        # ratios 1.05, 1.08, 1.12, 1.5 against a limit of 1.1: 32 is just over, 16 the last within
-        pytest.param([1.05, 1.08, 1.12, 1.5], 0.1, 16, id="monotone"),
-        pytest.param([1.05, 1.08, 1.12, 1.5], 0.5, 64, id="large-epsilon-takes-all"),
-        pytest.param([1.0, 1.0, 1.0, 1.01], 0.0, 32, id="epsilon-0-equality-counts"),
-        pytest.param([1.0, 1.1, 1.2, 1.3], 0.1, 16, id="boundary-inclusive"),
-        # nothing within 1.1, not even the roots alone: 0, the floor of one root child per request
-        pytest.param([1.3, 1.4, 1.5, 1.6], 0.1, 0, id="none-qualifies"),
-        pytest.param([1.0, 1.4, 1.5, 1.6], 0.1, 0, id="only-roots"),
-        # 16 is over the limit but 32 is under (it tiles better): the largest qualifying N wins
-        pytest.param([1.0, 1.2, 1.05, 1.3], 0.1, 32, id="non-monotone"),
-        pytest.param([1.2, 1.3, 1.4, 1.09], 0.1, 64, id="non-monotone-last"),
+        # rounds 1.0 | 1.05, 1.08, 1.12, 1.5 x the roots alone: against the floor 1.08 / 1.05, 1.12 / 1.05, ...
+        pytest.param([1.0, 1.05, 1.1, 1.5], 0.0, 0.1, 12, id="monotone"),
+        pytest.param([1.0, 1.05, 1.1, 1.5], 0.0, 0.5, 28, id="large-epsilon-takes-all"),
+        pytest.param([1.0, 1.0, 1.0, 1.01], 0.0, 0.0, 12, id="epsilon-0-equality-counts"),
+        pytest.param([1.0, 1.0, 1.1, 1.2], 0.0, 0.1, 12, id="boundary-inclusive"),
+        # the floor costs 1.3 x the roots alone: one node a request would need to be accepted 30% of the time
+        pytest.param([1.0, 1.3, 1.35, 1.6], 0.0, 0.25, 0, id="plain-decoding"),
+        pytest.param([1.0, 1.3, 1.35, 1.6], 0.0, 0.3, 28, id="floor-just-pays"),
+        # a commit as long as the roots' forward halves the floor's extra cost: the rounds 2.0 and 2.3
+        pytest.param([1.0, 1.3, 1.35, 1.6], 1.0, 0.15, 28, id="commit-counts"),
+        # 12 is over the limit but 28 is under (it tiles better): the largest qualifying N wins
+        pytest.param([1.0, 1.0, 1.2, 1.05], 0.0, 0.1, 28, id="non-monotone"),
     ],
 )
-def test_choose_budget(t_ver, epsilon, expected):
-    assert choose_budget(NODES, t_ver, t_dec=1.0, epsilon=epsilon) == expected
+def test_choose_budget(t_ver, t_commit, epsilon, expected):
+    assert choose_budget(NODES, t_ver, t_commit, 4, epsilon) == expected
     # scale-free: milliseconds or seconds give the same choice
-    assert choose_budget(NODES, [7.5 * t for t in t_ver], t_dec=7.5, epsilon=epsilon) == expected
+    assert choose_budget(NODES, [7.5 * t for t in t_ver], 7.5 * t_commit, 4, epsilon) == expected
+
+
+def test_choose_budget_without_the_roots_alone_always_drafts():
+    """A table without `N = 0` (a grid given without it) never chooses plain decoding: it cannot tell."""
+    assert choose_budget(NODES[1:], [5.0, 5.1, 9.0], 0.0, 4, 0.1) == 12
 
 
 def test_choose_budget_rejects():
     with pytest.raises(ValueError, match="epsilon must be >= 0"):
-        choose_budget(NODES, [1.0] * 4, 1.0, -0.1)
+        choose_budget(NODES, [1.0] * 4, 0.0, 4, -0.1)
     with pytest.raises(ValueError, match="4 node counts but 3 timings"):
-        choose_budget(NODES, [1.0] * 3, 1.0, 0.1)
+        choose_budget(NODES, [1.0] * 3, 0.0, 4, 0.1)
+    with pytest.raises(ValueError, match=r"no floor \(N = batch size = 8\)"):
+        choose_budget(NODES, [1.0] * 4, 0.0, 8, 0.1)
+
+
+def _entry(b: int, kv: int, ratios: list[float], nodes: list[int] | None = None, t_commit=0.0, scale=2.0):
+    """An entry of forwards `scale * ratios` at `nodes` (default: the roots alone, then widths 2, 4, 8, 16)."""
+    nodes = nodes or [0] + [b * (w - 1) for w in (2, 4, 8, 16)][: len(ratios) - 1]
+    t_ver = [scale * r for r in ratios]
+    return BudgetEntry(b, kv, nodes, t_ver, t_commit, choose_budget(nodes, t_ver, t_commit, b, 0.1))
 
 
 def _table(key: TableKey | None = None) -> BudgetTable:
     """Batch buckets 1 and 4, KV buckets 512 and 2048; ratios chosen so each bucket picks a different budget."""
-    ratios = {
-        (1, 512): [1.0, 1.02, 1.05, 1.3],  # eps 0.1: 32; eps 0.3: 64
-        (1, 2048): [1.0, 1.05, 1.2, 1.4],  # 16; 32
-        (4, 512): [1.0, 1.08, 1.5, 2.0],  # 16; 16
-        (4, 2048): [1.0, 1.2, 1.6, 2.4],  # 0; 16
-    }
     entries = [
-        BudgetEntry(b, kv, 2.0, NODES, [2.0 * r for r in rs], choose_budget(NODES, rs, 1.0, 0.1))
-        for (b, kv), rs in ratios.items()
+        _entry(1, 512, [1.0, 1.02, 1.05, 1.1, 1.3]),  # eps 0.1: 7 (width 8); eps 0.3: 15
+        _entry(1, 2048, [1.0, 1.05, 1.2, 1.4, 1.6]),  # 1; 3
+        _entry(4, 512, [1.0, 1.08, 1.12, 1.5, 2.0]),  # 12; 12
+        _entry(4, 2048, [1.0, 1.2, 1.3, 1.7, 2.4]),  # 0 (the floor 1.2 x the roots alone); 12
     ]
     key = key or TableKey("qwen3_5_text-h64-l4-0123456789", "NVIDIA H200", "bfloat16", "closed_form", "graphs")
     return BudgetTable(key, 0.1, entries, meta={"topk": 4})
 
 
 @pytest.mark.parametrize(
-    "active, kv, epsilon, expected",
+    "batch, active, kv, epsilon, expected",
     [
-        pytest.param(1, 512, 0.1, 32, id="exact-bucket"),
-        pytest.param(1, 2047, 0.1, 32, id="kv-rounds-down"),
-        pytest.param(1, 100, 0.1, 32, id="kv-below-all"),
-        pytest.param(1, 10**6, 0.1, 16, id="kv-above-all"),
-        # between batch buckets 1 (32 at KV 512) and 4 (16): two thirds of the way, 32 - 16 * 2 / 3, rounded
-        pytest.param(3, 600, 0.1, 21, id="batch-between-buckets"),
-        pytest.param(2, 2048, 0.3, 27, id="batch-between-buckets-large-kv"),  # 32 - 16 / 3
-        pytest.param(4, 512, 0.1, 16, id="batch-bucket"),
-        pytest.param(64, 4096, 0.1, 0, id="batch-above-all"),
-        pytest.param(1, 512, 0.3, 64, id="epsilon-chooses-again"),
-        pytest.param(4, 2048, 0.3, 16, id="epsilon-chooses-again-large-batch"),
+        pytest.param(1, 1, 512, 0.1, 7, id="exact-bucket"),
+        pytest.param(1, 1, 2047, 0.1, 7, id="kv-rounds-down"),
+        pytest.param(1, 1, 100, 0.1, 7, id="kv-below-all"),
+        pytest.param(1, 1, 10**6, 0.1, 1, id="kv-above-all"),
+        pytest.param(4, 4, 512, 0.1, 12, id="batch-bucket"),
+        pytest.param(4, 4, 2048, 0.1, 0, id="plain-decoding"),
+        pytest.param(1, 1, 512, 0.3, 15, id="epsilon-chooses-again"),
+        pytest.param(4, 4, 2048, 0.3, 12, id="epsilon-chooses-again-large-batch"),
+        # rows finish: each active row keeps the 3 nodes a row gets at the batch of 4, never the 1-row budget
+        pytest.param(4, 1, 512, 0.1, 3, id="one-row-left"),
+        pytest.param(4, 3, 512, 0.3, 9, id="three-rows-left"),
     ],
 )
-def test_resolver_looks_up_buckets(active, kv, epsilon, expected):
-    resolver = BudgetResolver.from_table(_table(), epsilon)
+def test_resolver_looks_up_buckets(batch, active, kv, epsilon, expected):
+    resolver = BudgetResolver.from_table(_table(), epsilon, batch)
     assert resolver(active, kv) == expected
-    assert resolver.max_budget == (32 if epsilon == 0.1 else 64)
 
 
-def test_resolver_follows_budgets_that_rise_with_the_batch():
-    """As on the house model (budgets 32, 64 and 384 at 1, 4 and 8 requests): a batch of 8 whose rows finish one by
-    one walks down the line between the buckets, not down to the 4-request budget at its first finished row."""
-    nodes = [0, 32, 64, 384, 512]
-    chosen = {1: [1.0, 1.1, 1.4, 2.0, 2.5], 4: [1.0, 1.1, 1.2, 1.5, 2.0], 8: [1.0, 1.0, 1.1, 1.2, 1.5]}
+def test_resolver_sizes_for_the_widest_row_of_its_batch():
+    """`max_row_nodes`: the most draft nodes one row of a call gets at any KV length, what the loop sizes the drafter's
+    trees and the cache's spare slots for; 0 where every round decodes plainly (no drafter is made)."""
+    table = _table()
+    assert BudgetResolver.from_table(table, 0.1, 1).max_row_nodes == 7
+    assert BudgetResolver.from_table(table, 0.1, 4).max_row_nodes == 3  # width 4 at KV 512, plain at 2048
+    assert BudgetResolver.from_table(table, 0.1, 4).drafts
+    plain = BudgetTable(table.key, 0.1, [_entry(4, 512, [1.0, 1.5, 2.0])])
+    resolver = BudgetResolver.from_table(plain, 0.1, 4)
+    assert resolver.max_row_nodes == 0 and not resolver.drafts and resolver(4, 512) == 0
+
+
+def test_budget_never_widens_a_call_as_its_rows_finish():
+    """The forward of a batch runs every row at one width, finished ones too: a call of 8 rows whose rows finish one
+    by one keeps its width (15 nodes a row at 120 nodes), while a table looked up at the active rows would give the
+    last row 63 nodes, a forward of 8 x 64 tokens and as much tree state, the batch times the largest budget."""
+    nodes = {1: [0, 1, 3, 7, 15, 31, 63], 8: [0, 8, 24, 56, 120, 248, 504]}
+    ratios = {1: [1.0, 1.0, 1.0, 1.01, 1.02, 1.04, 1.08], 8: [1.0, 1.0, 1.0, 1.1, 1.2, 1.5, 2.3]}
+    entries = [_entry(b, 1024, ratios[b], nodes[b]) for b in (1, 8)]
+    table = BudgetTable(TableKey("m", "NVIDIA H200", "bfloat16", "closed_form", "graphs"), 0.3, entries)
+    resolver = BudgetResolver.from_table(table, epsilon=0.3, batch_size=8)
+    assert [resolver(rows, 1024) for rows in range(8, 0, -1)] == [120, 105, 90, 75, 60, 45, 30, 15]
+    assert resolver.max_row_nodes == 15
+    assert max(select_module.row_width(resolver(r, 1024), r, 16) for r in range(1, 9)) == 16
+    assert BudgetResolver.from_table(table, epsilon=0.3, batch_size=1)(1, 1024) == 63  # a call of one row
+
+
+def test_batch_sizes_between_buckets_take_the_timings_between():
+    """Batch 160 between buckets 64 and 256: each width's forward on the line between theirs (per request), the
+    commit too, and the rule applied to those: plain decoding at 256, a chain of one at 64, and at 160 the floor's
+    round 21 / 16.5 = 1.27 x the roots'."""
     entries = [
-        BudgetEntry(b, 1024, 1.0, nodes, ratios, choose_budget(nodes, ratios, 1.0, 0.3))
-        for b, ratios in chosen.items()
+        _entry(64, 1024, [1.0, 1.1, 1.5], t_commit=0.5, scale=10.0),  # rounds 10.5 | 11.5, 15.5
+        _entry(256, 1024, [1.0, 1.4, 2.2], t_commit=2.5, scale=20.0),  # rounds 22.5 | 30.5, 46.5
     ]
-    table = BudgetTable(TableKey("m", "NVIDIA H200", "bfloat16", "closed_form", "graphs"), 0.3, entries, meta={})
-    resolver = BudgetResolver.from_table(table, epsilon=0.3)
-    assert [resolver(rows, 1024) for rows in range(1, 11)] == [32, 43, 53, 64, 144, 224, 304, 384, 384, 384]
-    assert resolver.max_budget == 384
+    table = BudgetTable(TableKey("m", "NVIDIA H100", "bfloat16", "closed_form", "graphs"), 0.3, entries)
+    (kv,), (entry,) = budget_module.entries_at(table, 160)
+    assert kv == 1024 and entry.batch_size == 160 and entry.nodes == [0, 160, 480]
+    torch.testing.assert_close(entry.t_ver, [15.0, 19.5, 29.5])  # halfway: (10 + 20) / 2, (11 + 28) / 2, ...
+    assert entry.t_commit == 1.5
+    budgets = {b: BudgetResolver.from_table(table, 0.3, b)(b, 1024) for b in (64, 160, 256)}
+    assert budgets == {64: 64, 160: 160, 256: 0}
+    budgets = {b: BudgetResolver.from_table(table, 0.25, b)(b, 1024) for b in (64, 160, 256)}
+    assert budgets == {64: 64, 160: 0, 256: 0}
+
+
+def test_batch_sizes_outside_the_table_take_the_nearest_buckets_per_request(caplog):
+    """Below the smallest bucket its timings per request (a smaller batch is no more compute-bound); past the largest
+    too, said once in a warning, since a larger batch may not afford them."""
+    entries = [_entry(4, 1024, [1.0, 1.0, 1.1, 1.2]), _entry(8, 1024, [1.0, 1.05, 1.2, 1.6])]
+    table = BudgetTable(TableKey("m", "NVIDIA H100", "bfloat16", "closed_form", "graphs"), 0.1, entries)
+    (_,), (small,) = budget_module.entries_at(table, 2)
+    assert small.nodes == [0, 2, 6, 14] and small.t_ver == entries[0].t_ver
+    assert BudgetResolver.from_table(table, 0.1, 2)(2, 1024) == 6
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
+        for _ in range(2):
+            resolver = BudgetResolver.from_table(table, 0.1, 32)
+    assert resolver(32, 1024) == 32 * 1
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "holds batch sizes up to 8; a batch of 32" in message and "--batch-sizes 32" in message
 
 
 def test_resolver_fixed_and_fallback(dense):
-    assert BudgetResolver.for_model(dense, BoleConfig(budget=7), batch_size=4)(3, 100) == 7
+    fixed = BudgetResolver.for_model(dense, BoleConfig(budget=7), batch_size=4)
+    assert fixed(4, 100) == 7 and fixed(1, 100) == 3  # width 4 at 4 rows: 3 nodes a row
+    assert BudgetResolver.for_model(dense, BoleConfig(budget=64), batch_size=1)(1, 100) == 64
+    assert BudgetResolver.for_model(dense, BoleConfig(budget=0), batch_size=4).max_row_nodes == 0
     fallback = BudgetResolver.fallback(batch_size=8)
-    assert [fallback(a, 10) for a in (1, 2, 4, 8)] == [31, 62, 124, 128]  # 31 per request, at most 128
-    assert fallback.max_budget == 128 == fallback_budget(8)
-    assert fallback_budget(1) == BudgetResolver.fallback(batch_size=1).max_budget == 31
+    assert [fallback(a, 10) for a in (8, 4, 2, 1)] == [128, 124, 62, 31]  # 128 over 8 rows: width 32
+    assert fallback.max_row_nodes == 31 and fallback_budget(8) == 128
+    assert fallback_budget(1) == BudgetResolver.fallback(batch_size=1).max_row_nodes == 31
     # one request's fallback tree fills the verify width of 32 with its root, the widest at the GDN solve's least tile
     assert select_module.row_width(fallback_budget(1), 1, fallback_budget(1) + 1) == 32
 
@@ -155,12 +215,12 @@ def test_table_round_trip(budget_cache):
     assert path == budget_cache / "qwen3_5_text-h64-l4-0123456789__NVIDIA-H200__bfloat16__closed_form__graphs.json"
     assert cache_dir() == budget_cache
     data = json.loads(path.read_text())
-    assert data["format"] == 4 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
+    assert data["format"] == 5 and data["epsilon"] == 0.1 and data["meta"] == {"topk": 4}
     key = {"model": table.key.model, "device": "NVIDIA H200", "dtype": "bfloat16", "verify": "closed_form",
            "launch": "graphs"}  # fmt: skip
     assert data["key"] == key
-    assert data["entries"][0] == {"batch_size": 1, "kv_length": 512, "t_dec": 2.0, "nodes": NODES,
-                                  "t_ver": [2.0, 2.04, 2.1, 2.6], "budget": 32}  # fmt: skip
+    assert data["entries"][0] == {"batch_size": 1, "kv_length": 512, "nodes": [0, 1, 3, 7, 15],
+                                  "t_ver": [2.0, 2.04, 2.1, 2.2, 2.6], "t_commit": 0.0, "budget": 7}  # fmt: skip
     assert BudgetTable.load(path) == table
     assert find_table(table.key) == table
     assert find_table(TableKey(table.key.model, "NVIDIA H100", "bfloat16", "closed_form", "graphs")) is None
@@ -168,7 +228,7 @@ def test_table_round_trip(budget_cache):
     assert find_table(TableKey(table.key.model, "NVIDIA H200", "bfloat16", "closed_form", "eager")) is None
     data["format"] = 0
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="format 0 is not 4: calibrate again"):
+    with pytest.raises(ValueError, match="format 0 is not 5: calibrate again"):
         find_table(table.key)  # a rewritten file is read again
 
 
@@ -271,9 +331,9 @@ def test_auto_without_table_warns_once(monkeypatch, caplog):
     # on a GPU the default attention ("auto") is the tree attention kernel's, whose forwards get a table of their own
     assert "NVIDIA-Test-GPU__bfloat16__closed_form__triton-attention-graphs.json" in message
     assert "python -m hf_bole.calibrate --model <checkpoint> --dtype bfloat16 --verify closed_form`" in message
-    assert "31 draft nodes per active request, at most 128" in message
+    assert "31 draft nodes per request, at most 128" in message
     for resolver in resolvers:
-        assert resolver.source == "fallback" and resolver(2, 1000) == 62 and resolver.max_budget == 124
+        assert resolver.source == "fallback" and resolver(2, 1000) == 62 and resolver.max_row_nodes == 31
     # another verify mode is another table, hence another warning
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         BudgetResolver.for_model(model, BoleConfig(verify="serial"), batch_size=4)
@@ -330,7 +390,8 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, f"hf_bole: budget='auto' reads the verification budget table {_table(key).default_path()}")
     ]  # once
-    assert resolver(1, 512) == 64 and resolver(4, 4096) == 16  # chosen again at epsilon 0.3
+    assert resolver(4, 512) == 12 and resolver(4, 4096) == 12  # chosen again at epsilon 0.3 (at 0.1: 0 at KV 4096)
+    assert resolver(1, 512) == 3  # one row left of four: the 3 nodes a row gets at the batch of 4
 
 
 def test_auto_finds_a_shipped_table_after_the_users(monkeypatch, caplog):
@@ -338,45 +399,53 @@ def test_auto_finds_a_shipped_table_after_the_users(monkeypatch, caplog):
     key; one in the cache folder (the user's own calibration) comes first. The log line says which file is read."""
     model = _fake_gpu_model(monkeypatch)
     key = TableKey.for_model(model)
-    shipped_path = _table(key).save(tables_module.PACKAGE_TABLES / key.filename)  # at epsilon 0.3: 64 at batch 1
+    shipped_path = _table(key).save(tables_module.PACKAGE_TABLES / key.filename)  # at epsilon 0.3: 15 at batch 1
     with caplog.at_level(logging.INFO, logger="hf_bole.generation.budget"):
-        resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
-    assert str(shipped_path) in caplog.records[-1].getMessage() and resolver(1, 512) == 64
+        resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=1)
+    assert str(shipped_path) in caplog.records[-1].getMessage() and resolver(1, 512) == 15
     own = _table(key)
-    own.entries[0].t_ver[-1] = 9.0  # and 32 in the user's
+    own.entries[0].t_ver[-1] = 9.0  # and 7 in the user's
     own_path = own.save(own.default_path())
     with caplog.at_level(logging.INFO, logger="hf_bole.generation.budget"):
-        resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
-    assert str(own_path) in caplog.records[-1].getMessage() and resolver(1, 512) == 32
+        resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=1)
+    assert str(own_path) in caplog.records[-1].getMessage() and resolver(1, 512) == 7
 
 
-def test_package_ships_the_house_table():
-    """The house model's H200 table is package data, keyed by the house checkpoint's shape."""
-    from transformers import AutoConfig
+def test_shipped_tables_are_current():
+    """Every table shipped in the package is one this version reads (`eval/gpu.sh cal-*` measures them again after a
+    change of format), of a published shape or the house model, from batch 1 on; the house model's and the 9B
+    shape's hold every default batch size, 1 to 256 (a larger shape's largest batches may not fit in memory)."""
+    from hf_bole.shapes import SHAPES, shape_config
 
-    from eval.shapes import HOUSE_CHECKPOINT
+    from eval.shapes import shape_config as eval_shape_config
 
+    known = {model_key(shape_config(name)) for name in SHAPES}
+    house = model_key(eval_shape_config("house"))
     folder = tables_module.Path(tables_module.__file__).resolve().parents[2] / "budgets"
-    key = TableKey(model_key(AutoConfig.from_pretrained(HOUSE_CHECKPOINT)), "NVIDIA H200", "bfloat16", "closed_form",
-                   "triton-attention-graphs")  # fmt: skip
-    table = find_table(key, folder)
-    assert table is not None and table.key == key and {e.batch_size for e in table.entries} == {1, 4, 8, 16}
+    tables = [BudgetTable.load(path) for path in sorted(folder.glob("*.json"))]
+    assert any(t.key.model == house for t in tables)
+    for table in tables:
+        assert table.key.model in known | {house} and table.key.dtype == "bfloat16"
+        batch_sizes = {e.batch_size for e in table.entries}
+        assert 1 in batch_sizes, table.key.filename
+        if table.key.model in (house, model_key(shape_config("9B"))):
+            assert batch_sizes == set(budget_module.DEFAULT_BATCH_SIZES), table.key.filename
 
 
 def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
-    """A table of format 3 timed replayed forwards at the widest row's bucket, which generate no longer runs (it
-    caps rows at `graphs.row_width`): generate does not read it, says which file, why, and how to measure it again."""
+    """A table of format 4 timed the floor at width 4 and no commit, which generate no longer runs (the floor runs at
+    width 2): generate does not read it, says which file, why, and how to measure it again."""
     model = _fake_gpu_model(monkeypatch)
     table = _table(TableKey.for_model(model))
     path = table.save(table.default_path())
     data = json.loads(path.read_text())
-    data["format"] = 3
+    data["format"] = 4
     path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=4)
     assert resolver.source == "fallback" and resolver(2, 1000) == 62
     message = caplog.records[0].getMessage()
-    assert str(path) in message and "format 3 is not 4" in message
+    assert str(path) in message and "format 4 is not 5" in message
     assert "Measure it again with `python -m hf_bole.calibrate --model <checkpoint>" in message
     # a usable table shipped with the package is then read
     table.save(tables_module.PACKAGE_TABLES / path.name)
@@ -390,7 +459,7 @@ def test_auto_on_cpu_uses_fallback(caplog):
             resolver = BudgetResolver.for_model(model, BoleConfig(), batch_size=2)
     expected = (
         "hf_bole: no calibrated verification budget on cpu: budget='auto' uses the fallback of 31 draft nodes per "
-        "active request, at most 128 per round (pass bole_budget=<int> to fix it)"
+        "request, at most 128 per round (pass bole_budget=<int> to fix it)"
     )
     assert [r.getMessage() for r in caplog.records] == [expected]
     assert resolver.source == "fallback" and resolver(1, 10) == 31
@@ -430,11 +499,12 @@ def test_generate_auto_looks_up_every_round(dense, monkeypatch):
     """The loop asks the resolver every round with the active rows and the longest committed length."""
     calls = []
 
-    def rule(active_rows, kv_length):
-        calls.append((active_rows, kv_length))
-        return 1 + len(calls) % 3  # 2, 3, 1, 2, ...: changes every round
+    class Recording(BudgetResolver):
+        def __call__(self, active_rows, kv_length):
+            calls.append((active_rows, kv_length))
+            return 1 + len(calls) % 3  # 2, 3, 1, 2, ...: changes every round
 
-    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(lambda cls, *a: cls(rule, 3, "test")))
+    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(lambda cls, *a: Recording([0], [3], 2, "test")))
     rounds = _record_rounds(monkeypatch)
     ref = _generate(dense, PROMPTS)
     out = _generate(
@@ -465,34 +535,55 @@ def test_synthetic_draft_tree():
 
 def test_calibrate_times_the_width_generate_runs(dense, monkeypatch):
     """Selection pads every row to the most one row could get; the timed forward is as wide as the widest row
-    kept, as in the decoding loop (at batch 4 a budget of 8 leaves each row a few nodes, not 8)."""
-    widths = []
+    kept, as in the decoding loop (at batch 4 a budget of 8 leaves each row a few nodes, not 8); a round's commit is
+    timed on a forward of the roots alone."""
+    widths, commits = [], []
     forward = verify_module.tree_forward
     def recorded(model, cache, ids, *args, **kwargs):
         widths.append(ids.shape[1])
         return forward(model, cache, ids, *args, **kwargs)
 
     monkeypatch.setattr(verify_module, "tree_forward", recorded)
+    commit = hf_bole.BoleCache.commit
+    recorded = lambda self, r, path, **k: commits.append(path.shape) or commit(self, r, path, **k)  # noqa: E731
+    monkeypatch.setattr(hf_bole.BoleCache, "commit", recorded)
     table = budget_module.calibrate(
-        dense, [4], [8], [0, 8], warmup=1, reps=1, progress=False, cuda_graphs=False, attention="model"
+        dense, [4], [8], [0, 8], warmup=1, reps=2, progress=False, cuda_graphs=False, attention="model"
     )  # fmt: skip
-    assert table.key.launch == "eager"
-    assert table.meta["t_dec"] == "floor verify forward (N = batch size), launched from Python"
-    assert widths[:2] == [1, 1]  # roots only, warm-up and timed call
-    assert widths[2:4] == [2, 2]  # the floor (N = 4): each row's best root child, whose time is T_dec
-    assert 2 <= max(widths[4:]) < 1 + 8
+    assert table.key.launch == "eager" and table.meta["launched"] == "from Python"
+    assert widths[:3] == [1, 1, 1]  # roots only, warm-up and timed calls
+    assert widths[3:6] == [2, 2, 2]  # the floor (N = 4): each row's best root child
+    assert widths[6] == 1 and commits == [(4, 1)] * 3  # the commits' forward, then a token a commit
+    assert 2 <= max(widths[7:]) < 1 + 8
     (entry,) = table.entries
-    assert entry.nodes == [0, 4, 8] and entry.t_dec == entry.t_ver[1]
+    assert entry.nodes == [0, 4, 8] and entry.t_floor == entry.t_ver[1] and entry.t_commit > 0
+
+
+def test_calibrate_stops_past_max_ratio(dense, monkeypatch):
+    """A bucket's sweep stops at the first size whose forward costs more than `max_ratio` times the floor's (here
+    a forward costs its width: 1, 2, 4, 8, ...); the wider ones are never run."""
+    import functools
+
+    def timer_of_widths(self, fn):
+        return float(fn.args[0].shape[1]) if isinstance(fn, functools.partial) else 0.5  # the commit: 0.5
+
+    monkeypatch.setattr(calibration_module._Timer, "__call__", timer_of_widths)
+    table = budget_module.calibrate(dense, [2], [8], progress=False, cuda_graphs=False, max_ratio=2.0)
+    (entry,) = table.entries
+    assert entry.nodes == [0, 2, 6, 14] and entry.t_ver == [1.0, 2.0, 4.0, 8.0] and entry.t_commit == 0.5
+    assert table.meta["max_ratio"] == 2.0
+    with pytest.raises(ValueError, match="max_ratio must be > 1"):
+        budget_module.calibrate(dense, [2], [8], max_ratio=1.0)
 
 
 def test_calibrate_times_by_default_the_most_nodes_each_width_holds(dense):
     """The default grid is roots only, the floor and each batch size's capacities: the edges of the steps in which a
     forward's cost rises (`capacities`), within the synthetic trees' size (topk 2, depth 2: 6 nodes a row)."""
-    assert budget_module.capacities(1, tree_nodes=6) == [3] and budget_module.capacities(2, tree_nodes=6) == [6]
-    assert budget_module.capacities(1) == [3, 7, 15, 31, 63, 127]
+    assert budget_module.capacities(1, tree_nodes=6) == [1, 3] and budget_module.capacities(2, tree_nodes=6) == [2, 6]
+    assert budget_module.capacities(1) == [1, 3, 7, 15, 31, 63, 127]
     assert all(select_module.row_width(n, 4, 128) == n // 4 + 1 for n in budget_module.capacities(4))  # full rows
     table = budget_module.calibrate(
-        dense, [1, 2], [8], topk=2, depth=2, warmup=1, reps=1, progress=False, cuda_graphs=False
+        dense, [1, 2], [8], topk=2, depth=2, warmup=1, reps=1, progress=False, cuda_graphs=False, max_ratio=1e9
     )  # fmt: skip
     assert [(e.batch_size, e.nodes) for e in table.entries] == [(1, [0, 1, 3]), (2, [0, 2, 6])]
 
@@ -519,8 +610,8 @@ def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
 @pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
 def test_calibrate_replays_graphs(dense):
     table = budget_module.calibrate(dense, [1, 2], [16], [0, 2, 8], warmup=2, reps=3, progress=False)
-    assert table.key.launch == "triton-attention-graphs" and table.meta["t_dec"] == "floor verify forward (N = batch size), replayed"
-    assert all(e.t_dec > 0 and len(e.t_ver) == len(e.nodes) for e in table.entries)
+    assert table.key.launch == "triton-attention-graphs" and table.meta["launched"] == "replayed from CUDA graphs"
+    assert all(e.t_floor > 0 and e.t_commit > 0 and len(e.t_ver) == len(e.nodes) for e in table.entries)
     assert [e.nodes for e in table.entries] == [[0, 1, 2, 8], [0, 2, 8]]  # the floor N = batch size added at batch 1
 
 
@@ -536,10 +627,11 @@ def test_cli_on_tiny_checkpoint(dense, tmp_path, budget_cache, capsys):
     table = BudgetTable.load(out)
     assert table.key == key and table.epsilon == BoleConfig().epsilon
     assert [(e.batch_size, e.kv_length, e.nodes) for e in table.entries] == [(1, 8, [0, 1, 4]), (2, 8, [0, 2, 4])]
-    assert all(e.t_dec == e.t_ver[1] and all(t > 0 for t in e.t_ver) for e in table.entries)
-    # the floor always fits, so every budget covers one node per request
-    assert all(e.budget == choose_budget(e.nodes, e.t_ver, e.t_dec, table.epsilon) for e in table.entries)
-    assert all(e.budget >= e.batch_size for e in table.entries)
+    assert all(e.t_floor == e.t_ver[1] and e.t_commit > 0 and all(t > 0 for t in e.t_ver) for e in table.entries)
+    assert all(e.budget == choose_budget(e.nodes, e.t_ver, e.t_commit, e.batch_size, table.epsilon)
+               for e in table.entries)  # fmt: skip
+    # plain decoding, or at least one node a request (the floor)
+    assert all(e.budget == 0 or e.budget >= e.batch_size for e in table.entries)
     assert table.meta["timer"] == "perf_counter" and table.meta["topk"] == BoleConfig().topk
     assert find_table(key) == table  # also in the cache folder, where "auto" looks
     assert out.with_suffix(".png").stat().st_size > 0
@@ -594,6 +686,9 @@ def test_cli_rejects(capsys):
     with pytest.raises(SystemExit):
         calibrate_main(["--model", "x", "--epsilon", "-1"])
     assert "--epsilon must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        calibrate_main(["--model", "x", "--max-ratio", "1"])
+    assert "--max-ratio must be > 1" in capsys.readouterr().err
 
 
 def test_public_names():
@@ -622,3 +717,35 @@ def test_calibrate_times_the_tree_attention_kernel(dense, monkeypatch):
         dense, [1], [8], [0, 2], warmup=1, reps=1, progress=False, cuda_graphs=False, attention="triton"
     )  # fmt: skip
     assert table.key.launch == "triton-attention-eager" and calls
+
+
+def test_generate_never_widens_a_call_as_its_rows_finish(dense, monkeypatch):
+    """A call of 3 rows under a table whose one-row budget is 63 nodes and three-row budget 9: every round keeps
+    each row within the 3 nodes a row gets at 3 rows, also once rows have finished, and the drafter is asked for
+    no more; the output is plain greedy's."""
+    entries = [
+        _entry(1, 1024, [1.0] * 7, [0, 1, 3, 7, 15, 31, 63]),  # 63 at epsilon 0.3
+        _entry(3, 1024, [1.0, 1.0, 1.05, 1.5], [0, 3, 9, 21]),  # 9: 3 a row
+    ]
+    table = BudgetTable(TableKey("m", "NVIDIA H200", "bfloat16", "closed_form", "graphs"), 0.3, entries)
+    from_table = lambda cls, model, config, batch_size: cls.from_table(table, 0.3, batch_size)  # noqa: E731
+    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(from_table))
+    rounds, asked = [], []
+
+    def select_round(tree, root_tokens, budget, max_nodes_per_row, active=None, safe=None):
+        rounds.append((int(active.sum()), budget, max_nodes_per_row))
+        return select_nodes(prepared_tree(tree, active, safe), root_tokens, budget, max_nodes_per_row)
+
+    monkeypatch.setattr(loop, "select_round", select_round)
+    ngram = hf_bole.generation.NgramDrafter(BoleConfig(depth=8))
+    propose = ngram.propose
+    monkeypatch.setattr(ngram, "propose", lambda ctx: asked.append(ctx.max_nodes) or propose(ctx))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3, 4], [9, 9, 9, 9, 9]]
+    probe = _generate(dense, prompts)
+    eos = [int(probe[0, -11]), int(probe[1, -6]), int(probe[2, -3])]  # rows stop 2, 7 and 10 tokens in
+    ref = _generate(dense, prompts, eos_token_id=eos)
+    out = _generate(dense, prompts, eos_token_id=eos, custom_generate="hf_bole", bole_drafter=ngram,
+                    bole_cuda_graphs=False)  # fmt: skip
+    assert torch.equal(out, ref)
+    assert {rows for rows, *_ in rounds} > {3}  # rows finished before the last round
+    assert all(budget == 3 * rows and cap == 3 for rows, budget, cap in rounds) and set(asked) == {3}

@@ -36,8 +36,10 @@ def test_auto_attention_is_the_kernel_on_cuda():
     [
         pytest.param({"depth": 0}, "BoleConfig.depth must be a positive int, got 0", id="depth-0"),
         pytest.param({"topk": -1}, "BoleConfig.topk", id="topk-negative"),
-        pytest.param({"budget": "fast"}, "positive int or 'auto', got 'fast'", id="budget-str"),
-        pytest.param({"budget": 0}, "BoleConfig.budget must be a positive int or 'auto'", id="budget-0"),
+        pytest.param({"budget": "fast"}, r"an int >= 0 \(0: the roots alone, plain decoding\) or 'auto', got 'fast'",
+                     id="budget-str"),  # fmt: skip
+        pytest.param({"budget": -1}, "BoleConfig.budget must be an int >= 0", id="budget-negative"),
+        pytest.param({"budget": False}, "BoleConfig.budget must be an int >= 0", id="budget-bool"),
         pytest.param({"epsilon": -0.1}, "BoleConfig.epsilon must be a finite number >= 0, got -0.1", id="epsilon-neg"),
         pytest.param({"epsilon": float("nan")}, "BoleConfig.epsilon", id="epsilon-nan"),
         pytest.param({"epsilon": "0.1"}, "BoleConfig.epsilon", id="epsilon-str"),

@@ -72,6 +72,20 @@ def test_cuda_graphs_generate_matches_plain(verify, kind):
     torch.testing.assert_close(single, model.generate(ids[1:2], **one), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not torch.empty(0).is_cuda, reason="CUDA graphs need a GPU (HF_BOLE_TEST_DEVICE=cuda)")
+def test_cuda_graphs_budget_0_matches_plain():
+    """Rounds of the roots alone (budget 0) replayed from CUDA graphs, over two calls that share the cache: plain
+    greedy's tokens, one a round."""
+    model = build_model("dense")
+    ids = torch.tensor([[0, 0, 5, 17, 33, 2], [71, 3, 28, 44, 9, 60], [0, 0, 0, 0, 0, 13]])
+    kwargs = dict(attention_mask=(ids != 0).long(), do_sample=False, max_new_tokens=24, pad_token_id=0)
+    expected = model.generate(ids, **kwargs)
+    for _ in range(2):
+        out = model.generate(ids, custom_generate="hf_bole", bole_budget=0, return_dict_in_generate=True, **kwargs)
+        torch.testing.assert_close(out.sequences, expected, rtol=0, atol=0)
+        assert out.mean_accepted_tokens == 1.0
+
+
 def test_eager_experts_are_not_captured(monkeypatch):
     """transformers' "eager" experts loop over the experts hit, reading the routing on the host, and so does torch's
     grouped_mm outside bf16: models (and MTP layers) running them verify and draft without graphs; "grouped_mm" (the

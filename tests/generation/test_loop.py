@@ -24,6 +24,7 @@ import hf_bole
 from hf_bole.config import BoleConfig
 from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop, plan, select
 from hf_bole.generation import prefill as prefill_module
+from hf_bole.generation import commit as commit_module
 from hf_bole.generation import writes as writes_module
 from hf_bole.generation.requests import spread_settings
 from hf_bole.placement import Placement
@@ -154,7 +155,7 @@ def test_greedy_matches_plain_with_the_selection_kernel(dense, monkeypatch):
 
 def test_rows_are_capped_at_the_width_of_their_budget(dense, monkeypatch):
     """Every round selects into `select.row_width` of its budget and active rows, decided without reading the trees:
-    three rows share a budget of 6 at 3 nodes each (width 4); once one row is left it may keep all 6."""
+    three rows share a budget of 6 at 3 nodes each (width 4)."""
     rounds = []
     select_nodes = loop.select_round
 
@@ -1087,3 +1088,59 @@ def test_greedy_matches_plain_on_two_gpus(dense_with_mtp, drafter):
     assert cache.devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert cache.layers[0].recurrent_states[0].device == torch.device("cuda", 0)
     assert cache.layers[-1].keys.device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2]], ids=["B1", "B3"])
+def test_budget_0_is_plain_decoding(dense, monkeypatch, graphed, rows):
+    """A budget of 0 verifies the roots alone, one token a round: plain greedy's tokens, from graphs (recorded calls
+    on a CPU) or not, and no drafter is made (this model has no MTP head, the default drafter's weights)."""
+    from tests.generation.recorded_graph import recording_capture, recording_queued_capture
+
+    if graphed:
+        monkeypatch.setattr(plan, "captures", lambda model, cuda_graphs: True)
+        monkeypatch.setattr(graphs, "capture", recording_capture([]))
+        monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
+    made = []
+    monkeypatch.setattr(plan, "make_drafter", lambda *a: made.append(a))
+    trees = []  # the trees the greedy tail's graphs read, by their addresses
+    tail = commit_module.TailGraphs.__call__
+    recorded = lambda self, verify, *a: trees.append(verify) or tail(self, verify, *a)  # noqa: E731
+    monkeypatch.setattr(commit_module.TailGraphs, "__call__", recorded)
+    prompts = [PROMPTS[r] for r in rows]
+    ref = plain(dense, prompts, max_new_tokens=NEW, do_sample=False)
+    for _ in range(2):
+        out = bole(dense, prompts, max_new_tokens=NEW, do_sample=False, bole_budget=0, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref) and not made
+        assert out.accept_lengths.shape[1] == NEW - 1 and out.mean_accepted_tokens == 1.0  # the first: prefill's
+    # from graphs, every round of both calls reads one buffer of roots: one tail graph, replayed by the second call
+    assert len({id(t.input_ids) for t in trees}) == graphed
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_rounds_of_the_roots_alone_between_trees_keep_the_drafter_in_step(dense_with_mtp, monkeypatch, graphed):
+    """Rounds of budget 0 (the MTP drafter takes in the committed tokens and drafts nothing) between rounds that
+    draft: plain greedy's tokens, and the drafter's trees those of a drafter that drafted every round."""
+    from hf_bole.generation.budget import BudgetResolver
+    from hf_bole.generation.drafters import mtp as mtp_module
+    from tests.generation.recorded_graph import recording_capture, recording_queued_capture
+
+    if graphed:
+        monkeypatch.setattr(plan, "captures", lambda model, cuda_graphs: True)
+        monkeypatch.setattr(graphs, "capture", recording_capture([]))
+        monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
+        monkeypatch.setattr(mtp_module, "capture", recording_capture([]))
+    kvs = list(range(64))
+    budgets = [6 * (kv % 2) for kv in kvs]
+    every_other = lambda cls, model, config, batch_size: cls(kvs, budgets, batch_size, "test")  # noqa: E731
+    monkeypatch.setattr(BudgetResolver, "for_model", classmethod(every_other))
+    trees = []
+    propose = mtp_module.MTPDrafter.propose
+    recorded = lambda self, ctx: trees.append(propose(self, ctx)) or trees[-1]  # noqa: E731
+    monkeypatch.setattr(mtp_module.MTPDrafter, "propose", recorded)
+    prompts = [PROMPTS[r] for r in (0, 1, 2)]
+    ref = plain(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False)
+    out = bole(dense_with_mtp, prompts, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    widths = [t.tokens.shape[1] for t in trees]
+    assert 0 in widths and any(w > 0 for w in widths)

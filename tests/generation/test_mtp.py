@@ -312,6 +312,50 @@ def test_propose_tree_shape(depth, topk, ctx_max_nodes, max_nodes):
     assert (tree.parents[:, 0] == -1).all()
 
 
+@pytest.mark.parametrize("max_nodes", [1, 2, 3, 4, 7])
+def test_propose_grows_no_deeper_than_its_nodes(max_nodes, monkeypatch):
+    """A tree of `max_nodes` nodes grows at most `max_nodes` levels (one LM head row a request at 1: a large batch's
+    chain of one), and keeps the very nodes the whole tree's best `max_nodes` are."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([6, 9])
+    ctx = lambda n: _ctx(rows, [0, 0], [6, 9], max_nodes=n, left_pad=True)  # noqa: E731
+    whole = _drafter(model, mtp, depth=5, topk=3).propose(ctx(1000))
+    drafter = _drafter(model, mtp, depth=5, topk=3)
+    steps = []
+    step = drafter._step
+    monkeypatch.setattr(drafter, "_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    tree = drafter.propose(ctx(max_nodes))
+    expected = DraftTree(*(x[:, :max_nodes] for x in (whole.tokens, whole.parents, whole.draft_logprobs)))
+    _assert_same_trees(tree, expected)
+    # the prompt's extension and its last entries' (`_extend_all_but_last`), then one step a level below the first
+    assert len(steps) == 2 + min(5, max_nodes) - 1
+
+
+def test_propose_of_no_nodes_extends_the_cache_only(monkeypatch):
+    """A round that verifies no draft (`max_nodes` 0): the drafter takes in the new entries (one MTP step) and drafts
+    nothing; its later trees are those of a drafter that drafted every round."""
+    model = _model(moe=False)
+    mtp = _mtp(model)
+    rows = _rows([30, 12])
+    bounds = [[0, 7, 10, 12, 15], [0, 1, 2, 4, 7]]
+    quiet, busy = _drafter(model, mtp, 3, 2), _drafter(model, mtp, 3, 2)
+    steps = []
+    step = quiet._step
+    monkeypatch.setattr(quiet, "_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    for r in range(1, len(bounds[0])):
+        starts, ends = [bound[r - 1] for bound in bounds], [bound[r] for bound in bounds]
+        nodes = 0 if r % 2 else 1000
+        tree = quiet.propose(_ctx(rows, starts, ends, max_nodes=nodes, positions=False))
+        expected = busy.propose(_ctx(rows, starts, ends, positions=False))
+        if nodes:
+            _assert_same_trees(tree, expected)
+        else:
+            assert tree.tokens.shape == tree.parents.shape == tree.draft_logprobs.shape == (2, 0)
+    # extension only in rounds 1 (a prompt: two steps) and 3; extension and two levels in 2 and 4
+    assert len(steps) == 2 + 3 + 1 + 3
+
+
 class _FixedLogits(torch.nn.Module):
     """An lm_head that ignores its input."""
 

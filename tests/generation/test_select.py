@@ -13,7 +13,14 @@ import hf_bole
 from hf_bole.generation import DraftTree, select_nodes
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
-from hf_bole.generation.select import WIDTH_BUCKETS, SelectGraphs, prepared_tree, row_width, width_bucket
+from hf_bole.generation.select import (
+    WIDTH_BUCKETS,
+    Select,
+    SelectGraphs,
+    prepared_tree,
+    row_width,
+    width_bucket,
+)
 from tests.generation.recorded_graph import recording_capture
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
@@ -213,7 +220,7 @@ def _random_tree(B: int, N: int) -> DraftTree:
 
 
 def test_width_bucket():
-    assert [width_bucket(w, 128) for w in (1, 4, 5, 16, 17, 100, 128)] == [4, 4, 8, 16, 32, 128, 128]
+    assert [width_bucket(w, 128) for w in (1, 2, 3, 4, 5, 16, 17, 100, 128)] == [1, 2, 4, 4, 8, 16, 32, 128, 128]
     assert width_bucket(20, 24) == 24  # never wider than selection padded the trees
     assert WIDTH_BUCKETS[-1] == hf_bole.kernels.utils.MAX_TREE_NODES  # the kernels' largest tree
 
@@ -225,7 +232,9 @@ def test_row_width_holds_the_budget_in_a_bucket():
     assert row_width(64, 8, 64) == 16 and row_width(32, 8, 64) == 8
     assert row_width(32, 1, 64) == 64 and row_width(8, 1, 64) == 16  # one row: its budget's bucket
     assert row_width(500, 2, 64) == 64 and row_width(40, 1, 21) == 21  # at most the padded width
-    assert row_width(0, 3, 64) == 4 and row_width(5, 0, 64) == 8  # roots only; no active row
+    assert row_width(0, 3, 64) == 1 and row_width(5, 0, 64) == 8  # roots only; no active row
+    # the floor, one node a row, at width 2: a batch of 256 verifies 512 tokens, not 1024
+    assert row_width(256, 256, 128) == 2 and row_width(3, 8, 128) == 2 and row_width(257, 256, 128) == 4
 
 
 def test_replayed_selection_reads_its_static_inputs(monkeypatch):
@@ -279,3 +288,18 @@ def test_selection_reads_nothing_on_the_host(monkeypatch):
     select_nodes(tree, roots, 6, 7)
     monkeypatch.undo()
     assert reads == []
+
+
+def test_a_budget_of_0_verifies_the_roots_alone():
+    """No selection runs: every row's root alone; from graphs, in one buffer kept across calls and refilled each
+    round (the graphs that read it keep reading the round's roots)."""
+    select = Select(lambda *a: pytest.fail("a budget of 0 selects nothing"), max_nodes_per_row=0)
+    assert select.cap(0, 3) == 0
+    first = select(None, torch.tensor([4, 5, 6]), budget=0, cap=0, active=torch.ones(3, dtype=torch.bool))
+    assert first.input_ids.tolist() == [[4], [5], [6]] and first.parents.tolist() == [[-1]] * 3
+    assert first.node_mask.all() and first.num_nodes.tolist() == [1, 1, 1] and first.depths.tolist() == [[0]] * 3
+    kept = SelectGraphs()
+    graphed = Select(kept, max_nodes_per_row=0, roots=kept.roots_only)
+    first = graphed(None, torch.tensor([4, 5, 6]), budget=0, cap=0, active=torch.ones(3, dtype=torch.bool))
+    again = Select(kept, 0, kept.roots_only)(None, torch.tensor([7, 8, 9]), 0, 0, torch.ones(3, dtype=torch.bool))
+    assert again.input_ids is first.input_ids and first.input_ids.tolist() == [[7], [8], [9]]

@@ -12,7 +12,7 @@ from hf_bole import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.graphs import KEPT_CAPACITY_STEP
 from hf_bole.generation.tree import VerifyTree
-from hf_bole.generation.verify import graphed_cache, trimmed
+from hf_bole.generation.verify import graphed_cache, round_bytes, trimmed
 from hf_bole.models import tree_forward
 from tests.generation.recorded_graph import recording_capture, recording_queued_capture
 from tests.models.tiny import batch_trees, build_model, prefill
@@ -147,3 +147,19 @@ def _cloned(x, device=None):
     fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
     moved = {k: v.to(device, copy=True) for k, v in fields.items() if isinstance(v, torch.Tensor)}
     return dataclasses.replace(x, **moved)
+
+
+@pytest.mark.parametrize("verify", ["closed_form", "serial"])
+@pytest.mark.parametrize("width", [1, 2, 5, 16])
+def test_round_bytes_is_what_a_round_allocates(verify, width):
+    """`round_bytes`, the formula the docs' per-request memory comes from, against what a verify forward of a batch
+    of 3 allocates: its tree round's state (`TreeRound.transient_bytes`) and its outputs, 3 times one request's."""
+    model = build_model("dense")
+    cache = BoleCache(model.config, batch_size=3, max_cache_len=64)
+    prefill(model, cache, PROMPTS)
+    parents = torch.arange(-1, width - 1).expand(3, -1)  # chains: any tree of the width allocates the same
+    out = tree_forward(model, cache, torch.ones_like(parents), parents, verify=verify)
+    expected = round_bytes(model.config, width, model.dtype, verify)
+    outputs = {"logits": out.logits.nbytes, "hidden_states": out.hidden_states.nbytes}
+    allocated = {**out.tree_round.transient_bytes, **outputs}
+    assert allocated == {part: 3 * n for part, n in expected.items()}

@@ -39,15 +39,16 @@ def test_warmup_runs_every_width_and_leaves_generate_unchanged(verify):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_compiled_warmup_skips_width_one(monkeypatch):
-    """With `compile`, the warm-up compiles the forward rounds reach (width >= 2), not width 1's graph of its own."""
+def test_compiled_warmup_compiles_width_one_too(monkeypatch):
+    """With `compile`, the warm-up compiles every width rounds reach, 1 (a round of budget 0, the roots alone) among
+    them."""
     import hf_bole.models.adapter as adapter
 
     compiled = []
     monkeypatch.setattr(adapter, "_compiled", lambda decoder: compiled.append(decoder) or decoder.forward)
     model = tiny.build_model()
-    assert hf_bole.warmup(model, batch_size=2, max_nodes=20, compile=True) == [2, 16, 17, 20]
-    assert len(compiled) == 4
+    assert hf_bole.warmup(model, batch_size=2, max_nodes=20, compile=True) == [1, 2, 16, 17, 20]
+    assert len(compiled) == 5
 
 
 def test_warmup_rejects_bad_arguments():

@@ -5,12 +5,20 @@ and where they are stored (`tables.py`), and their measurement and plot (`calibr
 from hf_bole.generation.budget.calibration import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_KV_LENGTHS,
+    MAX_RATIO,
     calibrate,
     capacities,
     plot_table,
     synthetic_draft_tree,
 )
-from hf_bole.generation.budget.rule import BudgetResolver, choose_budget, entry_budget, fallback_budget
+from hf_bole.generation.budget.rule import (
+    BudgetResolver,
+    choose_budget,
+    entries_at,
+    entry_budget,
+    fallback_budget,
+    row_nodes,
+)
 from hf_bole.generation.budget.tables import (
     PACKAGE_TABLES,
     BudgetEntry,
@@ -25,6 +33,7 @@ from hf_bole.generation.budget.tables import (
 __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_KV_LENGTHS",
+    "MAX_RATIO",
     "PACKAGE_TABLES",
     "BudgetEntry",
     "BudgetResolver",
@@ -34,11 +43,13 @@ __all__ = [
     "calibrate",
     "capacities",
     "choose_budget",
+    "entries_at",
     "entry_budget",
     "fallback_budget",
     "find_table",
     "model_key",
     "plot_table",
+    "row_nodes",
     "synthetic_draft_tree",
     "table_dirs",
 ]

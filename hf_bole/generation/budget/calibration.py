@@ -10,11 +10,17 @@ default on CUDA for dense models) or launched from Python. All run with hf_bole'
 level, random draft probabilities, confidence differing by request) and the batch-shared selection splits `N` across
 requests as in the decoding loop.
 
-`T_dec` is `T_ver(batch size)`: the forward of selection's floor, each request's best root child, the least a round
-verifies. DESIGN.md's decode step, the roots-only forward, is cheaper than any forward a round runs, by a cost that
-comes with the tree's width, not with its nodes: against it a small model's budget can fall to the floor although a
-tree of a few dozen nodes costs a round little more than the floor's forward. Every budget is thus at least the batch
-size; `N = 0` (roots only) is measured for the plot, not chosen.
+`N = 0` is the roots alone (plain decoding's step, at width 1), `N = batch size` selection's floor (each request's
+best root child, width 2), the least a round that drafts verifies; above it, by default, the most nodes each wider
+width holds (`capacities`), where the forward's cost steps. `T_commit` is a round's commit (`BoleCache.commit` of a
+one-token path, replayed or launched as the forwards): it reads and writes every row's GDN state, which at a large
+batch costs as much as a good part of the forward, the same for any tree. The rule (`rule.py`) weighs rounds,
+`T_ver(N) + T_commit`.
+
+A bucket's sweep over `N` stops at the first size whose forward costs more than `max_ratio` times the floor's: no
+epsilon below `max_ratio - 1` would choose it, and at a large batch the wide forwards are the slow ones (at batch
+256, width 128 is 32,768 tokens and 16 GiB of logits on a 248k vocabulary). The prompt's prefill runs in forwards
+of at most `PREFILL_TOKENS` tokens across the batch.
 """
 
 from __future__ import annotations
@@ -39,9 +45,14 @@ from hf_bole.placement import placement
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 4, 8, 16)
+DEFAULT_BATCH_SIZES = (1, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_KV_LENGTHS = (512, 2048, 8192)
 ROW_CAP = MAX_TREE_NODES - 1  # draft nodes one request's tree can hold in the verify kernels (the root not counted)
+# The most tokens one prefill forward of a bucket's prompt takes, across the batch: at batch 256 a 2048-token chunk
+# per row would be 524k tokens at once (13 GiB for one MLP activation of the 9B shape).
+PREFILL_TOKENS = 32768
+# A bucket's sweep stops past this multiple of the floor's forward (`calibrate`'s `max_ratio`).
+MAX_RATIO = 2.0
 
 
 def synthetic_draft_tree(
@@ -117,6 +128,7 @@ def calibrate(
     depth: int | None = None,
     warmup: int = 3,
     reps: int = 10,
+    max_ratio: float = MAX_RATIO,
     prefill_chunk: int = 2048,
     seed: int = 0,
     progress: bool = True,
@@ -125,14 +137,16 @@ def calibrate(
     attention: str = "auto",
     on_bucket: Callable[[BudgetTable], None] | None = None,
 ) -> BudgetTable:
-    """Measures `T_ver(N)` on `model` for every (batch size, KV length) bucket and returns the table.
+    """Measures `T_ver(N)` and `T_commit` on `model` for every (batch size, KV length) bucket and returns the table.
 
-    For each bucket a `BoleCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`),
-    and the verify forward of synthetic draft trees (`synthetic_draft_tree` with `topk`/`depth`, split across the
-    batch by `select_nodes`) is timed for every `N` in `nodes` that the batch can hold, `N = 0` (roots only) and
-    `batch_size <= N <= batch_size * min(127, tree size)`, and for `N = batch_size`, the floor of selection, whose
-    time is the entry's `T_dec`. Each timing is the median of `reps` after `warmup` calls. A bucket that runs out of
-    GPU memory before its floor was timed is left out, and logged; one that runs out later keeps what it measured.
+    For each bucket a `BoleCache` is prefilled with random tokens to the KV length (in chunks of `prefill_chunk`
+    tokens per row, at most `PREFILL_TOKENS` across the batch), and the verify forward of synthetic draft trees
+    (`synthetic_draft_tree` with `topk`/`depth`, split across the batch by `select_nodes`) is timed for every `N` in
+    `nodes` that the batch can hold, `N = 0` (roots only) and `batch_size <= N <= batch_size * min(127, tree size)`,
+    and for `N = batch_size`, the floor of selection, in ascending order until one costs more than `max_ratio` times
+    the floor; a round's commit is timed right after the floor. Each timing is the median of `reps` after `warmup` calls. A bucket that runs out
+    of GPU memory before its floor and commit were timed is left out, and logged; one that runs out later keeps what
+    it measured.
 
     Args:
         model: a Qwen3.5 model hf_bole supports, on its device, in the dtype to calibrate.
@@ -143,7 +157,10 @@ def calibrate(
         verify (`str`): the verify mode to time, "closed_form" or "serial".
         topk, depth (`int`, *optional*): the synthetic trees' shape (default: `BoleConfig`'s).
         warmup, reps (`int`): calls before timing, and timed calls per median.
-        prefill_chunk (`int`): tokens per row per prefill forward.
+        max_ratio (`float`): a bucket's sweep stops at the first `N` whose forward costs more than this many times
+            the floor's (look-ups at an epsilon of `max_ratio - 1` or more then take the last measured `N` as the
+            most).
+        prefill_chunk (`int`): tokens per row per prefill forward (at most `PREFILL_TOKENS` in all).
         seed (`int`): seeds the prompts and the trees.
         progress (`bool`): show a tqdm bar.
         cuda_graphs (`bool`): time the forwards as `generate` with `bole_cuda_graphs=cuda_graphs` runs them:
@@ -179,6 +196,8 @@ def calibrate(
             f"calibration needs batch sizes >= 1, KV lengths >= 1 and node counts >= 0, got {batch_sizes}, "
             f"{kv_lengths}, {nodes}"
         )
+    if not max_ratio > 1:
+        raise ValueError(f"max_ratio must be > 1 (the floor's forward itself is 1), got {max_ratio}")
     device = model.device
     tree_nodes = min(ROW_CAP, topk + (depth - 1) * topk**2)
     grid = {}
@@ -196,35 +215,38 @@ def calibrate(
         "depth": depth,
         "warmup": warmup,
         "reps": reps,
+        "max_ratio": max_ratio,
         "seed": seed,
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-        "t_dec": "floor verify forward (N = batch size), " + ("replayed" if key.replayed else "launched from Python"),
+        "launched": "replayed from CUDA graphs" if key.replayed else "from Python",
         "unit": "ms",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": _versions(),
     }
-    total = sum(len(kv_lengths) * len(grid[b]) for b in batch_sizes)
+    total = sum(len(kv_lengths) * (len(grid[b]) + 1) for b in batch_sizes)  # the commit counts one
     bar = _progress(total, progress)
     entries: list[BudgetEntry] = []
     for b in batch_sizes:
         for kv in kv_lengths:
             bar.set_description(f"batch {b}, KV {kv}")
-            timings: dict[int, float] = {}  # N -> the verify forward of N draft nodes
+            timings: dict[int | str, float] = {}  # N -> the verify forward of N draft nodes; "commit" -> a commit
             try:
                 _measure_bucket(
                     model, b, kv, grid[b], timings, timer, topk, depth, verify, key.replayed,
-                    compile, attention, prefill_chunk, generator, bar,
+                    compile, attention, max_ratio, prefill_chunk, generator, bar,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 logger.warning(f"hf_bole calibrate: out of memory at batch {b}, KV {kv}; kept {len(timings)} timings")
-                bar.update(len(grid[b]) - len(timings))
+            bar.update(len(grid[b]) + 1 - len(timings))  # the sizes skipped past max_ratio, or after running out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            if b not in timings:
+            t_commit = timings.pop("commit", None)
+            if b not in timings or t_commit is None:
                 continue
             ns = sorted(timings)
             t_ver = [timings[n] for n in ns]
-            entries.append(BudgetEntry(b, kv, timings[b], ns, t_ver, choose_budget(ns, t_ver, timings[b], epsilon)))
+            budget = choose_budget(ns, t_ver, t_commit, b, epsilon)
+            entries.append(BudgetEntry(b, kv, ns, t_ver, t_commit, budget))
             if on_bucket is not None:
                 on_bucket(BudgetTable(key, epsilon, list(entries), meta))
     bar.close()
@@ -238,15 +260,16 @@ def capacities(batch_size: int, tree_nodes: int = ROW_CAP) -> list[int]:
     A forward's cost steps up where the rows' width (root included) passes a power of two, not with each node: the
     verify kernels pad a row's nodes to a power-of-two tile (the GDN solve to at least 32), and the graphs run at
     the buckets. Timed only inside the steps, the budget rule stops short of a step's edge or just past it: 32 nodes
-    at batch 1 run at width 64, where 31 fill width 32 for less.
+    at batch 1 run at width 64, where 31 fill width 32 for less. The first, `batch_size` (width 2), is selection's
+    floor.
 
     Example:
 
     ```python
     >>> capacities(1, tree_nodes=68)
-    [3, 7, 15, 31, 63]
+    [1, 3, 7, 15, 31, 63]
     >>> capacities(8)
-    [24, 56, 120, 248, 504, 1016]
+    [8, 24, 56, 120, 248, 504, 1016]
     ```
     """
     return [batch_size * (w - 1) for w in WIDTH_BUCKETS if 1 <= w - 1 <= tree_nodes]
@@ -254,15 +277,19 @@ def capacities(batch_size: int, tree_nodes: int = ROW_CAP) -> list[int]:
 
 def _measure_bucket(
     model, b: int, kv: int, grid: list[int], timings: dict, timer: _Timer, topk: int, depth: int, verify: str,
-    graphed: bool, compile: bool, attention: str, prefill_chunk: int, generator: torch.Generator, bar,
+    graphed: bool, compile: bool, attention: str, max_ratio: float, prefill_chunk: int, generator: torch.Generator,
+    bar,
 ) -> None:  # fmt: skip
-    """Fills `timings[N]` (the verify forward of `N` draft nodes) for one bucket, as they come.
+    """Fills `timings[N]` (the verify forward of `N` draft nodes) for one bucket, as they come, in ascending order
+    until one costs more than `max_ratio` times the floor's, and `timings["commit"]` (a round's commit) after the
+    floor's.
 
     Forwards run at the width the decoding loop gives them: replayed from CUDA graphs when `graphed`, at the bucket
     `row_width` picks (selection capped there), else at the widest row's exact width (`trimmed`); with hf_bole's
     SDPA backends (`attention_backends`: cuDNN's per-shape planning would make any of them look several times
     slower). Tree forwards write their KV past the committed tokens and commit nothing, so every one starts from the
-    same prefilled cache."""
+    same prefilled cache; the commits, timed on a forward of the roots alone, each commit one token more, for which
+    the cache has room."""
     from hf_bole.cache import BoleCache
     from hf_bole.models import attention_backends, cache_argument
 
@@ -271,15 +298,19 @@ def _measure_bucket(
     prompt = torch.randint(0, vocab, (b, kv), generator=generator, device=generator.device).to(device)
     roots = prompt[:, -1:]
     no_parents = torch.full((b, 1), -1, dtype=torch.long, device=device)
+    commits = timer.warmup + timer.reps
+    chunk = max(1, min(prefill_chunk, PREFILL_TOKENS // b))
     with attention_backends():
-        cache = BoleCache(model.config, b, max_cache_len=kv + ROW_CAP + 2, device=device, dtype=model.dtype)
-        for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
-            chunk = prompt[:, start : start + prefill_chunk]
-            decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
+        cache = BoleCache(model.config, b, max_cache_len=kv + commits + ROW_CAP + 2, device=device, dtype=model.dtype)
+        for start in range(0, kv, chunk):  # through the decoder: no logits over the whole prompt
+            decoder(input_ids=prompt[:, start : start + chunk], use_cache=True,
+                    **{cache_argument(type(decoder).forward): cache})  # fmt: skip
         if graphed:
             forward = VerifyGraphs(model, cache, verify, compile, attention=attention)
+            commit = forward.commit
         else:
             forward = Verify(model, cache, verify, compile, True, attention, pipelined=False).forward
+            commit = functools.partial(cache.commit, check_values=False)
         for n in grid:
             if n == 0:
                 ids, parents = roots, no_parents
@@ -290,11 +321,30 @@ def _measure_bucket(
                 ids, parents = vt.input_ids, vt.parents
             timings[n] = timer(functools.partial(forward, ids, parents))
             bar.update(1)
+            if n == b:
+                timings["commit"] = _time_commit(cache, forward(roots, no_parents).tree_round, commit, timer)
+                bar.update(1)
+            if n > b and timings[n] > max_ratio * timings[b]:
+                return
+
+
+def _time_commit(cache, tree_round, commit, timer: _Timer) -> float:
+    """A round's commit: one token (each row's root) of `tree_round`, committed again and again (the round is marked
+    verified from the state each commit leaves: the cost is the same)."""
+    path = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.device)
+
+    def one() -> None:
+        cache.mark_verified(tree_round)  # host-side only
+        commit(tree_round, path)
+
+    return timer(one)
 
 
 def plot_table(table: BudgetTable, path: str | Path, epsilon: float | None = None) -> Path:
-    """`T_ver(N) / T_dec` against `N`, one panel per batch size and one line per KV length, the threshold
-    `1 + epsilon` dashed and every chosen budget circled. Needs matplotlib."""
+    """A round's cost `T(N) / T(floor)` (`T = T_ver + T_commit`) against `N`, one panel per batch size and one line
+    per KV length, the thresholds dashed (`1 + epsilon` for the budget; `1 / (1 + epsilon)` for the roots alone at
+    `N = 0`, drawn at 0.5: below it the budget is 0, plain decoding) and every chosen budget circled. Needs
+    matplotlib."""
     try:
         import matplotlib
 
@@ -304,24 +354,31 @@ def plot_table(table: BudgetTable, path: str | Path, epsilon: float | None = Non
         raise ImportError("plotting the budget table needs matplotlib: pip install matplotlib") from e
     epsilon = table.epsilon if epsilon is None else epsilon
     batches = sorted({e.batch_size for e in table.entries})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False, sharey=True)
-    for ax, b in zip(axes[0], batches):
+    columns = min(len(batches), 4)
+    rows = -(-len(batches) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.8 * rows), squeeze=False, sharey=True)
+    for ax, b in zip(axes.flat, batches):
         for e in (e for e in table.entries if e.batch_size == b):
-            ratio = [t / e.t_dec for t in e.t_ver]
-            x = [n or 0.5 for n in e.nodes]  # N = 0 (roots only) drawn at 0.5 on the log axis, below the floor's 1
+            floor = e.t_floor + e.t_commit
+            ratio = [(t + e.t_commit) / floor for t in e.t_ver]
+            x = [n or 0.5 for n in e.nodes]  # N = 0 (roots only) drawn at 0.5 on the log axis, below the floor's
             (line,) = ax.plot(x, ratio, marker=".", label=f"KV {e.kv_length}")
             chosen = entry_budget(e, epsilon)
             i = e.nodes.index(chosen) if chosen in e.nodes else None
             if i is not None:
                 ax.plot([x[i]], [ratio[i]], "o", ms=11, mfc="none", color=line.get_color())
-        ax.axhline(1 + epsilon, ls="--", color="grey", lw=1)
+        for limit in (1 + epsilon, 1 / (1 + epsilon)):
+            ax.axhline(limit, ls="--", color="grey", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_title(f"batch {b}")
         ax.set_xlabel("draft nodes N per forward (0.5 = roots only)")
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("T_ver(N) / T_dec")
+    for ax in axes.flat[len(batches) :]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("T(N) / T(floor), T = T_ver + T_commit")
     fig.suptitle(f"{table.key.model}, {table.key.device}, {table.key.dtype}, {table.key.verify}: circled = "
-                 f"B_ver at epsilon {epsilon}", fontsize=9)  # fmt: skip
+                 f"the budget at epsilon {epsilon}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,9 @@ from hf_bole.placement import placement
 PACKAGE_TABLES = Path(__file__).resolve().parents[2] / "budgets"  # the tables shipped with hf_bole
 
 # 2: keyed by how forwards launch (CUDA graphs or eager) too; 3: T_dec is the floor's forward; 4: replayed forwards
-# timed at `row_width`'s bucket, no longer at the widest row's
-FORMAT_VERSION = 4
+# timed at `row_width`'s bucket, no longer at the widest row's; 5: the floor verified at width 2 (was 4), the commit
+# timed (`t_commit`), `t_dec` no longer stored (it is `t_ver` at the floor)
+FORMAT_VERSION = 5
 # Fields of a text config that set the cost of a forward; the model key hashes them.
 _SHAPE_FIELDS = (
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
@@ -127,15 +128,23 @@ class TableKey:
 
 @dataclass
 class BudgetEntry:
-    """The timings of one (batch size, KV length) bucket, in milliseconds. `budget` is `rule.choose_budget` at the
-    table's epsilon; look-ups with another epsilon choose again from the timings (`rule.entry_budget`)."""
+    """The timings of one (batch size, KV length) bucket, in milliseconds: the verify forward of `nodes[i]` draft
+    nodes in all (`t_ver[i]`; 0 nodes: the roots alone; `batch_size` nodes: selection's floor, one a request) and the
+    commit of a round (`t_commit`, the same for every tree: it reads and writes every row's state once). `budget` is
+    `rule.choose_budget` at the table's epsilon; look-ups with another epsilon choose again from the timings
+    (`rule.entry_budget`)."""
 
     batch_size: int
     kv_length: int
-    t_dec: float
     nodes: list[int]
     t_ver: list[float]
+    t_commit: float
     budget: int
+
+    @property
+    def t_floor(self) -> float:
+        """The verify forward of selection's floor, one draft node a request."""
+        return self.t_ver[self.nodes.index(self.batch_size)]
 
 
 @dataclass
@@ -209,7 +218,3 @@ def _load_cached(path: Path, mtime: int) -> BudgetTable:
 def bucket_index(buckets: Sequence[int], value: int) -> int:
     """The index of the largest bucket <= value, or 0 when value is below all (buckets sorted ascending)."""
     return max(bisect.bisect_right(buckets, value) - 1, 0)
-
-
-def bucket(buckets: Sequence[int], value: int) -> int:
-    return buckets[bucket_index(buckets, value)]

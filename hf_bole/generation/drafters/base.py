@@ -32,7 +32,10 @@ class DraftContext:
             for a drafter with `max_depth` (see `Drafter`) while the loop pipelines rounds: the host does not know
             them yet.
         max_nodes (`int`):
-            The most draft nodes one row's tree may hold (the root not counted).
+            The most draft nodes one row's tree may hold (the root not counted): the width this round verifies, so
+            a drafter need not draft deeper. 0 in a round that verifies no draft (a budget of 0, as `budget="auto"`
+            chooses where drafting cannot pay for itself): the drafter takes in the new entries and may return a tree
+            of no nodes; whatever it returns is not verified.
         lengths (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Per row, the number of committed tokens, `len(sequences[b])`, on the device; derived from `sequences`
             when not given.

@@ -301,8 +301,12 @@ class MTPDrafter:
         self, cache: _MTPKVCache, inputs: tuple[torch.Tensor, ...], num_nodes: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_extend` on `inputs` (its hidden, next tokens, mask, positions, committed), then `_draft`: the tree's
-        tokens, parents and draft log-probabilities, each `[B, num_nodes]`."""
+        tokens, parents and draft log-probabilities, each `[B, num_nodes]` (no drafting for 0 nodes: a round that
+        verifies no draft)."""
         root_hidden, root_position = self._extend(cache, *inputs)
+        if num_nodes == 0:
+            empty = root_position.new_empty(root_position.shape[0], 0)
+            return empty, empty, root_hidden.new_empty(empty.shape, dtype=torch.float32)
         return self._draft(cache, root_hidden, root_position, inputs[-1], num_nodes)
 
     def _is_round(self, num_new: int) -> bool:
@@ -512,8 +516,13 @@ class MTPDrafter:
         num_nodes: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Grows the tree level by level from the root outputs `[B, hidden]`, then keeps the best `num_nodes`: their
-        tokens, parents and draft log-probabilities, each `[B, num_nodes]` (a `DraftTree`'s fields)."""
+        tokens, parents and draft log-probabilities, each `[B, num_nodes]` (a `DraftTree`'s fields).
+
+        At most `num_nodes` levels grow: a kept node's ancestors are all kept and rank before it (a child's
+        cumulative log-probability never exceeds its parent's, ties keep the shallower), so no node deeper than
+        `num_nodes` is ever kept, and the levels above it are the same either way."""
         K = self.topk
+        depth = min(self.depth, num_nodes)
         batch_size, hidden_size = root_hidden.shape
         device = root_hidden.device
         keys = torch.arange(cache.num_keys, device=device)
@@ -526,8 +535,8 @@ class MTPDrafter:
         frontier_ancestors = torch.zeros(batch_size, K, cache.num_keys, dtype=torch.bool, device=device)
         # Every node of level d sits at position root_position + d: the rotary embedding of all levels at once (one
         # computation a round instead of one a level), each [B, depth - 1, head_dim]
-        cos, sin = self._rope(root_position[:, None] + torch.arange(1, self.depth, device=device))
-        for d in range(1, self.depth):
+        cos, sin = self._rope(root_position[:, None] + torch.arange(1, depth, device=device))
+        for d in range(1, depth):
             slots = cache.TRASH + 1 + (d - 1) * K + torch.arange(K, device=device)  # [K] scratch slots of level d
             frontier_ancestors = frontier_ancestors | (keys == slots[:, None])  # [B, K, L] ancestors and self
             out = self._step(
@@ -541,7 +550,7 @@ class MTPDrafter:
                 key_lengths=key_lengths,
             )  # [B, K, hidden]
             levels.add(*self._children(out))  # [B, K, K]
-            if d + 1 < self.depth:
+            if d + 1 < depth:
                 chosen = levels.advance(self._best)  # [B, K] among the level's K*K children
                 parent = chosen // K  # index of the parent in the current frontier
                 frontier_tokens = levels.tokens[-1].gather(1, chosen)

@@ -58,7 +58,8 @@ class NgramDrafter:
             `DraftTree` of width `N` = the largest row's node count (at most `ctx.max_nodes`), on the device of
             `ctx.sequences`.
         """
-        rows = [self._row(seq.cpu(), ctx.max_nodes) for seq in ctx.sequences]
+        # A round that verifies no draft (`max_nodes` 0) looks nothing up: the drafter keeps no state.
+        rows = [self._row(seq.cpu(), ctx.max_nodes) if ctx.max_nodes else ([], [], []) for seq in ctx.sequences]
         N = max((len(tokens) for tokens, _, _ in rows), default=0)
         tokens = torch.zeros(len(rows), N, dtype=torch.long)
         parents = torch.full((len(rows), N), -1, dtype=torch.long)
