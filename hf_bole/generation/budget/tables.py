@@ -26,6 +26,7 @@ import torch
 
 from hf_bole.config import resolve_attention
 from hf_bole.generation.graphs import captures
+from hf_bole.models.family import family_of
 from hf_bole.placement import placement
 
 PACKAGE_TABLES = Path(__file__).resolve().parents[2] / "budgets"  # the tables shipped with hf_bole
@@ -109,7 +110,7 @@ class TableKey:
         # The GPU its forwards run on (under accelerate hooks `model.device` may name a parameter left elsewhere).
         place = placement(model)
         device = place.input_device
-        attention = resolve_attention(attention, place.layer_devices[0])
+        attention = resolve_attention(attention, place.layer_devices[0], family_of(model.config).tree_attention_kernel)
         launch = "compiled-" * compile + "triton-attention-" * (attention == "triton")
         launch += "graphs" if captures(model, cuda_graphs) else "eager"
         return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
