@@ -92,7 +92,7 @@ def test_greedy_matches_plain(name, drafter):
         assert out.mean_accepted_tokens > 3.0
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini"]))
+@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear"]))
 def test_sampling_keeps_the_distribution(name):
     """Chi-square: the joint law of the first three sampled tokens equals plain sampling's (4000 samples each), with
     a wide tree of random drafts every round."""
@@ -163,7 +163,7 @@ def test_mtp_weights_from_the_hub_cache_only(tmp_path, monkeypatch):
         load_mtp_state_dict("org/tiny-next")
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "lara_mini"]))
+@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear"]))
 def test_families_without_an_mtp_head(name, tmp_path):
     """The default drafter needs an MTP head: families whose checkpoints have none say which drafters they take."""
     model = tiny_families.build(name)
