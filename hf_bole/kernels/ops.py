@@ -60,7 +60,9 @@ def _verify_serial_op(
     scale: Optional[float],
     use_qk_l2norm_in_kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _tree_gdn_verify_serial(
+    # one op for both recurrences' walks: g [B, T, H] (GDN) or [B, T, H, K] (KDA), the same outputs
+    verify_serial = _tree_kda_verify_serial if g.dim() == 4 else _tree_gdn_verify_serial
+    return verify_serial(
         q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
     )
 
@@ -91,29 +93,6 @@ def _kda_verify_op(
 @_kda_verify_op.register_fake
 def _(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel):
     return torch.empty_like(v), v.new_empty(v.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("hf_bole::tree_kda_verify_serial", mutates_args=())
-def _kda_verify_serial_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    parents: torch.Tensor,
-    initial_state: Optional[torch.Tensor],
-    scale: Optional[float],
-    use_qk_l2norm_in_kernel: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _tree_kda_verify_serial(
-        q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
-    )
-
-
-@_kda_verify_serial_op.register_fake
-def _(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel):
-    B, T, H, V = v.shape
-    return torch.empty_like(v), v.new_empty(B, T, H, k.shape[-1], V, dtype=torch.float32)
 
 
 @torch.library.custom_op("hf_bole::tree_causal_conv1d", mutates_args=())
@@ -206,7 +185,7 @@ def tree_kda_verify_serial(
     q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hf_bole.kernels.tree_kda_verify_serial` as one node of a compiled graph."""
-    return _kda_verify_serial_op(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
+    return _verify_serial_op(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
 
 
 def tree_causal_conv1d(x, weight, bias, parents, conv_state, activation="silu") -> torch.Tensor:
