@@ -303,11 +303,6 @@ def tree_forward(
         raise ValueError(f"tree_forward needs a BoleCache, got {type(cache).__name__}")
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if attention == "triton" and not family.tree_attention_kernel:
-        raise ValueError(
-            f"attention='triton' runs hf_bole's tree attention kernel, which {family.name}'s attention layers cannot "
-            f"use (their query-key and value heads differ in size); pass attention='model' or 'auto'"
-        )
     attention = resolve_attention(attention, cache.lengths.device, family.tree_attention_kernel)
     if input_ids.dim() != 2 or input_ids.shape != parents.shape:
         raise ValueError(

@@ -67,8 +67,12 @@ def test_tree_attention_kernel_refused(name):
     model = tiny_families.build(name)
     cache = BoleCache(model.config, batch_size=3)
     roots = tiny.prefill(model, cache, PROMPTS)
-    with pytest.raises(ValueError, match="attention='triton'.*Kimi-Linear's attention layers cannot use"):
+    with pytest.raises(ValueError, match="attention='triton'.*cannot use.*Kimi-Linear's MLA"):
         tree_forward(model, cache, roots[:, None], torch.full((3, 1), -1), attention="triton")
+    ids, mask = tiny.left_pad(PROMPTS)
+    with pytest.raises(ValueError, match="attention='triton'.*cannot use"):
+        model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, custom_generate="hf_bole",
+                       bole_drafter="ngram", bole_attention="triton")  # fmt: skip
     kernel = tiny_families.family(name).tree_attention_kernel
     assert resolve_attention("auto", torch.device("cuda"), kernel) == "model"
 
