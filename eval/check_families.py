@@ -1,12 +1,14 @@
-"""Greedy exactness of every GDN family on real-shape random models in bf16 (issue 58): plain `generate` against
-hf_bole with the oracle drafter (deep accepted paths) and with the n-gram drafter, a left-padded batch.
+"""Greedy exactness of every GDN and KDA family on real-shape random models in bf16 (issues 58, 59): plain `generate`
+against hf_bole with the oracle drafter (deep accepted paths) and with the n-gram drafter, a left-padded batch.
 
     python eval/check_families.py --layers 8 --new 64
+    python eval/check_families.py --families Kimi-Linear --layers 8
 
 Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B), cut to `--layers` decoder
 layers (every layer as the shape's; the layer pattern the config makes for that count) so that every family fits one
-GPU. Weights are random, made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's attention blocks normalise
-after their output projections, so their post-norms are scaled down instead. Where an output differs from plain
+GPU (Kimi-Linear: the 48B-A3B shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16). Weights are random,
+made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's attention blocks normalise after their output
+projections, so their post-norms are scaled down instead. Where an output differs from plain
 decoding, the line names the first differing step and plain decoding's gap between its two best logits there: a gap
 within bf16 rounding of the logits is a near-tie (the verify forward's kernels round differently, as DESIGN.md §6
 explains), a wide one a bug.
@@ -34,6 +36,7 @@ MODELS = {
     "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "OLMo-Hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
     "Lara-Mini": ("LaraMiniConfig", "LaraMiniForCausalLM"),
+    "Kimi-Linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
 }
 
 

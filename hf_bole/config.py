@@ -263,14 +263,21 @@ class BoleConfig:
         return cls(**settings), rest
 
 
-def resolve_attention(attention: str, device) -> str:
+def resolve_attention(attention: str, device, kernel: bool = True) -> str:
     """`attention` (one of `ATTENTION_MODES`) for a verify forward on `device` (a `torch.device`): "auto" is
-    "triton" on CUDA and "model" elsewhere (off CUDA the kernel's stand-in is a torch reference, not faster)."""
+    "triton" on CUDA and "model" elsewhere (off CUDA the kernel's stand-in is a torch reference, not faster), and
+    "model" for a model whose attention layers the kernel cannot take (`kernel=False`: the family's
+    `tree_attention_kernel`), for which "triton" is refused."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if attention == "triton" and not kernel:
+        raise ValueError(
+            "attention='triton' runs hf_bole's tree attention kernel, which this model's attention layers cannot use "
+            "(Kimi-Linear's MLA: query-key and value heads of different sizes); pass attention='model' or 'auto'"
+        )
     if attention != "auto":
         return attention
-    return "triton" if device.type == "cuda" else "model"
+    return "triton" if device.type == "cuda" and kernel else "model"
 
 
 def _is_int_at_least(value: Any, least: int) -> bool:

@@ -179,9 +179,10 @@ def trained_like(model) -> None:
       accepted.
     """
     for gdn in model.model.layers.modules():
-        if hasattr(gdn, "A_log") and hasattr(gdn, "dt_bias"):  # a GDN layer, of any family
+        if hasattr(gdn, "A_log") and hasattr(gdn, "dt_bias"):  # a GDN layer of any family, or KDA's forget gate
             A = torch.empty_like(gdn.A_log, dtype=torch.float32).uniform_(1.0, 16.0)
-            dt = torch.empty_like(A).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+            # per head (GDN) or per head and key channel (KDA's dt_bias [H K], with A_log [1, 1, H, 1])
+            dt = torch.empty_like(gdn.dt_bias, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1)).exp()
             gdn.A_log.copy_(A.log())
             gdn.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
     embedding = model.get_input_embeddings().weight  # [V, hidden]

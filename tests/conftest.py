@@ -79,7 +79,7 @@ def device() -> str:
 
 @pytest.fixture
 def torch_gdn(monkeypatch):
-    """The GDN layers run transformers' torch reference, also where fla-core is importable (where transformers
+    """The GDN (and KDA) layers run transformers' torch reference, also where fla-core is importable (where transformers
     would run fla's kernels). Tests that compare hf_bole's kernels with transformers' own forward at fp32
     tolerances use it (fla's chunked kernel computes in tf32 on a GPU and is itself ~1e-3 off in fp32), and
     tests that run a model on the CPU of a GPU machine (fla's kernels take GPU tensors only)."""
@@ -88,7 +88,9 @@ def torch_gdn(monkeypatch):
     from hf_bole.models import all_families
 
     for module in [f.module(t) for f in all_families() if f.available for t in f.modules]:
-        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        recurrences = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+        recurrences += ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")  # Kimi-Linear's KDA
+        for name in (n for n in recurrences if hasattr(module, n)):
             # Unwrapped past hf_bole's seam and transformers' kernel dispatch; tree_forward wraps the seam around
             # it again, and the fixture's teardown puts the usual dispatch back.
             monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))

@@ -3,12 +3,13 @@ only each row's accepted path of a tree round (`TreeRound`, the scratch one veri
 
 Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses stay put for CUDA graphs):
 
-    keys, values   [NA, B, Hkv, C, Dh]   full-attention KV of the NA attention layers, slot s of row b is the
-                                         s-th token of that row's sequence (left padding included)
-    conv           [NG, B, D, W]         GDN conv windows (transformers' layout: last W pre-conv inputs, oldest
-                                         first), D = 2 Hk K + H V
-    recurrent      [NG, B, H, K, V]      GDN recurrent states, float32, stacked so that one `tree_gdn_commit`
-                                         launch updates every GDN layer
+    keys, values   [NA, B, Hkv, C, Dk|Dv] full-attention KV of the NA attention layers, slot s of row b is the
+                                         s-th token of that row's sequence (left padding included); MLA's compressed
+                                         cache keeps the latent as keys and the rotary key as values (`layout.py`)
+    conv           [NG, B, D, W]         conv windows of the linear layers (GDN or KDA; transformers' layout: last W
+                                         pre-conv inputs, oldest first), D = 2 Hk K + H V
+    recurrent      [NG, B, H, K, V]      recurrent states, float32, stacked so that one `tree_gdn_commit` (or
+                                         `tree_kda_commit`) launch updates every linear layer
     lengths        [B]                   committed slots per row (left padding included)
     positions      [B]                   position id of each row's next token
     valid          [B, C]                False on padding slots
@@ -23,7 +24,8 @@ A tree round (`tree_mode(parents, tree_round)`) writes the tree's KV into the fr
 committed ones (slot `lengths[b] + i` for node i), and keeps in `tree_round` the per-node GDN factors (k, u,
 log-decay) or, for the serial baseline, per-node state snapshots, together with every node's pre-conv input. The
 round is a value: the verify forward fills it and hands it on, and `commit(tree_round, path)` then moves the accepted
-nodes' KV into place, applies Eq. 10 to all GDN layers at once and rebuilds the conv windows. The cache holds no
+nodes' KV into place, applies Eq. 10 to all GDN layers at once (its per-key-channel form to KDA layers, whose factors
+keep the layer's g in place of the log-decay) and rebuilds the conv windows. The cache holds no
 round outside the forward, and the committed state is never touched before `commit`.
 """
 
@@ -37,7 +39,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from hf_bole.config import VERIFY_MODES
-from hf_bole.kernels import kv_commit, tree_conv_state_commit, tree_gdn_commit, tree_gdn_commit_serial, tree_masks
+from hf_bole.cache.layout import state_layout
+from hf_bole.kernels import (
+    kv_commit,
+    tree_conv_state_commit,
+    tree_gdn_commit,
+    tree_gdn_commit_serial,
+    tree_kda_commit,
+    tree_masks,
+)
 from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 from hf_bole.placement import placement
 
@@ -60,14 +70,15 @@ def _extend(t: torch.Tensor, dim: int, extra: int, fill) -> torch.Tensor:
 class GDNTreeState:
     """What a GDN layer hands to `BoleCache.update_recurrent_state` in tree mode, in place of a new state.
 
-    Closed form (`verify="closed_form"`): the factors of `tree_gdn_verify`, from which `commit` builds the state
-    after any accepted path (Eq. 10). Serial (`verify="serial"`): the state after every node.
+    Closed form (`verify="closed_form"`): the factors of `tree_gdn_verify` (or `tree_kda_verify`), from which
+    `commit` builds the state after any accepted path (Eq. 10). Serial (`verify="serial"`): the state after every node.
 
     Args:
         use_qk_l2norm: whether the verify kernel L2-normalised q and k (the commit must do the same to k).
         key: `[B, N, Hk, K]` the keys given to the verify kernel (closed form).
         u: `[B, N, H, V]` float32 delta-rule writes (closed form).
-        log_decay: `[B, N, H]` float32 inclusive sums of g along each node's path (closed form).
+        log_decay: `[B, N, H]` float32 inclusive sums of g along each node's path (GDN, closed form).
+        g: `[B, N, H, K]` the log-decays per key channel given to the verify kernel (KDA, closed form).
         snapshots: `[B, N, H, K, V]` float32 state after every node (serial).
     """
 
@@ -75,7 +86,13 @@ class GDNTreeState:
     key: torch.Tensor | None = None
     u: torch.Tensor | None = None
     log_decay: torch.Tensor | None = None
+    g: torch.Tensor | None = None
     snapshots: torch.Tensor | None = None
+
+    def to(self, *args, **kwargs) -> GDNTreeState:
+        """Itself: Kimi-Linear's layer casts what the recurrence returns to float32 before handing it to the cache
+        (`.to(torch.float32)`), and the factors are already what the commit reads."""
+        return self
 
 
 @dataclass
@@ -83,8 +100,8 @@ class _DeviceGroup:
     """The committed state of the layers that run on one device (NA attention and NG GDN layers of the group)."""
 
     device: torch.device
-    keys: torch.Tensor  # [NA, B, Hkv, C, Dh]
-    values: torch.Tensor  # [NA, B, Hkv, C, Dh]
+    keys: torch.Tensor  # [NA, B, Hkv, C, Dk]
+    values: torch.Tensor  # [NA, B, Hkv, C, Dv]
     conv: torch.Tensor  # [NG, B, D, W]
     recurrent: torch.Tensor  # [NG, B, H, K, V] float32
 
@@ -98,7 +115,8 @@ class _GroupRound:
     conv_io: torch.Tensor
     keys: torch.Tensor | None  # [NG, B, N, Hk, K] (closed form)
     u: torch.Tensor | None  # [NG, B, N, H, V] float32 (closed form)
-    log_decay: torch.Tensor | None  # [NG, B, N, H] float32 (closed form)
+    log_decay: torch.Tensor | None  # [NG, B, N, H] float32 (GDN, closed form)
+    g: torch.Tensor | None  # [NG, B, N, H, K] float32 (KDA, closed form)
     snapshots: list[torch.Tensor | None] = field(default_factory=list)  # NG x [B, N, H, K, V] (serial)
 
 
@@ -131,7 +149,7 @@ class TreeRound:
         of the cache's KV storage, so not a separate allocation)."""
         out = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": self.tree_kv_bytes}
         for g in self.groups:
-            out["factors"] += _nbytes(g.keys) + _nbytes(g.u) + _nbytes(g.log_decay)
+            out["factors"] += _nbytes(g.keys) + _nbytes(g.u) + _nbytes(g.log_decay) + _nbytes(g.g)
             out["snapshots"] += sum(_nbytes(s) for s in g.snapshots)
             out["conv_inputs"] += _nbytes(g.conv_io)
         return out
@@ -151,13 +169,13 @@ class BoleAttentionLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor:
-        """`[B, Hkv, C, Dh]` this layer's key slots."""
+        """`[B, Hkv, C, Dk]` this layer's key slots."""
         group, a = self.cache._attn_index[self.layer_idx]
         return self.cache._groups[group].keys[a]
 
     @property
     def values(self) -> torch.Tensor:
-        """`[B, Hkv, C, Dh]` this layer's value slots."""
+        """`[B, Hkv, C, Dv]` this layer's value slots."""
         group, a = self.cache._attn_index[self.layer_idx]
         return self.cache._groups[group].values[a]
 
@@ -185,12 +203,11 @@ def _write_tree_kv_eager(
     key_states: torch.Tensor,
     value_states: torch.Tensor,
 ) -> None:
-    """Writes node i of row b (`key_states`, `value_states` `[B, Hkv, N, Dh]`) to slot `slots[b, i]` of attention
-    layer `layer` of the stacked `keys` and `values` `[NA, B, Hkv, C, Dh]`, in place."""
-    B, H, N, D = key_states.shape
-    index = slots[:, None, :, None].expand(B, H, N, D)
-    keys[layer].scatter_(2, index, key_states)
-    values[layer].scatter_(2, index, value_states)
+    """Writes node i of row b (`key_states [B, Hkv, N, Dk]`, `value_states [B, Hkv, N, Dv]`) to slot `slots[b, i]` of
+    attention layer `layer` of the stacked `keys [NA, B, Hkv, C, Dk]` and `values [NA, B, Hkv, C, Dv]`, in place."""
+    index = slots[:, None, :, None]  # [B, 1, N, 1]
+    keys[layer].scatter_(2, index.expand(key_states.shape), key_states)
+    values[layer].scatter_(2, index.expand(value_states.shape), value_states)
 
 
 # The same write as one op that mutates its arguments, for a compiled verify forward. Traced as `scatter_` into a view
@@ -348,25 +365,20 @@ class BoleCache(Cache):
         self._gdn_place = {layer: (d, g) for d, group in enumerate(gdn_groups) for g, layer in enumerate(group)}
         self._last_attn_layer = attn_layers[-1]
 
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._kv_shape = (len(attn_layers), batch_size, config.num_key_value_heads, head_dim)
-        hk, k = config.linear_num_key_heads, config.linear_key_head_dim
-        hv, v = config.linear_num_value_heads, config.linear_value_head_dim
-        self._gdn_dims = (hk, k, hv, v)
-        self._conv_dim = 2 * hk * k + hv * v
-        width = config.linear_conv_kernel_dim
+        self.layout = layout = state_layout(config)
+        self._conv_dim = layout.conv_dim
 
-        capacity = max_cache_len or 0
-        _, B, Hkv, Dh = self._kv_shape
+        capacity, B = max_cache_len or 0, batch_size
+        Hkv, hv, k, v = layout.kv_heads, layout.linear_value_heads, layout.linear_key_dim, layout.linear_value_dim
         self._groups = []
         for d, attn, gdn in zip(devices, attn_groups, gdn_groups):
-            keys = torch.zeros(len(attn), B, Hkv, capacity, Dh, dtype=dtype, device=d)
+            kv = dict(dtype=dtype, device=d)
             self._groups.append(
                 _DeviceGroup(
                     device=d,
-                    keys=keys,
-                    values=torch.zeros_like(keys),
-                    conv=torch.zeros(len(gdn), B, self._conv_dim, width, dtype=dtype, device=d),
+                    keys=torch.zeros(len(attn), B, Hkv, capacity, layout.key_dim, **kv),
+                    values=torch.zeros(len(attn), B, Hkv, capacity, layout.value_dim, **kv),
+                    conv=torch.zeros(len(gdn), B, layout.conv_dim, layout.conv_width, **kv),
                     recurrent=torch.zeros(len(gdn), B, hv, k, v, dtype=torch.float32, device=d),
                 )
             )
@@ -434,9 +446,9 @@ class BoleCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Writes the new keys/values of full-attention layer `layer_idx` and returns the layer's KV.
 
-        Plain forward: appends `q` tokens to every row and returns `[B, Hkv, lengths + q, Dh]`. Tree mode:
-        writes node i of row b to slot `lengths[b] + i` and returns the whole storage `[B, Hkv, C, Dh]`, to be
-        read with the ancestor mask of `tree_mode`.
+        Plain forward: appends `q` tokens to every row and returns `[B, Hkv, lengths + q, D]`. Tree mode:
+        writes node i of row b to slot `lengths[b] + i` and returns the whole storage `[B, Hkv, C, D]`, to be
+        read with the ancestor mask of `tree_mode`. (D: Dk for keys, Dv for values; MLA's latent and rotary key.)
         """
         group, a = self._attention_index(layer_idx)
         keys, values = self._groups[group].keys, self._groups[group].values
@@ -561,7 +573,10 @@ class BoleCache(Cache):
             else:
                 rg.keys[g].copy_(recurrent_states.key)
                 rg.u[g].copy_(recurrent_states.u)
-                rg.log_decay[g].copy_(recurrent_states.log_decay)
+                if rg.g is not None:
+                    rg.g[g].copy_(recurrent_states.g)
+                else:
+                    rg.log_decay[g].copy_(recurrent_states.log_decay)
             return recurrent[g]
         recurrent[g].copy_(recurrent_states)
         return recurrent[g]
@@ -596,7 +611,9 @@ class BoleCache(Cache):
         """Buffers for a verify forward of trees `parents [B, N]` (on the cache's device) in `verify` mode, to pass
         to `tree_mode` (and `hf_bole.models.tree_forward`), which fill them, and then to `commit`."""
         B, N = parents.shape
-        hk, k, hv, v = self._gdn_dims
+        layout = self.layout
+        hk, k = layout.linear_key_heads, layout.linear_key_dim
+        hv, v = layout.linear_value_heads, layout.linear_value_dim
         closed = verify == "closed_form"
         groups = []
         for group in self._groups:
@@ -609,12 +626,13 @@ class BoleCache(Cache):
                     conv_io=torch.empty(NG, B, N, D, dtype=self.dtype, device=d),
                     keys=torch.empty(NG, B, N, hk, k, dtype=self.dtype, device=d) if closed else None,
                     u=torch.empty(NG, B, N, hv, v, **f32) if closed else None,
-                    log_decay=torch.empty(NG, B, N, hv, **f32) if closed else None,
+                    log_decay=torch.empty(NG, B, N, hv, **f32) if closed and not layout.per_key_decay else None,
+                    g=torch.empty(NG, B, N, hv, k, **f32) if closed and layout.per_key_decay else None,
                     snapshots=[None] * NG,
                 )
             )
-        NA, _, Hkv, Dh = self._kv_shape
-        tree_kv_bytes = 2 * NA * B * Hkv * N * Dh * self.dtype.itemsize
+        NA = len(self._attn_index)
+        tree_kv_bytes = NA * B * layout.kv_heads * N * (layout.key_dim + layout.value_dim) * self.dtype.itemsize
         return TreeRound(parents=parents, verify=verify, groups=groups, tree_kv_bytes=tree_kv_bytes)
 
     def round_for(self, parents: torch.Tensor, verify: str, tree_round: TreeRound | None = None) -> TreeRound:
@@ -763,6 +781,11 @@ class BoleCache(Cache):
                 group.recurrent[g].copy_(
                     tree_gdn_commit_serial(group.recurrent[g], snapshots, path, check_values=check_values)
                 )
+        elif group.recurrent.shape[0] > 0 and rg.g is not None:
+            tree_kda_commit(
+                group.recurrent, rg.keys, rg.g, rg.u, path,
+                use_qk_l2norm_in_kernel=r.use_qk_l2norm, out=group.recurrent, check_values=check_values,
+            )  # fmt: skip
         elif group.recurrent.shape[0] > 0:
             tree_gdn_commit(
                 group.recurrent, rg.keys, rg.u, rg.log_decay, path,
@@ -885,7 +908,6 @@ class BoleCache(Cache):
         for name in ("lengths", "positions", "_valid"):  # [B, ...]
             setattr(self, name, getattr(self, name).index_select(0, indices))
         self._batch_size = len(indices)
-        self._kv_shape = (self._kv_shape[0], self._batch_size, *self._kv_shape[2:])
         self._state += 1
 
     def crop(self, tokens_to_remove: int) -> None:

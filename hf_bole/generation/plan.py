@@ -21,7 +21,7 @@ from hf_bole.generation.prefill import unchainable, use_chains, weight_bytes
 from hf_bole.generation.requests import assistant_drafter, check_request, spread_settings
 from hf_bole.generation.stopping import Stopping
 from hf_bole.kernels.utils import MAX_TREE_NODES
-from hf_bole.models import graph_unsafe_experts
+from hf_bole.models import family_of, graph_unsafe_experts
 from hf_bole.placement import placement
 
 logger = logging.get_logger(__name__)
@@ -99,7 +99,8 @@ class CallPlan:
         place = placement(model)
         bole = spread_settings(bole, place)
         # "auto" attention, settled once for the call: the graphs, the budget table and the forwards are keyed by it.
-        bole = dataclasses.replace(bole, attention=resolve_attention(bole.attention, place.layer_devices[0]))
+        kernel = family_of(model.config).tree_attention_kernel
+        bole = dataclasses.replace(bole, attention=resolve_attention(bole.attention, place.layer_devices[0], kernel))
         check_logits_processor(logits_processor)
         stopping = Stopping(stopping_criteria or StoppingCriteriaList(), input_ids.shape[1])
         pad_token = generation_config._pad_token_tensor

@@ -22,7 +22,7 @@ from hf_bole.cache import BoleCache
 from hf_bole.generation import graphs
 from hf_bole.generation.commit import CommitGraphs, TailGraphs
 from hf_bole.generation.tree import VerifyTree
-from hf_bole.models import TreeForwardOutput, tree_forward
+from hf_bole.models import TreeForwardOutput, family_of, tree_forward
 
 
 def round_bytes(config, width: int, dtype: torch.dtype, verify: str = "closed_form") -> dict[str, int]:
@@ -156,8 +156,9 @@ class VerifyGraphs:
         """The verify forward of trees `[B, W]`; the outputs (the tree round's among them) are the graph's buffers,
         valid until the next call."""
         width = input_ids.shape[1]
-        # The graph checks nothing on the host when it replays: make sure the tree fits in the cache here.
-        self.cache._reserve_tree(width)
+        # The graph checks nothing on the host when it replays: make sure the tree fits in the cache here, with the
+        # padding nodes `tree_forward` adds to trees narrower than the family's `min_tree_nodes`.
+        self.cache._reserve_tree(max(width, family_of(self.model.config).min_tree_nodes))
         if self.cache.capacity != self._capacity:  # it grew: new storage
             self._graphs.clear()
             self._pool = None  # a new pool: CUDA refuses to capture into one whose graphs are gone while memory is held

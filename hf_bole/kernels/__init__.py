@@ -16,7 +16,7 @@ from hf_bole.kernels.tree_gdn import (
     tree_gdn_verify_serial,
     tree_masks,
 )
-from hf_bole.kernels.tree_kda import tree_kda_commit, tree_kda_verify
+from hf_bole.kernels.tree_kda import tree_kda_commit, tree_kda_verify, tree_kda_verify_serial
 from hf_bole.kernels.tree_select import naive_tree_select_nodes, tree_select_nodes
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "tree_greedy_accept",
     "tree_kda_commit",
     "tree_kda_verify",
+    "tree_kda_verify_serial",
     "tree_masks",
     "tree_select_nodes",
 ]

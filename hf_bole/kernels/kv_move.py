@@ -23,27 +23,31 @@ from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device
 
 def kv_commit_torch(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
     """The specification: slot `lengths[b] + j` of every layer and head takes slot `lengths[b] + path[b, j]` where
-    `path[b, j] >= 0`, in place. keys, values `[NA, B, H, C, D]`, lengths `[B]`, path `[B, L]`."""
-    NA, B, H, _, D = keys.shape
+    `path[b, j] >= 0`, in place. keys `[NA, B, H, C, Dk]`, values `[NA, B, H, C, Dv]`, lengths `[B]`, path `[B, L]`."""
+    NA, B, H = keys.shape[:3]
     L = path.shape[1]
     steps = torch.arange(L, device=path.device)
     dst = lengths[:, None] + steps  # [B, L]
     src = lengths[:, None] + torch.where(path >= 0, path, steps)  # padding entries move their own slot
     for buf in (keys, values):
-        dst_i, src_i = (x[None, :, None, :, None].expand(NA, B, H, L, D) for x in (dst, src))
+        dst_i, src_i = (x[None, :, None, :, None].expand(NA, B, H, L, buf.shape[-1]) for x in (dst, src))
         buf.scatter_(3, dst_i, buf.gather(3, src_i))
 
 
 def kv_commit(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
     """Moves the accepted path's KV of a tree round to the committed slots, in place: slot `lengths[b] + j` of every
-    layer and head of `keys` and `values` (`[NA, B, H, C, D]`, stacked layers, last dim contiguous) takes slot
+    layer and head of `keys [NA, B, H, C, Dk]` and `values [NA, B, H, C, Dv]` (stacked layers, last dim contiguous;
+    Dv differs from Dk in MLA's compressed cache: the latent and the shared rotary key) takes slot
     `lengths[b] + path[b, j]` where `path[b, j] >= 0` (`path [B, L]`, root-to-leaf, right-padded with -1, increasing;
     `lengths [B]` int64, `lengths[b] + L <= C`). One Triton launch on CUDA (and under the interpreter),
     `kv_commit_torch` otherwise; no host synchronisation."""
     if keys.dim() != 5:
-        raise ValueError(f"`keys` must be [NA, B, H, C, D], got {tuple(keys.shape)}")
+        raise ValueError(f"`keys` must be [NA, B, H, C, Dk], got {tuple(keys.shape)}")
     NA, B, H, C, D = keys.shape
-    check_shape("values", values, tuple(keys.shape), "[NA, B, H, C, D]")
+    if values.dim() != 5:
+        raise ValueError(f"`values` must be [NA, B, H, C, Dv], got {tuple(values.shape)}")
+    DV = values.shape[-1]
+    check_shape("values", values, (NA, B, H, C, DV), "[NA, B, H, C, Dv]")
     check_dtype("values", values, (keys.dtype,))
     check_dtype("lengths", lengths, (torch.int64,))
     check_shape("lengths", lengths, (B,), "[B]")
@@ -65,7 +69,8 @@ def kv_commit(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, p
             keys, values, lengths, path,
             *keys.stride()[:4], *values.stride()[:4], lengths.stride(0), *path.stride(),
             B, H, L,
-            D=D, BLOCK_L=min(16, max(2, triton.next_power_of_2(L))), BLOCK_D=triton.next_power_of_2(D),
+            D=D, DV=DV, BLOCK_L=min(16, max(2, triton.next_power_of_2(L))),
+            BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
         )  # fmt: skip
 
 
@@ -90,24 +95,29 @@ def kv_commit_fwd_kernel(
     H: tl.constexpr,
     L,
     D: tl.constexpr,
+    DV: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)  # the storage's offsets can pass 2**31
     i_a, i_b, i_h = i // (B * H), (i // H) % B, i % H
     length = tl.load(lengths + i_b * stride_lb)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_dv = o_dv < DV
     p_k = keys + i_a * stride_ka + i_b * stride_kb + i_h * stride_kh
     p_v = values + i_a * stride_va + i_b * stride_vb + i_h * stride_vh
     for j0 in range(0, L, BLOCK_L):
         o_j = j0 + tl.arange(0, BLOCK_L)
         m_jd = (o_j < L)[:, None] & m_d[None, :]
+        m_jdv = (o_j < L)[:, None] & m_dv[None, :]
         b_path = tl.load(path + i_b * stride_pb + o_j * stride_pl, mask=o_j < L, other=-1)
         src = length + tl.where(b_path >= 0, b_path, o_j)  # [BLOCK_L] slots read
         dst = length + o_j  # [BLOCK_L] slots written
         b_k = tl.load(p_k + src[:, None] * stride_kc + o_d[None, :], mask=m_jd)
-        b_v = tl.load(p_v + src[:, None] * stride_vc + o_d[None, :], mask=m_jd)
+        b_v = tl.load(p_v + src[:, None] * stride_vc + o_dv[None, :], mask=m_jdv)
         tl.debug_barrier()  # the chunk's sources read before its targets, which may be other entries' sources, change
         tl.store(p_k + dst[:, None] * stride_kc + o_d[None, :], b_k, mask=m_jd)
-        tl.store(p_v + dst[:, None] * stride_vc + o_d[None, :], b_v, mask=m_jd)
+        tl.store(p_v + dst[:, None] * stride_vc + o_dv[None, :], b_v, mask=m_jdv)

@@ -19,6 +19,8 @@ from hf_bole.kernels.topk import row_topk as _row_topk
 from hf_bole.kernels.tree_gdn import tree_causal_conv1d as _tree_causal_conv1d
 from hf_bole.kernels.tree_gdn import tree_gdn_verify as _tree_gdn_verify
 from hf_bole.kernels.tree_gdn import tree_gdn_verify_serial as _tree_gdn_verify_serial
+from hf_bole.kernels.tree_kda import tree_kda_verify as _tree_kda_verify
+from hf_bole.kernels.tree_kda import tree_kda_verify_serial as _tree_kda_verify_serial
 
 
 @torch.library.custom_op("hf_bole::tree_gdn_verify", mutates_args=())
@@ -58,7 +60,9 @@ def _verify_serial_op(
     scale: Optional[float],
     use_qk_l2norm_in_kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _tree_gdn_verify_serial(
+    # one op for both recurrences' walks: g [B, T, H] (GDN) or [B, T, H, K] (KDA), the same outputs
+    verify_serial = _tree_kda_verify_serial if g.dim() == 4 else _tree_gdn_verify_serial
+    return verify_serial(
         q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
     )
 
@@ -67,6 +71,28 @@ def _verify_serial_op(
 def _(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel):
     B, T, H, V = v.shape
     return torch.empty_like(v), v.new_empty(B, T, H, k.shape[-1], V, dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_bole::tree_kda_verify", mutates_args=())
+def _kda_verify_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: Optional[torch.Tensor],
+    scale: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _tree_kda_verify(
+        q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+    )
+
+
+@_kda_verify_op.register_fake
+def _(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel):
+    return torch.empty_like(v), v.new_empty(v.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("hf_bole::tree_causal_conv1d", mutates_args=())
@@ -145,6 +171,20 @@ def tree_gdn_verify_serial(
     q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hf_bole.kernels.tree_gdn_verify_serial` as one node of a compiled graph."""
+    return _verify_serial_op(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
+
+
+def tree_kda_verify(
+    q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hf_bole.kernels.tree_kda_verify` (default `dot_precision`) as one node of a compiled graph."""
+    return _kda_verify_op(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
+
+
+def tree_kda_verify_serial(
+    q, k, v, g, beta, parents, initial_state, *, scale=None, use_qk_l2norm_in_kernel=False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hf_bole.kernels.tree_kda_verify_serial` as one node of a compiled graph."""
     return _verify_serial_op(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm_in_kernel)
 
 

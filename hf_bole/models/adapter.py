@@ -12,6 +12,8 @@ process and passing through unless asked:
     torch_recurrent_gated_delta_rule   verification from the committed state (`tree_gdn_verify`), or the serial
                                        walk; they return a `GDNTreeState` where a new state would go, which the
                                        layer hands to `BoleCache.update_recurrent_state`
+    chunk_kimi_delta_attention,        the KDA recurrences of Kimi-Linear (hub-kernel seams), the same way with
+    recurrent_kimi_delta_attention     `tree_kda_verify` (a log-decay per key channel)
     create_recurrent_attention_mask    called once per plain forward with the 2D attention mask and the position
                                        ids: tells a BoleCache which new slots are padding and which position
                                        comes next (nothing else in a forward shows the cache those)
@@ -21,7 +23,8 @@ process and passing through unless asked:
 
 By default full-attention layers run the model's own attention: the ancestor mask arrives as the attention mask,
 the tree positions as position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask
-indexes.
+indexes. Kimi-Linear's MLA layers always do (`Family.tree_attention_kernel`): they cache compressed latents and
+expand them to heads of two sizes after the cache, which `kernels.tree_attention` does not take.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class TreeBatch:
         parents: `[B, N]` int64 parent of every node (-1 for roots and padding nodes).
         verify: "closed_form" or "serial".
         ancestors: `[B, N, N]` bool ancestor-or-self mask of the trees, built once for all layers.
-        key_heads: the GDN layers' query/key heads (`linear_num_key_heads`).
+        key_heads: the linear layers' query/key heads (`BoleCache.layout.linear_key_heads`).
         attention: "model" or "triton" (`resolve_attention`'s answer, never "auto").
         lengths: `[B]` int64 committed slots of every row (`BoleCache.lengths`), for `attention="triton"`.
         valid: `[B, C]` bool, False at the cache's padding slots (`BoleCache.valid`), for `attention="triton"`.
@@ -217,7 +220,7 @@ def install_adapters() -> None:
     for family in all_families():
         if family.available:
             for model_type in family.modules:
-                _install(family.module(model_type))
+                _install(family.module(model_type), family)
 
 
 def install_adapter(config) -> None:
@@ -225,13 +228,18 @@ def install_adapter(config) -> None:
 
     Raises a `ValueError` listing the supported families and classes for any other architecture.
     """
-    _install(family_of(config).module(config.model_type))
+    family = family_of(config)
+    _install(family.module(config.model_type), family)
 
 
-def _install(module: ModuleType) -> None:
+def _install(module: ModuleType, family: Family) -> None:
     _wrap(module, "causal_conv1d_fn", _tree_causal_conv1d_fn)
-    _wrap(module, "torch_chunk_gated_delta_rule", _tree_gated_delta_rule)
-    _wrap(module, "torch_recurrent_gated_delta_rule", _tree_gated_delta_rule)
+    if family.kda:
+        _wrap(module, "chunk_kimi_delta_attention", _tree_kimi_delta_attention)
+        _wrap(module, "recurrent_kimi_delta_attention", _tree_kimi_delta_attention)
+    else:
+        _wrap(module, "torch_chunk_gated_delta_rule", _tree_gated_delta_rule)
+        _wrap(module, "torch_recurrent_gated_delta_rule", _tree_gated_delta_rule)
     _wrap(module, "create_recurrent_attention_mask", _observed_recurrent_attention_mask)
     _wrap(module, "ALL_ATTENTION_FUNCTIONS", _TreeAttentionFunctions)
 
@@ -272,7 +280,8 @@ def tree_forward(
             with exactly as before.
         attention: how the full-attention layers attend (`ATTENTION_MODES`): "model" (the model's own
             implementation, SDPA or eager, with the tree's 4D mask), "triton" (`hf_bole.kernels.tree_attention`:
-            Triton on CUDA, its torch reference on the CPU) or "auto" ("triton" on CUDA, `resolve_attention`).
+            Triton on CUDA, its torch reference on the CPU) or "auto" ("triton" on CUDA, `resolve_attention`; "model"
+            for a family whose attention the kernel cannot take, `Family.tree_attention_kernel`: Kimi-Linear's MLA).
         tree_round: the buffers of an earlier forward's `TreeForwardOutput.tree_round` to fill again, where they fit
             this tree's shape and `verify` (`BoleCache.round_for`); new ones otherwise.
 
@@ -294,11 +303,18 @@ def tree_forward(
         raise ValueError(f"tree_forward needs a BoleCache, got {type(cache).__name__}")
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    attention = resolve_attention(attention, cache.lengths.device)
+    attention = resolve_attention(attention, cache.lengths.device, family.tree_attention_kernel)
     if input_ids.dim() != 2 or input_ids.shape != parents.shape:
         raise ValueError(
             f"input_ids and parents must both be [B, N], got {tuple(input_ids.shape)} and {tuple(parents.shape)}"
         )
+    num_nodes = input_ids.shape[1]
+    if num_nodes < family.min_tree_nodes:
+        # A padding node (parent -1, the root's token) per missing one: it sees only the committed state and itself,
+        # never influences a real node, and its outputs are dropped below.
+        pad = family.min_tree_nodes - num_nodes
+        input_ids = torch.cat([input_ids, input_ids[:, :1].expand(-1, pad)], dim=1)
+        parents = torch.cat([parents, parents.new_full((parents.shape[0], pad), -1)], dim=1)
     decoder = model.get_decoder()
     config = decoder.config
     install_adapter(config)
@@ -337,13 +353,13 @@ def tree_forward(
                 parents=parents,
                 verify=verify,
                 ancestors=ancestors,
-                key_heads=config.linear_num_key_heads,
+                key_heads=cache.layout.linear_key_heads,
                 attention=attention,
                 lengths=cache.lengths if attention == "triton" else None,
                 valid=cache.valid if attention == "triton" else None,
             ),
         )
-    hidden_states = outputs.last_hidden_state
+    hidden_states = outputs.last_hidden_state[:, :num_nodes]
     logits = model.get_output_embeddings()(hidden_states)
     # Under a device_map the final norm and the LM head may sit on different devices: hand both out where the logits
     # are (no copy on one device).
@@ -458,6 +474,29 @@ def _tree_gated_delta_rule(original):
         return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm, key=key, u=u, log_decay=log_decay)
 
     return gated_delta_rule
+
+
+def _tree_kimi_delta_attention(original):
+    @functools.wraps(original)
+    def kimi_delta_attention(*args, bole_tree: TreeBatch | None = None, **kwargs):
+        if bole_tree is None:
+            return original(*args, **kwargs)  # passed on exactly as called (fla's `chunk_kda` where resolved)
+        named = {**dict(zip(_GDN_ARGUMENTS, args)), **kwargs}
+        query, key, value, g, beta = (named[name] for name in _GDN_ARGUMENTS)  # g [B, N, H, K]
+        bole_tree = bole_tree.on(query.device)
+        initial_state = named.get("initial_state")
+        use_qk_l2norm = named.get("use_qk_l2norm_in_kernel", False)
+        if bole_tree.verify == "serial":
+            o, snapshots = _kernels().tree_kda_verify_serial(
+                query, key, value, g, beta, bole_tree.parents, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm
+            )
+            return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm, snapshots=snapshots)
+        o, u = _kernels().tree_kda_verify(
+            query, key, value, g, beta, bole_tree.parents, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm
+        )
+        return o, GDNTreeState(use_qk_l2norm=use_qk_l2norm, key=key, u=u, g=g)
+
+    return kimi_delta_attention
 
 
 def _observed_recurrent_attention_mask(original):

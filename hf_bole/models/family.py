@@ -4,7 +4,9 @@ hf_bole verifies trees on transformers' own modeling classes, through seams thei
 swappable (`hf_bole/models/adapter.py`). Every Gated DeltaNet (GDN) family in transformers copies the same GDN code
 (Qwen3-Next's): the module-level functions `causal_conv1d_fn`, `torch_chunk_gated_delta_rule`,
 `torch_recurrent_gated_delta_rule`, `create_recurrent_attention_mask` and `ALL_ATTENTION_FUNCTIONS`, called with the
-same arguments. What differs between families is small and is what a `Family` says:
+same arguments. Kimi-Linear's Kimi Delta Attention (KDA) layers have the same seams with `chunk_kimi_delta_attention`
+and `recurrent_kimi_delta_attention` for the recurrence (a log-decay per key channel). What differs between families
+is small and is what a `Family` says:
 
     modules               the modeling module of each text config `model_type` (its seams are wrapped)
     classes               the classes verified: `...ForCausalLM`, and the text path of `...ForConditionalGeneration`
@@ -20,10 +22,15 @@ same arguments. What differs between families is small and is what a `Family` sa
     rotary                whether the modules' `apply_rotary_pos_emb` computes what `kernels.rotary` does (partial
                           rotary included, bit for bit), run as one kernel in an eager verify forward
     mtp                   whether checkpoints ship Qwen3.5's `mtp.*` head (`models/mtp.py`), which transformers drops
+    kda                   whether the linear layers are KDA (`tree_kda_verify`, g per key channel) rather than GDN
+    min_tree_nodes        the fewest nodes a verify forward runs: a layer whose one-token path writes its conv window
+                          in place, with no way for the cache to turn it off, is never given one token in tree mode
+                          (a lone root gets a padding node, whose output is dropped)
+    tree_attention_kernel whether `kernels.tree_attention` takes the attention layers' heads ("auto" attention picks
+                          it on CUDA); without it the layers always run the model's own attention with the tree mask
 
-Adding a family is a file in `families/` and its tests. A family of another recurrence (KDA: `chunk_kda`, per-channel
-gates) needs seams of its own for the recurrence and the conv (three short convs, q, k and v apart) and a cache of
-per-channel states: not this description alone.
+Adding a family is a file in `families/` and its tests; the sizes of its cached state come from its config
+(`hf_bole/cache/layout.py`).
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ class Family:
     gated_norms: tuple[str, ...] = ()
     rotary: bool = False
     mtp: bool = False
+    kda: bool = False
+    min_tree_nodes: int = 1
+    tree_attention_kernel: bool = True
 
     @property
     def available(self) -> bool:

@@ -8,6 +8,7 @@ from transformers import LlamaConfig
 
 from hf_bole.cache import BoleCache, GDNTreeState
 from hf_bole.models import tree_forward
+from tests.models import tiny_families
 from tests.models.tiny import (
     VOCAB,
     batch_trees,
@@ -184,6 +185,25 @@ def test_transient_bytes():
     for s in sizes.values():
         # every node's pre-conv input in every layer (the committed window is not copied)
         assert s["conv_inputs"] == 4 * NG * B * N * D and s["tree_kv"] == 4 * 2 * B * N * 16
+
+
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear"]))
+def test_kda_and_mla_state(name):
+    """Kimi-Linear's state: MLA's compressed KV (one head: the latent as keys, the rotary key as values), KDA conv
+    windows over q, k and v, and tree factors keeping g per key channel instead of a log-decay per head."""
+    model = tiny_families.build(name)
+    B, N = 3, 5
+    cache = BoleCache(model.config, batch_size=B, max_cache_len=32)
+    assert cache.layers[3].keys.shape == (B, 1, 32, 16) and cache.layers[3].values.shape == (B, 1, 32, 8)
+    assert cache.layers[0].conv_states[0].shape == (B, 3 * 2 * 16, 4)
+    assert cache.layers[0].recurrent_states[0].shape == (B, 2, 16, 16)
+    parents = torch.tensor([[-1, 0, 0, 1, 2]] * B)
+    tokens = torch.randint(1, VOCAB, parents.shape)
+    tokens[:, 0] = prefill(model, cache, PROMPTS)
+    sizes = tree_forward(model, cache, tokens, parents).tree_round.transient_bytes
+    NG, H, K = 3, 2, 16
+    assert sizes["factors"] == 4 * NG * B * N * (H * K + H * K + H * K)  # k, u and g
+    assert sizes["tree_kv"] == 4 * B * N * (16 + 8)
 
 
 def test_reset():

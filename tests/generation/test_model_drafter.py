@@ -87,13 +87,27 @@ def test_greedy_matches_plain(drafter, entry):
     assert torch.equal(out.sequences, ref)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini"]))
+@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear"]))
 def test_drafts_for_every_family(name):
     """A model of each family with a small drafter (`bole_drafter=<model>`), greedy."""
     target = tiny_families.build(name)
     ref = plain(target, PROMPTS[:3], max_new_tokens=NEW, do_sample=False)
     out = bole(target, PROMPTS[:3], max_new_tokens=NEW, do_sample=False, bole_drafter=llama())
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear"]))
+def test_a_kda_model_drafts_for_itself(name):
+    """A Kimi-Linear model as its own drafter (a chain, topk 1): the drafter's KDA states follow the accepted paths
+    through its own tree rounds, so every drafted token and the bonus are accepted every round."""
+    target = tiny_families.build(name)
+    ref = plain(target, PROMPTS[:3], max_new_tokens=4 * 6 + 1, do_sample=False)
+    out = bole(
+        target, PROMPTS[:3], max_new_tokens=4 * 6 + 1, do_sample=False, assistant_model=target, bole_topk=1,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert (out.accept_lengths == 6).all()  # depth 5 and the bonus, 4 rounds
 
 
 def test_the_drafter_state_follows_the_accepted_paths():

@@ -26,17 +26,18 @@ def paths_of(parents, L, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "kind,NA,B,H,N,L,D",
+    "kind,NA,B,H,N,L,D,DV",
     [
-        ("chain", 1, 1, 1, 4, 4, 16),
-        ("mixed", 3, 3, 2, 20, 7, 32),
-        ("deep", 2, 2, 4, 40, 16, 256),
-        ("chain", 1, 2, 2, 60, 60, 16),
-        ("deep", 1, 3, 2, 90, 20, 16),
-        ("star", 1, 2, 1, 9, 2, 8),
+        ("chain", 1, 1, 1, 4, 4, 16, 16),
+        ("mixed", 3, 3, 2, 20, 7, 32, 32),
+        ("deep", 2, 2, 4, 40, 16, 256, 256),
+        ("chain", 1, 2, 2, 60, 60, 16, 16),
+        ("deep", 1, 3, 2, 90, 20, 16, 16),
+        ("star", 1, 2, 1, 9, 2, 8, 8),
+        ("mixed", 2, 3, 1, 20, 7, 48, 8),  # MLA's compressed cache: a wide latent, a narrow rotary key
     ],
 )
-def test_kv_commit_moves_the_path(backend, kind, NA, B, H, N, L, D):
+def test_kv_commit_moves_the_path(backend, kind, NA, B, H, N, L, D, DV):
     """Against the torch gather/scatter (the specification), bit for bit, with the path's nodes at their new slots
     and every other slot untouched."""
     device = backend_device(backend)
@@ -46,7 +47,7 @@ def test_kv_commit_moves_the_path(backend, kind, NA, B, H, N, L, D):
     path = paths_of(parents, L, gen)
     C = 3 * N + L
     lengths = torch.randint(0, C - N + 1, (B,), generator=gen)
-    keys, values = storage(NA, B, H, C, D, device), storage(NA, B, H, C, D, device) + 1
+    keys, values = storage(NA, B, H, C, D, device), storage(NA, B, H, C, DV, device) + 1
     expected_k, expected_v = keys.clone(), values.clone()
     kv_commit_torch(expected_k, expected_v, lengths.to(device), path.to(device))
     kv_commit(keys, values, lengths.to(device), path.to(device))
@@ -58,12 +59,16 @@ def test_kv_commit_moves_the_path(backend, kind, NA, B, H, N, L, D):
         moved = before[:, b, :, start + path[b, :L_b]]
         assert torch.equal(keys[:, b, :, start : start + L_b].cpu(), moved)
         assert torch.equal(keys[:, b, :, :start].cpu(), before[:, b, :, :start])  # the committed slots stay
+        moved_v = storage(NA, B, H, C, DV, "cpu")[:, b, :, start + path[b, :L_b]] + 1
+        assert torch.equal(values[:, b, :, start : start + L_b].cpu(), moved_v)
 
 
 def test_kv_commit_bad_input():
     keys = torch.zeros(1, 2, 1, 8, 4)
     with pytest.raises(ValueError, match="`values` must have shape"):
         kv_commit(keys, torch.zeros(1, 2, 1, 9, 4), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1).long())
+    with pytest.raises(ValueError, match="`values` must be"):
+        kv_commit(keys, torch.zeros(2, 1, 8, 4), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1).long())
     with pytest.raises(ValueError, match="`path` must be"):
         kv_commit(keys, keys.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(3, 1).long())
     with pytest.raises(ValueError, match="`lengths` must have dtype"):

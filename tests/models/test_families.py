@@ -1,4 +1,4 @@
-"""Every GDN family hf_bole describes (`hf_bole.models.families`) on tiny random models: tree forwards equal plain
+"""Every GDN and KDA family hf_bole describes (`hf_bole.models.families`) on tiny random models: tree forwards equal plain
 token-by-token decoding, and `generate` equals plain `generate` (greedy) or samples its distribution."""
 
 from __future__ import annotations
@@ -26,17 +26,22 @@ NEW = 10
 
 @pytest.mark.parametrize("name", tiny_families.params())
 @pytest.mark.parametrize(
-    "shape, attn, attention",
+    "shape, attn, attention, verify",
     [
-        pytest.param("ragged", "sdpa", "model", id="ragged"),
-        pytest.param("deep", "eager", "model", id="deep-eager"),
-        pytest.param("deep", "sdpa", "triton", id="deep-tree-attention-torch"),
+        pytest.param("ragged", "sdpa", "model", "closed_form", id="ragged"),
+        pytest.param("deep", "eager", "model", "closed_form", id="deep-eager"),
+        pytest.param("deep", "sdpa", "model", "serial", id="deep-serial"),
+        pytest.param("root", "sdpa", "model", "closed_form", id="root"),
+        pytest.param("deep", "sdpa", "triton", "closed_form", id="deep-tree-attention-torch"),
     ],
 )
-def test_tree_forward(name, shape, attn, attention):
+def test_tree_forward(name, shape, attn, attention, verify):
     """Two rounds after three left-padded prompts, the second from rows of different committed lengths: every node's
     logits are those of decoding its path token by token (Lara-Mini's window of 6 slots is shorter than the prompts
-    and paths)."""
+    and paths; one-node trees are one-token decodes, which Kimi-Linear's KDA layer would run through its in-place conv
+    update)."""
+    if attention == "triton" and not tiny_families.family(name).tree_attention_kernel:
+        pytest.skip("the family's attention layers run the model's own attention (test_tree_attention_kernel_refused)")
     gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     model = tiny_families.build(name, attn)
     cache = BoleCache(model.config, batch_size=3)
@@ -44,12 +49,32 @@ def test_tree_forward(name, shape, attn, attention):
     committed = [list(p) for p in PROMPTS]
     for _ in range(2):
         trees = make_trees(shape, gen)
-        tokens, out = check_tree_logits(model, cache, committed, roots, trees, gen, attention=attention)
+        tokens, out = check_tree_logits(model, cache, committed, roots, trees, gen, verify, attention)
         paths = [tiny.random_path(tree, gen) for tree in trees]
         cache.commit(out.tree_round, tiny.batch_trees(paths))
         for b, path in enumerate(paths):
             committed[b] += tokens[b, path].tolist()
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
+
+
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear"]))
+def test_tree_attention_kernel_refused(name):
+    """Kimi-Linear's MLA layers expand their cached latents to query-key and value heads of different sizes, which
+    hf_bole's tree attention kernel does not take: asked for by name it is refused, and "auto" runs the model's own
+    attention on every device."""
+    from hf_bole.config import resolve_attention
+
+    model = tiny_families.build(name)
+    cache = BoleCache(model.config, batch_size=3)
+    roots = tiny.prefill(model, cache, PROMPTS)
+    with pytest.raises(ValueError, match="attention='triton'.*cannot use.*Kimi-Linear's MLA"):
+        tree_forward(model, cache, roots[:, None], torch.full((3, 1), -1), attention="triton")
+    ids, mask = tiny.left_pad(PROMPTS)
+    with pytest.raises(ValueError, match="attention='triton'.*cannot use"):
+        model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, custom_generate="hf_bole",
+                       bole_drafter="ngram", bole_attention="triton")  # fmt: skip
+    kernel = tiny_families.family(name).tree_attention_kernel
+    assert resolve_attention("auto", torch.device("cuda"), kernel) == "model"
 
 
 @pytest.mark.parametrize("name", tiny_families.params())
@@ -71,7 +96,7 @@ def test_greedy_matches_plain(name, drafter):
         assert out.mean_accepted_tokens > 3.0
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini"]))
+@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear"]))
 def test_sampling_keeps_the_distribution(name):
     """Chi-square: the joint law of the first three sampled tokens equals plain sampling's (4000 samples each), with
     a wide tree of random drafts every round."""
@@ -142,7 +167,7 @@ def test_mtp_weights_from_the_hub_cache_only(tmp_path, monkeypatch):
         load_mtp_state_dict("org/tiny-next")
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "lara_mini"]))
+@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear"]))
 def test_families_without_an_mtp_head(name, tmp_path):
     """The default drafter needs an MTP head: families whose checkpoints have none say which drafters they take."""
     model = tiny_families.build(name)

@@ -34,6 +34,8 @@ PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]  # left padding of 
 
 
 def make_trees(shape: str, gen: torch.Generator) -> list[list[int]]:
+    if shape == "root":  # a one-token decode as a tree
+        return [[-1]] * 3
     if shape == "chain":
         return [[-1, 0, 1, 2, 3, 4]] * 3
     if shape == "star":

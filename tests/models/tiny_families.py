@@ -1,4 +1,4 @@
-"""Tiny random models of every GDN family hf_bole describes (`hf_bole.models.families`), the sizes of `tiny.TEXT`."""
+"""Tiny random models of every GDN and KDA family hf_bole describes (`hf_bole.models.families`), the sizes of `tiny.TEXT`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ MODELS = {
         dict(
             _MOE, layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
             sliding_window=6,
+        ),
+    ),
+    # KDA layers (2 heads of 16, per-channel decays) and an MLA layer (latent 16, rotary key 8, no rotary embedding:
+    # Kimi-Linear's MLA is NoPE), a dense MLP in the first layer and MoE after
+    "kimi_linear": (
+        "Kimi-Linear", "KimiLinearConfig", "KimiLinearForCausalLM",
+        dict(
+            _MOE, intermediate_size=64, num_key_value_heads=2, bos_token_id=1, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2, linear_head_dim=16,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
         ),
     ),
 }  # fmt: skip

@@ -177,7 +177,7 @@ def calibrate(
     """
     from hf_bole.models import check_supported_model
 
-    check_supported_model(model)
+    family = check_supported_model(model)
     spread = placement(model)
     if spread.spans_devices:
         raise ValueError(
@@ -188,7 +188,7 @@ def calibrate(
     epsilon = defaults.epsilon if epsilon is None else epsilon
     topk, depth = topk or defaults.topk, depth or defaults.depth
     BoleConfig(epsilon=epsilon, topk=topk, depth=depth, verify=verify, attention=attention)  # validates them
-    attention = resolve_attention(attention, spread.layer_devices[0])
+    attention = resolve_attention(attention, spread.layer_devices[0], family.tree_attention_kernel)
     given = nodes is not None
     batch_sizes, kv_lengths, nodes = sorted(set(batch_sizes)), sorted(set(kv_lengths)), sorted(set(nodes or [0]))
     if not batch_sizes or batch_sizes[0] < 1 or not kv_lengths or kv_lengths[0] < 1 or not nodes or nodes[0] < 0:

@@ -26,6 +26,7 @@ import torch
 
 from hf_bole.config import resolve_attention
 from hf_bole.generation.graphs import captures
+from hf_bole.models.family import family_of
 from hf_bole.placement import placement
 
 PACKAGE_TABLES = Path(__file__).resolve().parents[2] / "budgets"  # the tables shipped with hf_bole
@@ -40,6 +41,12 @@ _SHAPE_FIELDS = (
     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
     "linear_value_head_dim", "linear_conv_kernel_dim", "intermediate_size", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size",
+)  # fmt: skip
+# Fields of KDA and MLA configs (Kimi-Linear), hashed only where the config's class defines them, so that the keys of
+# the GDN families' tables stay as they were.
+_KDA_MLA_SHAPE_FIELDS = (
+    "linear_num_heads", "linear_head_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+    "v_head_dim",
 )  # fmt: skip
 
 
@@ -62,6 +69,7 @@ def model_key(config) -> str:
     config = getattr(config, "config", config).get_text_config(decoder=True)
     defined = _defined_fields(type(config))
     shape = {name: getattr(config, name, None) if name in defined else None for name in _SHAPE_FIELDS}
+    shape |= {name: getattr(config, name, None) for name in _KDA_MLA_SHAPE_FIELDS if name in defined}
     digest = hashlib.sha1(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return f"{config.model_type}-h{config.hidden_size}-l{config.num_hidden_layers}-{digest}"
 
@@ -70,7 +78,7 @@ def model_key(config) -> str:
 def _defined_fields(config_class: type) -> frozenset[str]:
     """The shape fields a config class sets itself (on a default instance)."""
     default = config_class()
-    return frozenset(name for name in _SHAPE_FIELDS if hasattr(default, name))
+    return frozenset(name for name in _SHAPE_FIELDS + _KDA_MLA_SHAPE_FIELDS if hasattr(default, name))
 
 
 def device_name(device: torch.device | str) -> str:
@@ -110,7 +118,7 @@ class TableKey:
         # The GPU its forwards run on (under accelerate hooks `model.device` may name a parameter left elsewhere).
         place = placement(model)
         device = place.input_device
-        attention = resolve_attention(attention, place.layer_devices[0])
+        attention = resolve_attention(attention, place.layer_devices[0], family_of(model.config).tree_attention_kernel)
         launch = "compiled-" * compile + "triton-attention-" * (attention == "triton")
         launch += "graphs" if captures(model, cuda_graphs) else "eager"
         return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
