@@ -21,7 +21,8 @@ from transformers.generation.utils import GenerationMixin
 from hf_bole.config import BoleConfig
 from hf_bole.generation.draft import drop_drafters
 from hf_bole.generation.loop import decode
-from hf_bole.generation.requests import check_assisted, check_cache_args
+from hf_bole.generation.continuation import check_cache_args
+from hf_bole.generation.requests import check_assisted
 from hf_bole.generation.select import drop_select_graphs
 from hf_bole.generation.verify import drop_verify_graphs
 from hf_bole.generation.writes import drop_writes
@@ -101,14 +102,28 @@ generate.__signature__ = inspect.Signature(
 
 
 def install_generate_hooks() -> None:
-    """Two hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
+    """Three hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
 
     - `model.generate(..., custom_generate="hf_bole")` resolves to `generate` from any working directory and without
       `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo);
     - `tokenizer=` reaches the stopping criteria when `custom_generate` is hf_bole's callable: transformers drops it
       for every callable, so stop strings would fail with "could not locate a tokenizer"; and arguments asking for
-      transformers' assisted decoding are refused with hf_bole's message before transformers checks them.
+      transformers' assisted decoding are refused with hf_bole's message before transformers checks them;
+    - a cache passed to an hf_bole call by two names at once (`past_key_values=` and `cache=`) is refused before
+      transformers 5.24's renaming keeps one of them and drops the other with a warning.
     """
+    original = GenerationMixin.generate
+    if getattr(original, "__hf_bole_original__", None) is None:
+
+        @functools.wraps(original)
+        def generate_checking_cache_names(self, *args, **kwargs):
+            if kwargs.get("custom_generate") in (CUSTOM_GENERATE_NAME, generate):
+                check_cache_args(kwargs)
+            return original(self, *args, **kwargs)
+
+        generate_checking_cache_names.__hf_bole_original__ = original
+        GenerationMixin.generate = generate_checking_cache_names
+
     load = GenerationMixin.load_custom_generate
     if getattr(load, "__hf_bole_original__", None) is None:
 
