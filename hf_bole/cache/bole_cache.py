@@ -825,6 +825,22 @@ class BoleCache(Cache):
         `max_cache_len=None` grows on demand, doubling; a fixed one refuses more than it holds)."""
         self._ensure_capacity(slots, f"reserve({slots})")
 
+    def pad(self, counts: torch.Tensor) -> None:
+        """Appends `counts[b]` padding slots to row b (`counts`: `[B]`): slots no query attends to, which take no
+        position. Prompts prefilled as chains skip their padding: padded first, every row ends where transformers'
+        forward over the padded batch leaves it (one host read)."""
+        counts = counts.to(self.device)
+        most = int(counts.max())
+        if most == 0:
+            return
+        self._ensure_capacity(self._length_bound + most)
+        slots = torch.arange(self.capacity, device=self.device)
+        self._valid &= ~((slots >= self.lengths[:, None]) & (slots < (self.lengths + counts)[:, None]))
+        self.lengths.add_(counts)
+        self._length_bound += most
+        self._aligned_length = None
+        self._advance()
+
     def state(self) -> CacheState:
         """The committed state of every row as a `CacheState`: views of the storage, no copies. The rows must be
         equally long (as they are after a plain forward, or when an hf_bole call returns the cache)."""

@@ -118,18 +118,16 @@ def continuation(cache: Cache, config, input_ids: torch.Tensor, mask: torch.Tens
             f"row (a prefix every row shares)"
         )
     if not shared:
-        starts = [0] * B
+        ids, held = input_ids[:, :L], state.token_ids
+        # only where the cache holds tokens: padding may be written with another id
+        if held is not None and bool(((ids != held.to(ids.device)) & state.valid.to(ids.device)).any()):
+            raise ValueError(_TOKENS_ERROR)
         if state.valid is not None and bool((mask[:, :L] & ~state.valid.to(mask.device)).any()):
             raise ValueError(
                 "the attention mask marks as tokens slots the cache holds as padding: the cached columns of the "
                 "attention mask must keep the padding the cache was made with"
             )
-        ids = input_ids[:, :L]
-        held = state.token_ids
-        # only where the cache holds tokens: padding may be written with another id
-        if held is not None and bool(((ids != held.to(ids.device)) & state.valid.to(ids.device)).any()):
-            raise ValueError(_TOKENS_ERROR)
-        return Continuation(cache, state, starts, shared)
+        return Continuation(cache, state, [0] * B, shared)
     # A shared prefix: every row's first L tokens after its left padding.
     if state.valid is not None and not bool(state.valid.all()):
         raise ValueError("a cache of one row shared by a batch must hold no padding")
