@@ -17,6 +17,7 @@ from hf_bole.cache import BoleCache
 from hf_bole.generation import graphs
 from hf_bole.generation.accept import greedy_accept
 from hf_bole.generation.acceptance import Acceptance
+from hf_bole.generation.stopping import cached_arange
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import TreeForwardOutput
 
@@ -40,18 +41,20 @@ class RowEnds:
 def cut_at_ends(path: torch.Tensor, accepted: Acceptance, lengths: torch.Tensor, limits: torch.Tensor,
                 eos: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """`path` (`[B, L]`, on the cache's device, rows holding `lengths [B]` slots) without the nodes past where each
-    row ends: past `limits [B]` slots, or past the parent of the row's first accepted token in `eos` (`[E]`), which
-    lowers the row's limit (in place) to end it there. Reads nothing on the host."""
-    keep = limits - lengths  # [B] nodes each row may still commit
+    row ends: past `limits [B]` slots, which a row's first emitted token of `eos` (`[E]`) lowers (in place) to end it
+    after that token's parent: the output keeps the EOS, the cache everything before it. Reads nothing on the host."""
     if eos.numel() > 0:
         tokens = accepted.tokens.to(path.device)  # [B, T]
-        emitted = torch.arange(tokens.shape[1], device=path.device) < accepted.accept_lengths.to(path.device)[:, None]
-        hit = torch.isin(tokens, eos) & emitted
-        ended = hit.any(1)
-        # The output keeps the EOS, so the cache everything before it: the path up to the EOS's parent.
-        keep = torch.where(ended, torch.minimum(keep, hit.long().argmax(1) + 1), keep)
-        limits.copy_(torch.where(ended, torch.minimum(limits, lengths + keep.clamp(min=0)), limits))
-    return torch.where(torch.arange(path.shape[1], device=path.device) < keep[:, None], path, -1)
+        steps = cached_arange(tokens.shape[1], path.device)
+        hit = torch.isin(tokens, eos) & (steps < accepted.accept_lengths.to(path.device)[:, None])
+        # [B] nodes up to the first EOS's parent: the EOS's index + 1, or no end
+        first = torch.where(hit, cached_arange(tokens.shape[1], path.device, 1), _NO_END).amin(1)
+        torch.minimum(limits, lengths + first, out=limits)
+    return torch.where(cached_arange(path.shape[1], path.device) < (limits - lengths)[:, None], path, -1)
+
+
+# More slots than any row holds.
+_NO_END = 2**40
 
 
 @dataclass
