@@ -866,8 +866,8 @@ class BoleCache(Cache):
 
         Args:
             state (`CacheState`): of this cache's batch size or of one row, from a cache of this model.
-            starts (`Sequence[int]`, *optional*): per row, the slot the state's first one goes to, after as many slots of
-                padding (a row's left padding before a shared prefix); 0 by default.
+            starts (`Sequence[int]`, *optional*): per row, the slot the state's first one goes to, after as many
+                slots of padding (a row's left padding before a shared prefix); 0 by default.
             valid (`torch.BoolTensor` of shape `(batch_size, L)`, *optional*): which of the state's slots hold tokens
                 (attention skips the others); the state's own `valid` (all of them where it has none) by default.
 
@@ -928,7 +928,8 @@ class BoleCache(Cache):
         _, _, Hkv, Dh = self._kv_shape
         hk, k, hv, v = self._gdn_dims
         width = self._groups[0].conv.shape[-1]
-        expected = [(state.keys, (Hkv, state.length, Dh), self.dtype), (state.values, (Hkv, state.length, Dh), self.dtype),
+        kv = (Hkv, state.length, Dh)
+        expected = [(state.keys, kv, self.dtype), (state.values, kv, self.dtype),
                     (state.conv, (self._conv_dim, width), self.dtype), (state.recurrent, (hv, k, v), None)]  # fmt: skip
         for tensors, shape, dtype in expected:
             for layer, t in tensors.items():

@@ -64,7 +64,9 @@ def read_dynamic(cache: Cache, config) -> CacheState:
     for i, (layer, kind) in enumerate(zip(cache.layers, layer_types)):
         if kind == "linear_attention":
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
-                raise ValueError(f"layer {i} of the cache is a {type(layer).__name__}, not a GDN (linear attention) layer")
+                raise ValueError(
+                    f"layer {i} of the cache is a {type(layer).__name__}, not a GDN (linear attention) layer"
+                )
             if layer.record_past:
                 raise ValueError(
                     f"layer {i} of the cache records past states for transformers' assisted decoding; hf_bole "

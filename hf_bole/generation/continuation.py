@@ -184,7 +184,8 @@ def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: 
     P = prompt_width
     # Every row holds a prefix of its output: no more slots than it, and the tokens the output kept.
     width = min(longest, target)
-    kept = (written[:, P:width] == sequences[:, P:width]) | (torch.arange(P, width, device=held.device) >= held[:, None])
+    unheld = torch.arange(P, width, device=held.device) >= held[:, None]  # [B, width - P]
+    kept = (written[:, P:width] == sequences[:, P:width]) | unheld
     if longest > target or not bool(kept.all()):
         rows = [b for b in range(len(held)) if int(held[b]) > target or not bool(kept[b].all())]
         logger.warning(

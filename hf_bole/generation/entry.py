@@ -51,9 +51,10 @@ def generate(model, *args, **kwargs):
     Takes everything `model.generate` takes (GenerationConfig, logits processors, stopping criteria, stop strings,
     streamers, left-padded batches, sampling, a cache to continue from: `generation/continuation.py`), plus the tree
     settings of [`BoleConfig`] as `bole_<field>` keyword arguments (or `GenerationConfig` attributes): `bole_depth`,
-    `bole_topk`, `bole_budget`, `bole_verify`, `bole_drafter`, ... Greedy output equals plain `generate` token for token; sampling keeps the
-    model's distribution. Calls with one model from several threads run one at a time (they share what hf_bole keeps
-    for the model); plain forwards of the model in other threads meanwhile compute what they always do.
+    `bole_topk`, `bole_budget`, `bole_verify`, `bole_drafter`, ... Greedy output equals plain `generate` token for
+    token; sampling keeps the model's distribution. Calls with one model from several threads run one at a time
+    (they share what hf_bole keeps for the model); plain forwards of the model in other threads meanwhile compute what
+    they always do.
 
     Returns:
         What `model.generate` returns; with `return_dict_in_generate=True` a [`BoleGenerateOutput`], which adds

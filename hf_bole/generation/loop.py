@@ -61,7 +61,7 @@ def decode(
     cache, verify, select, graphs = _verify_and_select(model, plan)
     if plan.cached is not None:
         load(plan.cached, cache, plan.mask)
-    # Chains (the prompt's, and a returned cache's missing tokens) replay from the verify graphs, and so do their commits.
+    # Chains (the prompt's, a returned cache's missing tokens) replay from the verify graphs, and so do their commits.
     chain_forward, chain_commit = (verify.forward, None) if graphs is None else (graphs, graphs.commit)
     hidden, first = prefill_prompt(model, plan, cache, chain_forward, chain_commit)
 
@@ -71,8 +71,9 @@ def decode(
     writes = Writes.for_call(model, plan.input_ids, width, plan.pad_token, plan.stopping, graphed_writes)
     state = Rows(B, P, plan.max_new, plan.stopping, writes)
     # The drafter sees the prefilled tokens' hidden states: none of a cached prefix.
-    unseen_prefix = plan.mask.sum(-1) - plan.run.sum(-1)  # [B]
-    draft_args = (plan.drafter, writes, plan.columns, plan.per_row, plan.mask.sum(-1), unseen_prefix, P, plan.step, device)
+    prompt_lengths = plan.mask.sum(-1)  # [B]
+    unseen_prefix = prompt_lengths - plan.run.sum(-1)  # [B]
+    draft_args = (plan.drafter, writes, plan.columns, plan.per_row, prompt_lengths, unseen_prefix, P, plan.step, device)
     if isinstance(bole.drafter, str):
         draft = Draft(*draft_args)
     else:  # a user's drafter gets its trees checked every round

@@ -141,7 +141,7 @@ def prefill_prompt(model, plan, cache, verify_forward, commit=None) -> tuple[tor
     """
     input_ids, device, tail = plan.input_ids, plan.device, plan.tail
     if plan.chains:
-        # Chains skip padding: its slots go first, so that every row ends at the last column, as after the plain forward.
+        # Chains skip padding: its slots go first, so that every row ends at the last column as after the plain forward.
         cache.pad(input_ids.shape[1] - cache.lengths - plan.run.sum(-1).to(cache.device))
         hidden = chain_prefill(verify_forward, cache, input_ids[:, tail:], plan.run, plan.pad_token, commit)
         hidden = hidden.to(device)

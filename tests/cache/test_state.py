@@ -98,7 +98,7 @@ def test_caches_of_another_model_are_refused(model):
         cache.load(other)
     half = copy.deepcopy(state)
     half.keys[3] = half.keys[3].half()
-    with pytest.raises(ValueError, match="layer 3 of the cache holds torch.float16, but the model runs in torch.float32"):
+    with pytest.raises(ValueError, match="layer 3 of the cache holds torch.float16, but the model runs in torch.float"):
         cache.load(half)
     fewer = copy.deepcopy(state)
     del fewer.conv[2], fewer.recurrent[2]

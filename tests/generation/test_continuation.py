@@ -37,8 +37,8 @@ def bole(model, ids, mask, **kwargs):
 
 
 def extend(sequences: torch.Tensor, mask: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next turn's `(input_ids, attention_mask)`: the conversation so far (its generated tokens and the padding after
-    a row's EOS are tokens, as plain decoding ran them) and `tokens` after every row."""
+    """The next turn's `(input_ids, attention_mask)`: the conversation so far (its generated tokens and the padding
+    after a row's EOS are tokens, as plain decoding ran them) and `tokens` after every row."""
     new = torch.tensor([tokens] * sequences.shape[0])
     ids = torch.cat([sequences, new], dim=1)
     return ids, torch.cat([mask, torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
@@ -59,7 +59,9 @@ def assert_holds_plain_state(cache, ref: DynamicCache) -> None:
     tokens = state.valid if state.valid is not None else torch.ones(want.batch_size, want.length, dtype=torch.bool)
     for layer in want.keys:
         for got, expected in ((state.keys, want.keys), (state.values, want.values)):
-            torch.testing.assert_close(got[layer].transpose(1, 2)[tokens], expected[layer].transpose(1, 2)[tokens], **TOL)
+            # [B, L, Hkv, Dh] at the tokens
+            torch.testing.assert_close(got[layer].transpose(1, 2)[tokens], expected[layer].transpose(1, 2)[tokens],
+                                       **TOL)  # fmt: skip
     for layer in want.conv:
         torch.testing.assert_close(state.conv[layer], want.conv[layer], **TOL)
         torch.testing.assert_close(state.recurrent[layer], want.recurrent[layer], **TOL)
@@ -100,7 +102,8 @@ def test_continues_as_plain_generate_from_the_same_cache(dense_with_mtp, source,
 
     ids3, mask3 = extend(ref.sequences, mask2, [5])
     again = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=cache)
-    assert torch.equal(again.sequences, plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=ref.past_key_values).sequences)
+    want = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=ref.past_key_values)
+    assert torch.equal(again.sequences, want.sequences)
 
 
 @pytest.mark.usefixtures("torch_gdn")
@@ -146,7 +149,9 @@ def test_a_shared_prefix(dense_with_mtp, source, tails):
                       past_key_values=copy.deepcopy(kept), bole_drafter=drafter, bole_depth=3).sequences[0, len(r) :]
                  for r in rows]  # fmt: skip
         assert torch.equal(torch.stack(alone), ref.sequences[:, ids.shape[1] :]), drafter
-    state, before = (c.state() if isinstance(c, BoleCache) else read_dynamic(c, tiny.text_config()) for c in (cache, kept))
+    state, before = (
+        c.state() if isinstance(c, BoleCache) else read_dynamic(c, tiny.text_config()) for c in (cache, kept)
+    )
     assert state.length == before.length == len(prefix)
     for layer in before.keys:
         assert torch.equal(state.keys[layer], before.keys[layer])
@@ -222,7 +227,8 @@ def test_graphed_calls_continue_the_kept_cache(dense, monkeypatch):
     with pytest.raises(ValueError, match="input_ids do not start with the tokens this BoleCache holds"):
         bole(dense, ids3, mask3, past_key_values=kept, bole_drafter="ngram", max_new_tokens=NEW)
     out = bole(dense, ids3, mask3, past_key_values=again, bole_drafter="ngram", max_new_tokens=NEW)
-    assert torch.equal(out.sequences, plain(dense, ids3, mask3, max_new_tokens=NEW, past_key_values=ref.past_key_values).sequences)
+    want = plain(dense, ids3, mask3, max_new_tokens=NEW, past_key_values=ref.past_key_values)
+    assert torch.equal(out.sequences, want.sequences)
 
 
 class StopAfter(StoppingCriteria):
@@ -255,8 +261,8 @@ def test_a_row_stopped_past_its_commit_empties_the_cache(dense, caplog):
     assert out.past_key_values is given and given.get_seq_length() == 0
     ids2, mask2 = extend(first.sequences, mask, [3, 4])
     ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=first.past_key_values)
-    assert torch.equal(bole(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=given, bole_drafter="ngram").sequences,
-                       ref.sequences)  # fmt: skip
+    out = bole(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=given, bole_drafter="ngram")
+    assert torch.equal(out.sequences, ref.sequences)
 
 
 def test_use_cache_false_returns_none(dense):
@@ -294,8 +300,8 @@ def test_caches_that_cannot_be_continued_are_refused(dense, entry):
         kwargs = {"max_new_tokens": 3, "bole_drafter": "ngram", **SETTINGS, **kwargs}
         if entry == "direct":
             return hf_bole.generate(dense, ids, attention_mask=mask, **kwargs)
-        return dense.generate(ids, attention_mask=mask, custom_generate="hf_bole" if entry == "name" else hf_bole.generate,
-                              **kwargs)  # fmt: skip
+        custom = "hf_bole" if entry == "name" else hf_bole.generate
+        return dense.generate(ids, attention_mask=mask, custom_generate=custom, **kwargs)
 
     def filled(model, rows, length=4):
         cache = DynamicCache(config=model.config)
