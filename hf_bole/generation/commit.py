@@ -46,7 +46,8 @@ def cut_at_ends(path: torch.Tensor, accepted: Acceptance, lengths: torch.Tensor,
     if eos.numel() > 0:
         tokens = accepted.tokens.to(path.device)  # [B, T]
         steps = cached_arange(tokens.shape[1], path.device)
-        hit = torch.isin(tokens, eos) & (steps < accepted.accept_lengths.to(path.device)[:, None])
+        emitted = steps < accepted.accept_lengths.to(path.device)[:, None]  # [B, T]
+        hit = (tokens[..., None] == eos).any(-1) & emitted  # a few EOS ids: compared one by one
         # [B] nodes up to the first EOS's parent: the EOS's index + 1, or no end
         first = torch.where(hit, cached_arange(tokens.shape[1], path.device, 1), _NO_END).amin(1)
         torch.minimum(limits, lengths + first, out=limits)
