@@ -79,8 +79,8 @@ class BoleConfig:
             one from Python (on a small model the host's launches, not the GPU, set an eager round's pace). The first
             round of each width captures its graph, and again after the cache grew (a call makes room for 512
             generated tokens up front and doubles it as needed). The cache and graphs stay allocated for the next
-            call of the same batch size and verify mode (the returned `past_key_values` is that cache, reset by the
-            next call);
+            call of the same batch size and verify mode (the returned `past_key_values` is that cache: passed back,
+            the next call continues it in place; otherwise the next call of that batch size starts it afresh);
             `hf_bole.release(model)` frees them, and with `False` none are kept. Mixture-of-experts layers are
             captured under transformers' `experts_implementation="grouped_mm"` (its default; bf16 weights only:
             torch's grouped_mm reads the routing on the host in other dtypes) or `"batched_mm"`; otherwise (as under

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from hf_bole.cache.state import CacheState
 from hf_bole.config import VERIFY_MODES
 from hf_bole.cache.layout import state_layout
 from hf_bole.kernels import (
@@ -301,6 +302,10 @@ class BoleCache(Cache):
             The position id the next token of each row gets. Read from the position ids of plain forwards
             (`generate` numbers real tokens from 0, so there `positions = lengths - left padding`; a plain
             call without position ids numbers slots, so `positions = lengths`), advanced by `commit`.
+        token_ids (`torch.LongTensor` of shape `(batch_size, length)`, *optional*):
+            The tokens the rows hold, where known: set by the hf_bole call that returns the cache, so that a call
+            continuing from it can check its `input_ids` start with them; `None` again once anything changes the
+            cache.
 
     Example:
 
@@ -396,6 +401,7 @@ class BoleCache(Cache):
         # commits only onto the state it verified from (`TreeRound.verified_from`).
         self._state = 0
         self._tree: TreeRound | None = None  # the round a verify forward under way fills (`tree_mode`), else None
+        self.token_ids: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_cache_len: int | None = None) -> BoleCache:
@@ -605,7 +611,7 @@ class BoleCache(Cache):
             self.positions.add_(num_tokens)
         self._observed = False
         self._aligned_length = self._length_bound = new_length
-        self._state += 1  # written over the tree's slots: no round verified before commits now
+        self._advance()  # written over the tree's slots: no round verified before commits now
 
     def new_round(self, parents: torch.Tensor, verify: str = "closed_form") -> TreeRound:
         """Buffers for a verify forward of trees `parents [B, N]` (on the cache's device) in `verify` mode, to pass
@@ -759,7 +765,13 @@ class BoleCache(Cache):
         self._length_bound += width
         self._aligned_length = None
         self._gdn_started = dict.fromkeys(self._gdn_started, True)
+        self._advance()
+
+    def _advance(self) -> None:
+        """Records that the committed state changed: a round verified before can no longer commit onto it, and the
+        recorded token ids no longer say what it holds."""
         self._state += 1
+        self.token_ids = None
 
     @staticmethod
     def _commit_group(
@@ -838,6 +850,125 @@ class BoleCache(Cache):
         `max_cache_len=None` grows on demand, doubling; a fixed one refuses more than it holds)."""
         self._ensure_capacity(slots, f"reserve({slots})")
 
+    def pad(self, counts: torch.Tensor) -> None:
+        """Appends `counts[b]` padding slots to row b (`counts`: `[B]`): slots no query attends to, which take no
+        position. Prompts prefilled as chains skip their padding: padded first, every row ends where transformers'
+        forward over the padded batch leaves it (one host read)."""
+        counts = counts.to(self.device)
+        most = int(counts.max())
+        if most == 0:
+            return
+        self._ensure_capacity(self._length_bound + most)
+        slots = torch.arange(self.capacity, device=self.device)
+        self._valid &= ~((slots >= self.lengths[:, None]) & (slots < (self.lengths + counts)[:, None]))
+        self.lengths.add_(counts)
+        self._length_bound += most
+        self._aligned_length = None
+        self._advance()
+
+    def state(self) -> CacheState:
+        """The committed state of every row as a `CacheState`: views of the storage, no copies. The rows must be
+        equally long (as they are after a plain forward, or when an hf_bole call returns the cache)."""
+        if self._aligned_length is None and not self._check_aligned():
+            raise ValueError(
+                f"the rows of this BoleCache hold different numbers of tokens {self.lengths.tolist()} (tree commits "
+                f"in the middle of decoding): only a cache whose rows are equally long can be continued or converted"
+            )
+        L = self._aligned_length
+        if L == 0:
+            return CacheState({}, {}, {}, {}, 0)
+        keys, values, conv, recurrent = {}, {}, {}, {}
+        for layer, (group, a) in self._attn_index.items():
+            keys[layer] = self._groups[group].keys[a, :, :, :L]
+            values[layer] = self._groups[group].values[a, :, :, :L]
+        for layer, (group, g) in self._gdn_place.items():
+            conv[layer], recurrent[layer] = self._groups[group].conv[g], self._groups[group].recurrent[g]
+        return CacheState(keys, values, conv, recurrent, L, valid=self._valid[:, :L], token_ids=self.token_ids)
+
+    def load(self, state: CacheState, starts: Sequence[int] | None = None, valid: torch.Tensor | None = None) -> None:
+        """Makes the cache hold `state` and nothing else, copied into the storage (whose addresses stay put): each row
+        the state's row, or, for a state of one row and a cache of several, that row in every one (a shared prefix).
+
+        Args:
+            state (`CacheState`): of this cache's batch size or of one row, from a cache of this model.
+            starts (`Sequence[int]`, *optional*): per row, the slot the state's first one goes to, after as many
+                slots of padding (a row's left padding before a shared prefix); 0 by default.
+            valid (`torch.BoolTensor` of shape `(batch_size, L)`, *optional*): which of the state's slots hold tokens
+                (attention skips the others); the state's own `valid` (all of them where it has none) by default.
+
+        The rows then hold `starts[b] + L` slots, and each row's next position is the count of its valid slots (as
+        `generate` numbers tokens).
+        """
+        B = self._batch_size
+        if state.length > 0 and state.batch_size not in (1, B):
+            raise ValueError(
+                f"the cache holds {state.batch_size} rows, but this call has {B}: pass a cache of {B} rows, or of one "
+                f"row (a prefix every row shares)"
+            )
+        self._check_state(state)
+        starts = [0] * B if starts is None else [int(s) for s in starts]
+        self.reset()
+        L = state.length
+        if L == 0:
+            return
+        self._ensure_capacity(max(starts) + L)
+        if valid is None:
+            valid = state.valid if state.valid is not None else torch.ones(1, L, dtype=torch.bool)
+        valid = valid.to(self.device, torch.bool).expand(B, L)
+        rows_from = {}  # first slot -> the rows whose state starts there
+        for b, start in enumerate(starts):
+            rows_from.setdefault(start, []).append(b)
+        for layer, (group, a) in self._attn_index.items():
+            for stored, given in ((self._groups[group].keys, state.keys), (self._groups[group].values, state.values)):
+                source = given[layer].to(stored.device).expand(B, -1, -1, -1)  # [B, Hkv, L, Dh]
+                for start, rows in rows_from.items():
+                    if len(rows) == B:
+                        stored[a, :, :, start : start + L].copy_(source)
+                    else:
+                        index = torch.tensor(rows, device=stored.device)
+                        stored[a, index, :, start : start + L] = source[index]
+        for layer, (group, g) in self._gdn_place.items():
+            self._groups[group].conv[g].copy_(state.conv[layer].expand(B, -1, -1))
+            self._groups[group].recurrent[g].copy_(state.recurrent[layer].expand(B, -1, -1, -1))
+        first = torch.tensor(starts, device=self.device)[:, None]  # [B, 1]
+        slots = torch.arange(self.capacity, device=self.device)
+        inside = valid.gather(1, (slots - first).clamp(0, L - 1))  # [B, C] the state's valid at its slots
+        self._valid.copy_(torch.where(slots < first, False, torch.where(slots < first + L, inside, True)))
+        self.lengths.copy_(first[:, 0] + L)
+        self.positions.copy_(valid.sum(-1))
+        self._aligned_length = starts[0] + L if len(rows_from) == 1 else None
+        self._length_bound = max(starts) + L
+        self._gdn_started = dict.fromkeys(self._gdn_started, True)
+        self._advance()
+
+    def _check_state(self, state: CacheState) -> None:
+        """Raises a ValueError naming the first layer where `state` does not fit this cache's model."""
+        if state.length == 0:
+            return
+        if set(state.keys) != set(self._attn_index) or set(state.conv) != set(self._gdn_place):
+            raise ValueError(
+                f"the cache holds attention layers {sorted(state.keys)} and GDN layers {sorted(state.conv)}, but this "
+                f"model's are {sorted(self._attn_index)} and {sorted(self._gdn_place)}: a cache of another model"
+            )
+        layout = self.layout
+        k, hv, v = layout.linear_key_dim, layout.linear_value_heads, layout.linear_value_dim
+        width = self._groups[0].conv.shape[-1]
+        keys, values = ((layout.kv_heads, state.length, dim) for dim in (layout.key_dim, layout.value_dim))
+        expected = [(state.keys, keys, self.dtype), (state.values, values, self.dtype),
+                    (state.conv, (self._conv_dim, width), self.dtype), (state.recurrent, (hv, k, v), None)]  # fmt: skip
+        for tensors, shape, dtype in expected:
+            for layer, t in tensors.items():
+                if tuple(t.shape[1:]) != shape:
+                    raise ValueError(
+                        f"layer {layer} of the cache holds a state of shape {list(t.shape[1:])} per row, but this "
+                        f"model's is {list(shape)}: a cache of another model"
+                    )
+                if dtype is not None and t.dtype != dtype:
+                    raise ValueError(
+                        f"layer {layer} of the cache holds {t.dtype}, but the model runs in {dtype}: continue from a "
+                        f"cache the model made in its dtype"
+                    )
+
     def _ensure_capacity(self, needed: int, reason: str = "this forward") -> None:
         C = self.capacity
         if needed <= C:
@@ -892,7 +1023,7 @@ class BoleCache(Cache):
         self._valid.fill_(True)
         self._aligned_length, self._length_bound, self._observed = 0, 0, False
         self._gdn_started = dict.fromkeys(self._gdn_started, False)
-        self._state += 1
+        self._advance()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keeps the rows `beam_idx` (beam search)."""
@@ -908,7 +1039,7 @@ class BoleCache(Cache):
         for name in ("lengths", "positions", "_valid"):  # [B, ...]
             setattr(self, name, getattr(self, name).index_select(0, indices))
         self._batch_size = len(indices)
-        self._state += 1
+        self._advance()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(

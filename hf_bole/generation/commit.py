@@ -17,8 +17,45 @@ from hf_bole.cache import BoleCache
 from hf_bole.generation import graphs
 from hf_bole.generation.accept import greedy_accept
 from hf_bole.generation.acceptance import Acceptance
+from hf_bole.generation.stopping import cached_arange
 from hf_bole.generation.tree import VerifyTree
 from hf_bole.models import TreeForwardOutput
+
+
+@dataclass(frozen=True)
+class RowEnds:
+    """Where commits stop a row, for a call that hands its cache back (`continuation.settle` brings it to the output's
+    tokens, which a GDN state cannot be rolled back to): at `limit` slots (the call's max_length - 1), and at a row's
+    first token of `eos`, whose parent is the last node it commits; the row commits nothing more after that."""
+
+    eos: tuple[int, ...]
+    limit: int
+
+    def tensors(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(limits [B], eos [E])` on `device` for `round_tail`: the slots each row may hold, which it lowers at a row's
+        EOS, and the EOS ids."""
+        limits = torch.full((batch_size,), self.limit, dtype=torch.long, device=device)
+        return limits, torch.tensor(self.eos, dtype=torch.long, device=device)
+
+
+def cut_at_ends(path: torch.Tensor, accepted: Acceptance, lengths: torch.Tensor, limits: torch.Tensor,
+                eos: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`path` (`[B, L]`, on the cache's device, rows holding `lengths [B]` slots) without the nodes past where each
+    row ends: past `limits [B]` slots, which a row's first emitted token of `eos` (`[E]`) lowers (in place) to end it
+    after that token's parent: the output keeps the EOS, the cache everything before it. Reads nothing on the host."""
+    if eos.numel() > 0:
+        tokens = accepted.tokens.to(path.device)  # [B, T]
+        steps = cached_arange(tokens.shape[1], path.device)
+        emitted = steps < accepted.accept_lengths.to(path.device)[:, None]  # [B, T]
+        hit = (tokens[..., None] == eos).any(-1) & emitted  # a few EOS ids: compared one by one
+        # [B] nodes up to the first EOS's parent: the EOS's index + 1, or no end
+        first = torch.where(hit, cached_arange(tokens.shape[1], path.device, 1), _NO_END).amin(1)
+        torch.minimum(limits, lengths + first, out=limits)
+    return torch.where(cached_arange(path.shape[1], path.device) < (limits - lengths)[:, None], path, -1)
+
+
+# More slots than any row holds.
+_NO_END = 2**40
 
 
 @dataclass
@@ -44,17 +81,21 @@ def round_tail(
     active: torch.Tensor,
     step: int,
     width: int | None,
+    ends: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> RoundTail:
-    """Commits `accepted`'s paths of the `active [B]` rows (at most `step` nodes each) of the verify forward `out`'s
-    tree round and gathers the drafter's next inputs from its `hidden_states [B, T, hidden]`: to `width` columns, or
-    to the tree's `T` where narrower (a drafter with `max_depth`, whose inputs then keep one shape from round to round
-    of one width: one column after a round of the roots alone), or as wide as the paths with `width=None`. Reads
-    nothing on the host."""
+    """Commits `accepted`'s paths of the `active [B]` rows (at most `step` nodes each, cut where rows end with `ends`:
+    `RowEnds.tensors`, see `cut_at_ends`) of the verify forward `out`'s tree round and gathers the drafter's next
+    inputs from its `hidden_states [B, T, hidden]`: to `width` columns, or to the tree's `T` where narrower (a drafter
+    with `max_depth`, whose inputs then keep one shape from round to round of one width: one column after a round of
+    the roots alone), or as wide as the paths with `width=None`. Reads nothing on the host."""
     hidden_states = out.hidden_states
     path = torch.where(active[:, None], accepted.path[:, :step], -1)  # [B, <= step]
     positions = cache.positions.to(hidden_states.device, copy=True)  # [B] before the commit
+    committed = path.to(cache.device)
+    if ends is not None:
+        committed = cut_at_ends(committed, accepted, cache.lengths, *ends)
     # paths of the acceptance walk: no host read of them
-    cache.commit(out.tree_round, path.to(cache.device), check_values=False)
+    cache.commit(out.tree_round, committed, check_values=False)
     committed_width = path.shape[1]
     width = committed_width if width is None else min(width, committed_width)
     path = torch.nn.functional.pad(path, (0, width - committed_width), value=-1)  # [B, width]
@@ -80,42 +121,45 @@ def greedy_tail(
     active: torch.Tensor,
     step: int,
     width: int | None,
+    ends: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> RoundTail:
     """Greedy acceptance of `verify` from the verify forward's logits (`out.logits [B, T, V]`; no logits processors),
     then `round_tail`. Greedy reads only the argmax: taken on the logits themselves, no fp32 copy of them."""
     accepted = greedy_accept(verify, out.logits.argmax(-1))
-    return round_tail(cache, out, accepted, active, step, width)
+    return round_tail(cache, out, accepted, active, step, width, ends)
 
 
 class Commit:
     """Step 5 after an acceptance of its own (step 4): `commit(verified, accepted, active)` is `round_tail` with the
     call's `step` and `width` (the most nodes a round commits per row; the drafter's inputs' width, None for as wide
-    as the paths)."""
+    as the paths), its paths cut where rows end with `ends`."""
 
-    def __init__(self, cache: BoleCache, step: int, width: int | None):
+    def __init__(self, cache: BoleCache, step: int, width: int | None, ends: RowEnds | None = None):
         self.cache, self.step, self.width = cache, step, width
+        self.ends = None if ends is None else ends.tensors(cache.batch_size, cache.device)
 
     def __call__(self, verified, accepted: Acceptance, active: torch.Tensor) -> RoundTail:
-        return round_tail(self.cache, verified.out, accepted, active, self.step, self.width)
+        return round_tail(self.cache, verified.out, accepted, active, self.step, self.width, self.ends)
 
 
 class GreedyTail:
     """Steps 4 and 5 of greedy decoding without logits processors under CUDA graphs: the acceptance kernel, the commit
     and the drafter's next inputs replay from one graph (`TailGraphs`). Step 4 (`accept`) launches nothing and leaves
-    the acceptance to step 5 (`commit`), which replays the graph."""
+    the acceptance to step 5 (`commit`), which replays the graph; its paths are cut where rows end with `ends`."""
 
-    def __init__(self, tails: TailGraphs, step: int, width: int | None):
-        self.tails, self.step, self.width = tails, step, width
+    def __init__(self, tails: TailGraphs, step: int, width: int | None, ends: RowEnds | None = None):
+        self.tails, self.step, self.width, self.ends = tails, step, width, ends
+        tails.begin(ends)
 
     def accept(self, verified, n_gen: list[int]) -> None:
         return None
 
     def commit(self, verified, accepted: None, active: torch.Tensor) -> RoundTail:
-        return self.tails(verified.tree, verified.out, active, self.step, self.width)
+        return self.tails(verified.tree, verified.out, active, self.step, self.width, self.ends)
 
 
 class TailGraphs:
-    """`greedy_tail(cache, verify, logits, hidden_states, active, step, width)` replayed from a CUDA graph per
+    """`greedy_tail(cache, verify, logits, hidden_states, active, step, width, ends)` replayed from a CUDA graph per
     (input buffers, step, width): the acceptance kernel, the commit's kernels and the drafter's next inputs, about
     twenty launches and their checks in Python (0.6 ms of host time a round), in one replay.
 
@@ -133,12 +177,26 @@ class TailGraphs:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, RoundTail]] = {}
         self._seen: set[tuple] = set()  # keys run eagerly once, captured on their next call
         self._pool = None
+        # `RowEnds.tensors` the graphs read where they are: one `limits` for every call (set by `begin`), one `eos`
+        # per set of EOS ids.
+        self._limits: torch.Tensor | None = None
+        self._eos: dict[tuple[int, ...], torch.Tensor] = {}
 
     def clear(self) -> None:
         """Forgets every graph (the cache's storage changed)."""
         self._graphs.clear()
         self._seen.clear()
         self._pool = None
+
+    def begin(self, ends: RowEnds | None) -> None:
+        """Sets the rows' limits for a call whose paths are cut where rows end with `ends` (None: not cut)."""
+        if ends is None:
+            return
+        limits, eos = ends.tensors(self.cache.batch_size, self.cache.device)
+        if self._limits is None:
+            self._limits = limits
+        self._limits.copy_(limits)
+        self._eos.setdefault(ends.eos, eos)
 
     def __call__(
         self,
@@ -147,20 +205,25 @@ class TailGraphs:
         active: torch.Tensor,
         step: int,
         width: int | None,
+        ends: RowEnds | None = None,
     ) -> RoundTail:
         # The verify graph's outputs: a round of its own per graph, which their addresses name too.
         inputs = (verify.input_ids, verify.parents, verify.depths, verify.node_mask, out.logits, out.hidden_states)
-        key = (tuple((x.data_ptr(), x.shape, x.stride(), x.dtype) for x in inputs), active.shape, step, width)
+        key = (
+            tuple((x.data_ptr(), x.shape, x.stride(), x.dtype) for x in inputs), active.shape, step, width,
+            None if ends is None else ends.eos,
+        )  # fmt: skip
+        cut = None if ends is None else (self._limits, self._eos[ends.eos])
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
                 self._seen.add(key)
-                return greedy_tail(self.cache, verify, out, active, step, width)
+                return greedy_tail(self.cache, verify, out, active, step, width, cut)
             static_active = active.clone()
             # Not warmed up: the tail writes the cache. The capture runs the commit's host-side record once, which
             # the replay below is the commit of.
             graph, tail = graphs.capture(
-                lambda: greedy_tail(self.cache, verify, out, static_active, step, width),
+                lambda: greedy_tail(self.cache, verify, out, static_active, step, width, cut),
                 active.device,
                 self._pool,
                 warm_up=False,

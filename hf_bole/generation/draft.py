@@ -46,15 +46,18 @@ class Draft:
         columns (`list`, *optional*): where each row's prompt sits in them (`rows.prompt_columns`); None while rounds
             are pipelined, whose drafters read no host-side sequences.
         prompt_lengths (`torch.Tensor` of shape `(batch_size,)`): each row's prompt tokens, padding not counted.
+        unseen_prefix (`torch.Tensor` of shape `(batch_size,)`): those of them a cache the call continues from holds,
+            whose hidden states no drafter sees (`DraftContext.unseen_prefix`).
         prompt_width (`int`): the prompts' columns, padding included (`P`).
         step (`int`): the most tokens one round commits per row.
         device (`torch.device`): where the loop runs (the LM head's device).
     """
 
-    def __init__(self, drafter, writes, columns: list | None, prompt_lengths: torch.Tensor, prompt_width: int,
-                 step: int, device: torch.device):  # fmt: skip
+    def __init__(self, drafter, writes, columns: list | None, prompt_lengths: torch.Tensor, unseen_prefix: torch.Tensor,
+                 prompt_width: int, step: int, device: torch.device):  # fmt: skip
         self.drafter, self.writes, self.columns = drafter, writes, columns
         self.prompt_lengths, self.P, self.step, self.device = prompt_lengths, prompt_width, step, device
+        self.unseen_prefix = unseen_prefix
 
     def __call__(self, unseen: Unseen, n_gen: list[int], longest: int, max_nodes: int) -> Drafted:
         """The trees of a round in which the longest active row has generated at most `longest` tokens (`n_gen`: each
@@ -74,6 +77,7 @@ class Draft:
             positions=unseen.positions,
             lengths=self.prompt_lengths + self.writes.generated,
             max_length=P + longest + self.step,
+            unseen_prefix=self.unseen_prefix,
         )
 
     def _on_device(self, tree: DraftTree) -> DraftTree:

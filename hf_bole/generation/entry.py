@@ -22,7 +22,8 @@ from transformers.generation.utils import GenerationMixin
 from hf_bole.config import BoleConfig
 from hf_bole.generation.draft import drop_drafters
 from hf_bole.generation.loop import decode
-from hf_bole.generation.requests import assistant_drafter, check_assisted, check_cache_args
+from hf_bole.generation.continuation import check_cache_args
+from hf_bole.generation.requests import assistant_drafter, check_assisted
 from hf_bole.generation.select import drop_select_graphs
 from hf_bole.generation.verify import drop_verify_graphs
 from hf_bole.generation.writes import drop_writes
@@ -49,15 +50,17 @@ def generate(model, *args, **kwargs):
     Generates like `model.generate`, with exact tree speculative decoding (the hf_bole `custom_generate`).
 
     Takes everything `model.generate` takes (GenerationConfig, logits processors, stopping criteria, stop strings,
-    streamers, left-padded batches, sampling), plus the tree settings of [`BoleConfig`] as `bole_<field>`
-    keyword arguments (or `GenerationConfig` attributes): `bole_depth`, `bole_topk`, `bole_budget`,
-    `bole_verify`, `bole_drafter`, ... Greedy output equals plain `generate` token for token; sampling keeps the
-    model's distribution. Calls with one model from several threads run one at a time (they share what hf_bole keeps
-    for the model); plain forwards of the model in other threads meanwhile compute what they always do.
+    streamers, left-padded batches, sampling, a cache to continue from: `generation/continuation.py`), plus the tree
+    settings of [`BoleConfig`] as `bole_<field>` keyword arguments (or `GenerationConfig` attributes): `bole_depth`,
+    `bole_topk`, `bole_budget`, `bole_verify`, `bole_drafter`, ... Greedy output equals plain `generate` token for
+    token; sampling keeps the model's distribution. Calls with one model from several threads run one at a time
+    (they share what hf_bole keeps for the model); plain forwards of the model in other threads meanwhile compute what
+    they always do.
 
     Returns:
         What `model.generate` returns; with `return_dict_in_generate=True` a [`BoleGenerateOutput`], which adds
-        `accept_lengths` and `mean_accepted_tokens`.
+        `accept_lengths` and `mean_accepted_tokens`, and whose `past_key_values` holds `sequences` minus the last
+        token, as plain `generate`'s (the cache passed in, updated in place, or hf_bole's `BoleCache`).
 
     Example:
 
@@ -103,7 +106,7 @@ generate.__signature__ = inspect.Signature(
 
 
 def install_generate_hooks() -> None:
-    """Three hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
+    """Four hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
 
     - `model.generate(..., custom_generate="hf_bole")` resolves to `generate` from any working directory and without
       `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo);
@@ -112,8 +115,22 @@ def install_generate_hooks() -> None:
       transformers' assisted decoding without a model are refused with hf_bole's message before transformers checks
       them; and `assistant_model=` becomes hf_bole's drafter (`bole_drafter`);
     - such a call is not taken for transformers' assisted decoding when transformers validates the generation mode
-      (5.17-5.24 refuse that for stateful models; 5.25 would check the assistant's tokenizer).
+      (5.17-5.24 refuse that for stateful models; 5.25 would check the assistant's tokenizer);
+    - a cache passed to an hf_bole call by two names at once (`past_key_values=` and `cache=`) is refused before
+      transformers 5.24's renaming keeps one of them and drops the other with a warning.
     """
+    original = GenerationMixin.generate
+    if getattr(original, "__hf_bole_original__", None) is None:
+
+        @functools.wraps(original)
+        def generate_checking_cache_names(self, *args, **kwargs):
+            if kwargs.get("custom_generate") in (CUSTOM_GENERATE_NAME, generate):
+                check_cache_args(kwargs)
+            return original(self, *args, **kwargs)
+
+        generate_checking_cache_names.__hf_bole_original__ = original
+        GenerationMixin.generate = generate_checking_cache_names
+
     load = GenerationMixin.load_custom_generate
     if getattr(load, "__hf_bole_original__", None) is None:
 

@@ -11,7 +11,8 @@ greedy or sampling, a built-in or a user's drafter), and each hands the next wha
 independently; the host reads every round's tokens back (`rows.py`), applies the stopping rules (`stopping.py`) and
 streams (`streaming.py`), one round behind the device while rounds are pipelined. Output, stopping, padding and
 streaming follow plain `generate` step for step. Before the first round the prompt enters the cache
-(`prefill.py`). The `generate` entry point is `entry.py`.
+(`prefill.py`), after the state of a cache the caller passed (`continuation.py`), and after the last round the cache
+is brought to the output's tokens where it is handed back. The `generate` entry point is `entry.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from hf_bole.cache import BoleCache
 from hf_bole.generation.accept import make_accept
-from hf_bole.generation.commit import Commit, GreedyTail
+from hf_bole.generation.commit import Commit, GreedyTail, RowEnds
+from hf_bole.generation.continuation import hand_back, load, settle
 from hf_bole.generation.draft import CheckedDraft, Draft, Unseen
 from hf_bole.generation.output import BoleGenerateOutput
 from hf_bole.generation.phases import PhaseTimer
@@ -57,17 +59,21 @@ def decode(
     generation_config = generation_config if generation_config is not None else model.generation_config
     bole, device, B, P = plan.bole, plan.device, *plan.input_ids.shape
     cache, verify, select, graphs = _verify_and_select(model, plan)
-    if graphs is None:
-        hidden, first = prefill_prompt(model, plan, cache, verify.forward)
-    else:  # the prompt's chains replay from the verify graphs, and so do their commits
-        hidden, first = prefill_prompt(model, plan, cache, graphs, graphs.commit)
+    if plan.cached is not None:
+        load(plan.cached, cache, plan.mask)
+    # Chains (the prompt's, a returned cache's missing tokens) replay from the verify graphs, and so do their commits.
+    chain_forward, chain_commit = (verify.forward, None) if graphs is None else (graphs, graphs.commit)
+    hidden, first = prefill_prompt(model, plan, cache, chain_forward, chain_commit)
 
     # writes.seq: every row as plain decoding's `input_ids` holds it (`Writes`), with room for a round past `room`
     width = P + plan.room + plan.lag * plan.step + plan.per_row + 3
     graphed_writes = plan.graphed and device.type == "cuda"
     writes = Writes.for_call(model, plan.input_ids, width, plan.pad_token, plan.stopping, graphed_writes)
     state = Rows(B, P, plan.max_new, plan.stopping, writes)
-    draft_args = (plan.drafter, writes, plan.columns, plan.mask.sum(-1), P, plan.step, device)
+    # The drafter sees the prefilled tokens' hidden states: none of a cached prefix.
+    prompt_lengths = plan.mask.sum(-1)  # [B]
+    unseen_prefix = prompt_lengths - plan.run.sum(-1)  # [B]
+    draft_args = (plan.drafter, writes, plan.columns, prompt_lengths, unseen_prefix, P, plan.step, device)
     if plan.builtin_drafter or plan.drafter is None:
         draft = Draft(*draft_args)
     else:  # a user's drafter gets its trees checked every round
@@ -77,13 +83,15 @@ def decode(
     # The drafter's next inputs keep one shape from round to round (one CUDA graph) with `max_depth`: `step` columns,
     # or the tree's width where narrower (one column after a round of the roots alone).
     unseen_width = plan.step if plan.max_depth is not None else None
+    # A cache handed back holds no token past the output: commits stop at the length limit and at a row's EOS.
+    ends = RowEnds(tuple(sorted(plan.stopping.eos)), generation_config.max_length - 1) if plan.returns_cache else None
     if graphs is not None and not plan.do_sample and not plan.logits_processor:
         # Greedy without processors reads nothing but the logits: acceptance and commit replay from one graph.
-        tail = GreedyTail(graphs.tail, plan.step, unseen_width)
+        tail = GreedyTail(graphs.tail, plan.step, unseen_width, ends)
         accept, commit = tail.accept, tail.commit
     else:
         accept = make_accept(plan.do_sample, plan.logits_processor, writes, P)
-        commit = Commit(cache, plan.step, unseen_width)
+        commit = Commit(cache, plan.step, unseen_width, ends)
 
     # The first token is read like a round's tokens: pipelined, after the first round is queued (behind the prefill).
     queued = [Queued(state.write(first[:, None], torch.ones(B, dtype=torch.long, device=device)), None, round=False)]
@@ -92,9 +100,9 @@ def decode(
         read_round(state, queued.pop(0), draft)
         streamed.flush()
 
-    # What the drafter has not seen yet: the prompt's hidden states, each followed by its next token.
-    next_tokens = torch.cat([plan.input_ids[:, 1:], first[:, None]], dim=1)
-    unseen = Unseen(hidden, next_tokens, plan.mask, plan.text_positions)
+    # What the drafter has not seen yet: the prefilled tokens' hidden states, each followed by its next token.
+    next_tokens = torch.cat([plan.input_ids[:, plan.tail + 1 :], first[:, None]], dim=1)
+    unseen = Unseen(hidden, next_tokens, plan.run, plan.text_positions[:, plan.tail :])
     root = first
     rounds: list[list[int]] = []  # per round, the tokens each row accepted (0: it sat the round out)
     peak_transient = {"factors": 0, "snapshots": 0, "conv_inputs": 0, "tree_kv": 0}  # the rounds' tree state
@@ -153,6 +161,10 @@ def decode(
     T_out = state.output_length()
     streamed.flush(T_out, final=True)
     sequences = state.sequences(T_out)
+    returned = None
+    if plan.returns_cache:
+        settle(cache, chain_forward, chain_commit, writes.seq, sequences, P, plan.pad_token)
+        returned = hand_back(plan.cached, cache, model.config.get_text_config(decoder=True))
     if not generation_config.return_dict_in_generate:
         return sequences
     accept_lengths = torch.tensor(rounds, dtype=torch.long, device=device).view(len(rounds), B).T
@@ -160,7 +172,7 @@ def decode(
     mean = float(accept_lengths.sum() / played) if played > 0 else 0.0
     return BoleGenerateOutput(
         sequences=sequences,
-        past_key_values=cache,
+        past_key_values=returned,
         accept_lengths=accept_lengths,
         mean_accepted_tokens=mean,
         peak_transient_bytes=peak_transient,
@@ -173,10 +185,11 @@ def _verify_and_select(model, plan: CallPlan):
     """The call's cache and steps 2 and 3, launched from Python or replayed from CUDA graphs (`plan.graphed`), and
     the verify graphs (None without), whose tails and commits replay with them."""
     bole = plan.bole
+    continued = None if plan.cached is None else plan.cached.given
     if plan.graphed:  # a cache kept across calls, whose verify forwards replay from CUDA graphs
         cache, graphs = graphed_cache(
             model, plan.input_ids.shape[0], plan.capacity, bole.verify, bole.compile, bole.fuse_projections,
-            bole.attention,
+            bole.attention, continued,
         )  # fmt: skip
         kept = graphed_select(model)
         return cache, graphs.step, Select(kept, plan.per_row, kept.roots_only), graphs

@@ -15,6 +15,7 @@ from transformers.utils import logging
 from hf_bole.config import BoleConfig, resolve_attention
 from hf_bole.generation.acceptance import check_logits_processor, is_context_free
 from hf_bole.generation.budget import BudgetResolver
+from hf_bole.generation.continuation import Continuation, continuation, given_cache
 from hf_bole.generation.draft import drafter_max_depth, make_drafter, prompt_columns
 from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, captures
 from hf_bole.generation.prefill import unchainable, use_chains, weight_bytes
@@ -58,6 +59,10 @@ class CallPlan:
     room: int  # generated tokens the cache and the sequences hold before they grow
     capacity: int  # the cache's slots per row up front
     chains: bool  # the prompt enters the cache as chains through the verify forward
+    cached: Continuation | None  # the caller's cache the call continues from
+    tail: int  # the first column the prefill runs (0 without a cache)
+    run: torch.Tensor  # [B, P - tail] bool on `device`: the tokens the prefill runs, those after each row's cached ones
+    returns_cache: bool  # the cache is handed back (`return_dict_in_generate`, or the caller's updated in place)
     # Where each row's prompt sits in the sequences, for drafters that read them (None while pipelined): read here,
     # before the prefill is queued, where a read after it would wait for it.
     columns: list | None
@@ -128,6 +133,17 @@ class CallPlan:
         counted = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] each token's place among its row's tokens
         position_ids = model_kwargs.get("position_ids")
         position_ids = counted if position_ids is None else position_ids.to(device)
+        # A cache the caller passed: its tokens are not prefilled again, and it is updated in place at the end.
+        given = given_cache(model_kwargs)
+        if given is not None and generation_config.use_cache is False:
+            raise ValueError("use_cache=False asks generate for no cache, but one was passed: drop one of the two")
+        config = model.config.get_text_config(decoder=True)
+        cached = None if given is None else continuation(given, config, input_ids, mask, generation_config.max_length)
+        tail = 0 if cached is None else cached.first
+        run = mask if cached is None else cached.uncached(mask)
+        returns_cache = given is not None or (
+            bool(generation_config.return_dict_in_generate) and generation_config.use_cache is not False
+        )
 
         # The budget of each round: fixed, or looked up by active rows and KV length ("auto", generation/budget).
         budget_for = BudgetResolver.for_model(model, bole, B)
@@ -151,14 +167,27 @@ class CallPlan:
         # (doubling), so that a call takes memory and time for the tokens it generates, not for max_new_tokens.
         room = min(max_new, INITIAL_ROOM)
         capacity = P + room + (1 + lag) * step + per_row + 1
-        chains = use_chains(bole.prefill, graphed, P, bole.verify, weight_bytes(model))
-        reason = unchainable(mask, position_ids) if chains else None
+        chains = use_chains(bole.prefill, graphed, P - tail, bole.verify, weight_bytes(model))
+        # Rows whose shared prefix ends in different columns: transformers' forward appends the same columns to every
+        # row, chains each row's own tokens.
+        ragged = cached is not None and not cached.aligned
+        chains = chains or (ragged and bole.prefill == "auto" and bole.verify == "closed_form")
+        reason = unchainable(mask, position_ids[..., tail:], run) if chains else None
         if reason is not None and bole.prefill == "chains":
             raise ValueError(
                 f"bole_prefill='chains' would not prefill this batch as transformers' forward does: {reason}; pass "
                 f"bole_prefill='plain' (or 'auto', which chooses it here)"
             )
         chains = chains and reason is None
+        if ragged and not chains:
+            reason = reason or (
+                "verify='serial' keeps a state snapshot per chain token" if bole.verify == "serial"
+                else f"bole_prefill={bole.prefill!r} asks for transformers' forward"
+            )  # fmt: skip
+            raise ValueError(
+                f"a prefix shared by rows of different left padding is prefilled as chains through the verify forward, "
+                f"which this call cannot: {reason}; left-pad the rows to the same length, or pass bole_prefill='auto'"
+            )
         if chains:
             capacity += MAX_TREE_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens
         if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
@@ -176,5 +205,6 @@ class CallPlan:
             do_sample=bool(generation_config.do_sample), logits_processor=logits_processor, stopping=stopping,
             budget_for=budget_for, per_row=per_row, drafter=drafter, max_depth=max_depth,
             vocab_size=model.get_output_embeddings().weight.shape[0], graphed=graphed, pipelined=pipelined, step=step,
-            room=room, capacity=capacity, chains=chains, columns=None if pipelined else prompt_columns(mask),
+            room=room, capacity=capacity, chains=chains, cached=cached, tail=tail, run=run,
+            returns_cache=returns_cache, columns=None if pipelined else prompt_columns(mask),
         )  # fmt: skip

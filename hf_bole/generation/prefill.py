@@ -54,21 +54,24 @@ def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str, weight
     return mode == "chains" or (graphed and prompt_length <= chain_limit(weight_bytes))
 
 
-def unchainable(mask: torch.Tensor, position_ids: torch.Tensor) -> str | None:
+def unchainable(mask: torch.Tensor, position_ids: torch.Tensor, run: torch.Tensor | None = None) -> str | None:
     """Why chains would not prefill this batch as transformers' forward does, or None (one host read).
 
     A chain holds a row's tokens only, each at the position the cache gives it (the tokens before it in its row). The
     plain forward runs the padding too: at the left, before any token, it leaves the GDN state and conv window zero, so
     only left padding may be skipped; padding after a row's first token (right padding, a hole in the mask) goes
-    through its GDN layers and changes their state. So: every row left-padded, with a token, numbered from 0 as
+    through its GDN layers and changes their state. So: every row left-padded, with a token to run, numbered from 0 as
     `generate` numbers them.
 
     Args:
         mask: `[B, P]` bool, True at the prompt's tokens.
-        position_ids: `[B, P]` (or `[..., B, P]`, mRoPE) the forward's position ids.
+        position_ids: `[B, P']` (or `[..., B, P']`, mRoPE) the forward's position ids of the last `P'` columns.
+        run: `[B, P']` bool, the tokens the chains run, in the last `P'` columns (a call continuing from a cache runs
+            those after the cached ones); all of `mask` by default.
     """
-    counted = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] each token's place among its row's tokens
-    checks = [(mask[:, 1:] >= mask[:, :-1]).all(), mask.any(-1).all(), ((position_ids == counted) | ~mask).all()]
+    run = mask if run is None else run
+    counted = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] - run.shape[1] :]  # [B, P'] each token's place
+    checks = [(mask[:, 1:] >= mask[:, :-1]).all(), run.any(-1).all(), ((position_ids == counted) | ~run).all()]
     left_padded, tokens, counts = torch.stack(checks).tolist()
     if not left_padded:
         return "the attention mask has padding after a row's first token (right padding, or a hole), which chains skip"
@@ -83,13 +86,14 @@ def unchainable(mask: torch.Tensor, position_ids: torch.Tensor) -> str | None:
 def chain_prefill(
     verify_forward, cache, input_ids: torch.Tensor, mask: torch.Tensor, pad_token: int, commit=None
 ) -> torch.Tensor:
-    """Prefills the empty `cache` with each row's prompt as chains through `verify_forward(ids, parents)` (a
-    `VerifyGraphs` or `tree_forward`), each committed whole by `commit(tree_round, path)` (`VerifyGraphs.commit`,
-    replayed; defaults to `cache.commit` without its reads).
+    """Appends each row's tokens to `cache` as chains through `verify_forward(ids, parents)` (a `VerifyGraphs` or
+    `tree_forward`), each committed whole by `commit(tree_round, path)` (`VerifyGraphs.commit`, replayed; defaults to
+    `cache.commit` without its reads): the prompts into an empty cache, the uncached tokens of a call continuing from a
+    cache, the tokens a returned cache lacks (`continuation.settle`).
 
     Args:
-        input_ids: `[B, P]` int64 prompts, left-padded.
-        mask: `[B, P]` bool, True at the prompt's tokens (every row has one).
+        input_ids: `[B, P]` int64 tokens, each row's right-aligned (left-padded).
+        mask: `[B, P]` bool, True at the tokens to append (a row may have none).
 
     Returns:
         `[B, P, hidden]` the final-norm hidden states of the prompt's tokens, in `input_ids`' columns (zero at left
@@ -127,26 +131,30 @@ def chain_prefill(
 
 
 def prefill_prompt(model, plan, cache, verify_forward, commit=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Puts the prompts of `plan` (`CallPlan`) into the empty `cache`: as chains through `verify_forward` (committed by
-    `commit`, see `chain_prefill`) where `plan.chains`, else through transformers' forward over them.
+    """Puts the prompts of `plan` (`CallPlan`) into `cache`, empty or holding their first `plan.tail` columns (a call
+    continuing from a cache): as chains through `verify_forward` (committed by `commit`, see `chain_prefill`) where
+    `plan.chains`, else through transformers' forward over the columns from `plan.tail` on.
 
     Returns:
-        `([B, P, hidden], [B])`: the prompts' final hidden states, and each row's first generated token, sampled or
-        the argmax of the last position's processed logits, as plain decoding takes it.
+        `([B, P - tail, hidden], [B])`: the final hidden states of the columns prefilled, and each row's first
+        generated token, sampled or the argmax of the last position's processed logits, as plain decoding takes it.
     """
-    input_ids, device = plan.input_ids, plan.device
+    input_ids, device, tail = plan.input_ids, plan.device, plan.tail
     if plan.chains:
-        hidden = chain_prefill(verify_forward, cache, input_ids, plan.mask, plan.pad_token, commit).to(device)
+        # Chains skip padding: its slots go first, so that every row ends at the last column as after the plain forward.
+        cache.pad(input_ids.shape[1] - cache.lengths - plan.run.sum(-1).to(cache.device))
+        hidden = chain_prefill(verify_forward, cache, input_ids[:, tail:], plan.run, plan.pad_token, commit)
+        hidden = hidden.to(device)
     else:
         decoder = model.get_decoder()
         prefill = decoder(
-            input_ids=input_ids.to(plan.in_device),
-            attention_mask=plan.attention_mask,
-            position_ids=plan.position_ids.to(plan.in_device),
+            input_ids=input_ids[:, tail:].to(plan.in_device),
+            attention_mask=plan.attention_mask,  # all columns: those of the cached tokens too
+            position_ids=plan.position_ids[..., tail:].to(plan.in_device),
             use_cache=True,
             **{cache_argument(type(decoder).forward): cache},
         )
-        hidden = prefill.last_hidden_state.to(device)  # [B, P, hidden]
+        hidden = prefill.last_hidden_state.to(device)  # [B, P - tail, hidden]
     logits = model.get_output_embeddings()(hidden[:, -1]).float()  # [B, V]
     scores = plan.logits_processor(input_ids, logits) if plan.logits_processor else logits
     first = sample_tokens(scores) if plan.do_sample else scores.argmax(-1)  # [B]

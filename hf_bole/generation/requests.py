@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformers import Cache, GenerationConfig
+from transformers import GenerationConfig
 from transformers.utils import logging
 
 from hf_bole.config import BoleConfig
@@ -21,12 +21,6 @@ ASSISTANT_ERROR = (
 )
 # GenerationConfig settings that ask transformers for its own assisted decoding (some only in later versions).
 _ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type")
-CACHE_ERROR = (
-    "hf_bole builds its own BoleCache for every request and does not continue from a cache: drop {name}= (a cache "
-    "returned by an earlier generate call included) and pass the whole conversation as input_ids"
-)
-# Names `generate` takes a cache by (5.17-5.25).
-_CACHE_ARGS = ("cache", "past_key_values", "cache_params")
 
 # Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -44,23 +38,11 @@ def check_request(model, generation_config: GenerationConfig, model_kwargs: dict
     for flag in _UNSUPPORTED_OUTPUTS:
         if getattr(generation_config, flag, False):
             raise ValueError(f"hf_bole does not return per-step tensors: {flag}=True is not supported")
-    # `generate` puts a fresh cache of its own here, under `cache` (5.24 on) or `past_key_values`; one the user
-    # passed, under either name, carries `_is_user_defined`.
-    for name, value in model_kwargs.items():
-        if isinstance(value, Cache) and getattr(value, "_is_user_defined", False):
-            raise ValueError(CACHE_ERROR.format(name=name))
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_bole needs input_ids (it drafts and verifies tokens); inputs_embeds is not supported")
     for key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
         if model_kwargs.get(key) is not None:
             raise ValueError(f"hf_bole verifies text-only requests; `{key}` is not supported")
-
-
-def check_cache_args(kwargs: dict) -> None:
-    """Refuses a cache among `generate`'s keyword arguments `kwargs`, by any name a transformers version takes."""
-    for name in _CACHE_ARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(CACHE_ERROR.format(name=name))
 
 
 def assistant_drafter(assistant_model, kwargs: dict) -> None:

@@ -205,17 +205,21 @@ def graphed_cache(
     compile: bool = False,
     fuse_projections: bool = True,
     attention: str = "auto",
+    continued: object | None = None,
 ) -> tuple[BoleCache, VerifyGraphs]:
     """An empty `BoleCache` of at least `capacity` slots per row (in steps of `graphs.KEPT_CAPACITY_STEP`) for `model`
     on its CUDA device, which grows on demand, and the verify graphs that go with it; both are kept for the next call
-    of the same batch size, verify mode, `compile`, `fuse_projections` and `attention`."""
+    of the same batch size, verify mode, `compile`, `fuse_projections` and `attention`. Where the call continues from
+    the kept cache itself (`continued`: the cache the caller passed, which an earlier call returned), it is not
+    emptied."""
     per_model = _KEPT.setdefault(model, {})
     key = (batch_size, verify, compile, fuse_projections, attention)
     if key not in per_model:
         cache = BoleCache.for_model(model, batch_size)
         per_model[key] = (cache, VerifyGraphs(model, cache, verify, compile, fuse_projections, attention))
     cache, kept = per_model[key]
-    cache.reset()
+    if cache is not continued:
+        cache.reset()
     cache.reserve(-(-capacity // graphs.KEPT_CAPACITY_STEP) * graphs.KEPT_CAPACITY_STEP)
     return cache, kept
 

@@ -11,7 +11,8 @@ import torch
 from hf_bole import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.budget import synthetic_draft_tree
-from hf_bole.generation.commit import TailGraphs, greedy_tail
+from hf_bole.generation.acceptance import Acceptance
+from hf_bole.generation.commit import TailGraphs, cut_at_ends, greedy_tail
 from hf_bole.generation.select import select_nodes
 from hf_bole.models import tree_forward
 from tests.generation.recorded_graph import recording_capture
@@ -64,3 +65,19 @@ def test_replayed_tail_commits_as_the_eager_tail(monkeypatch, mode):
         assert replayed._length_bound >= int(replayed.lengths.max())
     assert int(eager.lengths.max()) > 12  # some rounds accepted more than the root
     assert len(captured) == 1  # one key: the second call captured, the later ones replayed
+
+
+def test_paths_stop_where_rows_end():
+    """`cut_at_ends` keeps no node past a row's limit, nor past the parent of its first emitted EOS, which lowers the
+    row's limit to end it there; tokens after a row's emitted ones (right padding) are not read."""
+    path = torch.arange(5).expand(4, 5)  # every row accepted root -> 1 -> 2 -> 3 -> 4 and a bonus
+    tokens = torch.tensor([[5, 6, 8, 9, 7], [5, 6, 8, 9, 3], [5, 7, 8, 7, 3], [5, 6, 8, 9, 7]])
+    accepted = Acceptance(path=path, accept_lengths=torch.tensor([4, 5, 5, 5]), tokens=tokens,
+                          bonus=tokens[:, -1], leaf=torch.full((4,), 4))  # fmt: skip
+    lengths = torch.full((4,), 10)
+    limits = torch.tensor([100, 12, 100, 100])
+    cut = cut_at_ends(path.clone(), accepted, lengths, limits, torch.tensor([7]))
+    # row 0: the EOS comes after its 4 emitted tokens; row 1: 2 slots left; row 2: EOS as its 2nd token, the cache
+    # keeps root and 1; row 3: EOS as the bonus, the whole path
+    assert cut.tolist() == [[0, 1, 2, 3, 4], [0, 1, -1, -1, -1], [0, 1, -1, -1, -1], [0, 1, 2, 3, 4]]
+    assert limits.tolist() == [100, 12, 12, 15]

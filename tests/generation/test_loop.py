@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
-    DynamicCache,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -490,23 +489,6 @@ def test_drafter_sequences_hold_the_prompt_tokens_wherever_the_padding_is(dense)
     first = seen[0]
     assert first == [[33, 2, 41, 9, 60, *out[0, 7:8].tolist()], [5, 17, 41, 9, 60, *out[1, 7:8].tolist()],
                      [5, 17, 33, 2, *out[2, 7:8].tolist()]]  # fmt: skip
-
-
-@pytest.mark.parametrize("entry", ["name", "callable"])
-def test_a_cache_passed_in_is_refused(dense, entry):
-    """`past_key_values=` / `cache=` (a new cache, or one an earlier call returned) would be ignored: refused, by
-    either entry point; the model decodes as before afterwards."""
-    custom = "hf_bole" if entry == "name" else hf_bole.generate
-    ref = plain(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False)
-    returned = bole(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, bole_drafter="ngram",
-                    return_dict_in_generate=True).past_key_values  # fmt: skip
-    from_plain = plain(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    config = dense.config.get_text_config(decoder=True)
-    for name, cache in [("past_key_values", DynamicCache(config=config)), ("cache", DynamicCache(config=config)),
-                        ("past_key_values", returned), ("past_key_values", from_plain.past_key_values)]:  # fmt: skip
-        with pytest.raises(ValueError, match="does not continue from a cache: drop (past_key_values|cache)="):
-            bole(dense, PROMPTS[:1], max_new_tokens=4, bole_drafter="ngram", custom_generate=custom, **{name: cache})
-    assert torch.equal(bole(dense, PROMPTS[:1], max_new_tokens=4, do_sample=False, bole_drafter="ngram"), ref)
 
 
 def test_inference_mode(dense_with_mtp):

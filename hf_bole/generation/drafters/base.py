@@ -50,6 +50,10 @@ class DraftContext:
             Which of the `A` entries are real: left padding at prefill, right padding afterwards.
         positions (`torch.LongTensor` of shape `(batch_size, A)`, *optional*):
             The position ids of those entries.
+        unseen_prefix (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Per row, how many of its first committed tokens no drafter is shown the hidden states of: those a cache
+            the call continued from holds (`past_key_values=`), which keeps no hidden states. The first call's
+            `hidden_states` start after them. `None` = 0.
 
     `hidden_states`, `next_tokens`, `new_mask` and `positions` are valid during `propose`: with CUDA graphs they
     are a graph's buffers, overwritten later in the round. A drafter that keeps them past the call keeps copies.
@@ -63,6 +67,7 @@ class DraftContext:
     positions: torch.LongTensor | None = None
     lengths: torch.LongTensor | None = None
     max_length: int | None = None
+    unseen_prefix: torch.LongTensor | None = None
 
     def __post_init__(self):
         if self.sequences is None and (self.lengths is None or self.max_length is None):

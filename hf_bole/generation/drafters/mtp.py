@@ -233,10 +233,12 @@ class MTPDrafter:
 
         Args:
             ctx (`DraftContext`):
-                Reads `lengths` (row b holds `lengths[b] - 1` committed entries after this call), `max_length`,
-                `max_nodes`, `hidden_states [B, A, hidden]`, `next_tokens [B, A]`, `new_mask [B, A]`
-                (`None` = all real) and `positions [B, A]` (`None` = each entry's index in its row). A row whose new
-                entries cover its whole sequence starts afresh; a row with no new entries gets a meaningless tree.
+                Reads `lengths` and `unseen_prefix` (row b holds `lengths[b] - 1 - unseen_prefix[b]` committed
+                entries after this call: a cached prefix's tokens come without hidden states, and the drafter attends
+                to the tokens after them only), `max_length`, `max_nodes`, `hidden_states [B, A, hidden]`,
+                `next_tokens [B, A]`, `new_mask [B, A]` (`None` = all real) and `positions [B, A]` (`None` = each
+                entry's index in its row). A row whose new entries cover its whole sequence starts afresh; a row with
+                no new entries gets a meaningless tree.
 
         Returns:
             `DraftTree` with `N = min(max_tree_nodes, ctx.max_nodes, max_nodes)` nodes per row, in descending order
@@ -255,6 +257,8 @@ class MTPDrafter:
         longest = ctx.max_length - 1  # on the host: at most this many entries per row after this call
         cache = self._reserve(batch_size, longest, device)
         committed = ctx.lengths.to(device) - 1  # [B] entries after this call
+        if ctx.unseen_prefix is not None:  # a cached prefix's tokens have no hidden states: no entries of theirs
+            committed = committed - ctx.unseen_prefix.to(device)
         positions = ctx.positions
         if positions is None:  # each entry's index in its row
             positions = committed[:, None] - new_mask.sum(1, keepdim=True) + new_mask.cumsum(1) - 1

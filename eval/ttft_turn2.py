@@ -1,0 +1,132 @@
+"""Time to the first new token of a conversation's second turn: continuing the first turn's cache against prefilling
+the whole conversation again (issue 56's target: at least 5x sooner, with the same tokens).
+
+Turn 1 is an hf_bole call over a random prompt whose output makes `--history` tokens in all; turn 2 adds `--turn` new
+tokens and generates `--new`. Arms, each timed from the call to the first generated token reaching the host (a
+streamer, as eval/run.py times TTFT):
+
+    bole-continued   hf_bole from a copy of turn 1's returned cache (copied outside the timed call)
+    bole-prefill     hf_bole over the whole conversation
+    plain-continued  plain generate from a copy of plain turn 1's DynamicCache
+    plain-prefill    plain generate over the whole conversation
+
+Every arm runs once untimed (compiles, CUDA-graph captures), then `--passes` times in turns. The tokens of each arm
+are compared with bole-prefill's (in bf16 a near-tie may go either way, so a difference is reported, not raised).
+One JSON line out: the machine, the settings, every pass's seconds, the medians and the speed-up.
+
+    python eval/ttft_turn2.py --shape 9B --out runs/ttft_turn2.jsonl    # on a GPU: bf16, random weights
+    python eval/ttft_turn2.py --tiny                                     # CPU smoke test: a shrunk shape, fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_bole  # noqa: E402,F401  (registers custom_generate="hf_bole")
+from eval.metrics import FirstTokenTimer  # noqa: E402
+from eval.report import machine  # noqa: E402
+from eval.shapes import build_model, shape_config  # noqa: E402
+
+ARMS = ("bole-continued", "bole-prefill", "plain-continued", "plain-prefill")
+# --tiny: a shape small enough for a CPU, the 9B's layer pattern and head dims scaled down
+TINY = dict(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, vocab_size=512)  # fmt: skip
+
+
+def timed(model, ids: torch.Tensor, new: int, **kwargs) -> tuple[float, torch.Tensor]:
+    """Seconds from the call to the first generated token on the host, and the generated tokens."""
+    timer = FirstTokenTimer()
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, streamer=timer, **kwargs)  # fmt: skip
+    sync()
+    return timer.first_token_at - start, out[:, ids.shape[1] :]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="9B", help="a published shape (hf_bole.shapes.SHAPES)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--history", type=int, default=2000, help="tokens of the conversation after turn 1")
+    ap.add_argument("--reply", type=int, default=200, help="of them, tokens turn 1 generated")
+    ap.add_argument("--turn", type=int, default=32, help="new tokens of turn 2's question")
+    ap.add_argument("--new", type=int, default=16, help="tokens turn 2 generates (the tokens compared)")
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: a shrunk shape in fp32, short turns")
+    ap.add_argument("--out", default=None, help="a JSONL file the line is appended to")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.history, args.reply, args.turn, args.new, args.passes = 96, 16, 8, 4, 2
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    model = build_model(shape_config(args.shape, **(TINY if args.tiny else {})), args.device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(1, vocab, (1, args.history - args.reply), generator=gen).to(args.device)
+    question = torch.randint(1, vocab, (1, args.turn), generator=gen).to(args.device)
+    # random weights: no MTP head, so the n-gram drafter
+    bole = dict(custom_generate="hf_bole", bole_drafter="ngram")
+
+    sequences, caches = {}, {}
+    for name, extra in (("bole", bole), ("plain", {})):
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.reply,
+                             min_new_tokens=args.reply, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                             **extra)  # fmt: skip
+        # Copied now: with CUDA graphs hf_bole's next call of this batch size reuses the cache it returned.
+        sequences[name], caches[name] = out.sequences, copy.deepcopy(out.past_key_values)
+    # Turn 2 continues each turn 1's own conversation (the same tokens, where bf16 did not part them).
+    turn2 = {name: torch.cat([s, question], dim=1) for name, s in sequences.items()}
+    arms = {
+        "bole-continued": lambda: (turn2["bole"], dict(bole, past_key_values=copy.deepcopy(caches["bole"]))),
+        "bole-prefill": lambda: (turn2["bole"], bole),
+        "plain-continued": lambda: (turn2["plain"], dict(past_key_values=copy.deepcopy(caches["plain"]))),
+        "plain-prefill": lambda: (turn2["plain"], {}),
+    }
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    tokens = {}
+    for pass_ in range(args.passes + 1):  # the first pass warms up, untimed
+        for arm in ARMS:
+            ids, kwargs = arms[arm]()  # the copy is made here, outside the timed call
+            s, generated = timed(model, ids, args.new, **kwargs)
+            if pass_ > 0:
+                seconds[arm].append(s)
+            tokens[arm] = generated.tolist()
+    medians = {arm: statistics.median(v) for arm, v in seconds.items()}
+    reference = tokens["bole-prefill"]
+    line = {
+        "machine": machine(),
+        "shape": args.shape + (" (tiny)" if args.tiny else ""),
+        "dtype": str(dtype).removeprefix("torch."),
+        "history": args.history,
+        "turn": args.turn,
+        "new": args.new,
+        "passes": args.passes,
+        "seconds": seconds,
+        "median_s": medians,
+        "speedup_continued_over_prefill": medians["bole-prefill"] / medians["bole-continued"],
+        "same_tokens_as_bole_prefill": {arm: tokens[arm] == reference for arm in ARMS},
+        "turn1_same_tokens": bool(torch.equal(sequences["bole"], sequences["plain"])),
+    }
+    print(json.dumps(line))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return line
+
+
+if __name__ == "__main__":
+    main()
