@@ -71,6 +71,25 @@ def test_propose_matches_sequential(drafter):
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_rounds_without_a_draft_take_the_tokens_in(drafter):
+    """A round that verifies no draft (`max_nodes` 0) gets an empty tree and still takes in the rows' new tokens: the
+    next round's tree equals a fresh drafter's on the same rows. With 1 node a row only the best child is drafted."""
+    model, target = DRAFTERS[drafter](), tiny.build_model("dense")
+    rows = [list(p) for p in PROMPTS[:3]]
+    grown = [r + g for r, g in zip(rows, ([7, 8], [9], [10, 11, 12]))]
+    kept = ModelDrafter(model, target, depth=3, topk=3)
+    empty = kept.propose(DraftContext(sequences=[torch.tensor(r) for r in rows], max_nodes=0))
+    assert empty.tokens.shape == empty.parents.shape == empty.draft_logprobs.shape == (3, 0)
+    for max_nodes in (12, 1):
+        ctx = DraftContext(sequences=[torch.tensor(r) for r in grown], max_nodes=max_nodes)
+        fresh = ModelDrafter(model, target, depth=3, topk=3).propose(ctx)
+        tree = kept.propose(ctx)
+        assert tree.num_nodes == max_nodes
+        assert torch.equal(tree.tokens, fresh.tokens) and torch.equal(tree.parents, fresh.parents)
+        torch.testing.assert_close(tree.draft_logprobs, fresh.draft_logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
 @pytest.mark.parametrize("entry", ["name", "callable"])
 def test_greedy_matches_plain(drafter, entry):
     """Three left-padded prompts: the output is plain greedy `generate`'s, by `assistant_model=` through both entry

@@ -108,6 +108,9 @@ class ModelDrafter:
         self._extend([r[n:] for r, n in zip(rows, self._committed)])
         self._committed = [len(r) for r in rows]
         num_nodes = min(self.max_tree_nodes, ctx.max_nodes)
+        if num_nodes == 0:  # a round that verifies no draft: the drafter took in the new tokens, it drafts nothing
+            empty = torch.empty(B, 0, dtype=torch.long, device=device)
+            return DraftTree(tokens=empty, parents=empty, draft_logprobs=torch.empty(B, 0, device=device))
         return DraftTree(*(x.to(device) for x in self._draft(self._root, num_nodes)))
 
     @property
@@ -140,19 +143,21 @@ class ModelDrafter:
 
     def _draft(self, root: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Grows the tree level by level from the logits after the roots `root [B, vocab]`, then keeps the best
-        `num_nodes`: their tokens, parents and draft log-probabilities, each `[B, num_nodes]`."""
+        `num_nodes`: their tokens, parents and draft log-probabilities, each `[B, num_nodes]`. At most `num_nodes`
+        levels grow: no kept node lies deeper (`MTPDrafter._draft` says why)."""
         K = self.topk
+        depth = min(self.depth, num_nodes)
         B, device = root.shape[0], root.device
         levels = TopkLevels(*self._best(root, log_softmax=True))  # the root's children, [B, K]
         # The drafter's forwards run the frontiers drafted so far: `fed` tokens, their parents among them (-1: a child
         # of the root, the last committed token), each level's frontier `K` more.
         fed_tokens, fed_parents = levels.tokens[0], torch.full_like(levels.tokens[0], -1)
         frontier_fed = torch.arange(K, device=device).expand(B, -1)  # [B, K] the frontier among the fed nodes
-        for d in range(1, self.depth):
+        for d in range(1, depth):
             logits = self._trees.logits(fed_tokens, fed_parents)  # [B, K * d, vocab]
             out = logits.gather(1, frontier_fed[..., None].expand(-1, -1, logits.shape[-1]))  # [B, K, vocab]
             levels.add(*self._best(out, log_softmax=True))  # [B, K, K]
-            if d + 1 < self.depth:
+            if d + 1 < depth:
                 chosen = levels.advance(self._best)  # [B, K] among the level's K*K children
                 fed_tokens = torch.cat([fed_tokens, levels.tokens[-1].gather(1, chosen)], dim=1)
                 fed_parents = torch.cat([fed_parents, frontier_fed.gather(1, chosen // K)], dim=1)
