@@ -40,6 +40,7 @@ from hf_bole.config import VERIFY_MODES
 from hf_bole.kernels import kv_commit, tree_conv_state_commit, tree_gdn_commit, tree_gdn_commit_serial, tree_masks
 from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 from hf_bole.placement import placement
+from hf_bole.tensor_parallel import tensor_parallel
 
 KV_GROWTH_STEP = 64  # a growing cache's KV capacity is a multiple of this many slots
 
@@ -273,6 +274,9 @@ class BoleCache(Cache):
         layer_devices (sequence of `torch.device`, *optional*):
             For a model spread over devices (accelerate's `device_map`): the device each decoder layer runs on, where
             its state is kept (`BoleCache.for_model` reads them from the model). `None`: every layer on `device`.
+        key_value_heads (`int`, *optional*):
+            The KV heads each full-attention layer stores: a tensor-parallel rank's share of them (transformers'
+            `tp_plan`; `BoleCache.for_model` reads it from the model's sharded weights). Defaults to the config's.
 
     Attributes:
         lengths (`torch.LongTensor` of shape `(batch_size,)`):
@@ -301,6 +305,7 @@ class BoleCache(Cache):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         layer_devices: Sequence[torch.device | str] | None = None,
+        key_value_heads: int | None = None,
     ):
         config = config.get_text_config(decoder=True)
         layer_types = list(getattr(config, "layer_types", None) or [])
@@ -347,7 +352,8 @@ class BoleCache(Cache):
         self._last_attn_layer = attn_layers[-1]
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._kv_shape = (len(attn_layers), batch_size, config.num_key_value_heads, head_dim)
+        key_value_heads = key_value_heads or config.num_key_value_heads
+        self._kv_shape = (len(attn_layers), batch_size, key_value_heads, head_dim)
         hk, k = config.linear_num_key_heads, config.linear_key_head_dim
         hv, v = config.linear_num_value_heads, config.linear_value_head_dim
         self._gdn_dims = (hk, k, hv, v)
@@ -386,11 +392,12 @@ class BoleCache(Cache):
     @classmethod
     def for_model(cls, model, batch_size: int, max_cache_len: int | None = None) -> BoleCache:
         """A cache for `model` in its dtype, each layer's state on the device that layer runs on (one device, or
-        several under accelerate's `device_map`), the bookkeeping on the first layer's."""
-        layer_devices = placement(model).layer_devices
+        several under accelerate's `device_map`), the bookkeeping on the first layer's; of a tensor-parallel model,
+        the KV heads of this rank."""
         return cls(
-            model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype, layer_devices=layer_devices
-        )
+            model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype,
+            layer_devices=placement(model).layer_devices, key_value_heads=tensor_parallel(model).key_value_heads,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         devices = f", devices={[str(g.device) for g in self._groups]}" if len(self._groups) > 1 else ""

@@ -10,6 +10,7 @@ from transformers.utils import logging
 from hf_bole.config import BoleConfig
 from hf_bole.models import check_supported_model
 from hf_bole.placement import Placement
+from hf_bole.tensor_parallel import TensorParallel
 
 logger = logging.get_logger(__name__)
 
@@ -89,5 +90,25 @@ def spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
             f"hf_bole: CUDA graphs and the drafter's compile are off: the model spans {len(place.devices)} devices "
             f"({devices}); verify forwards and MTP drafting launch their kernels from Python (bole_cuda_graphs=False "
             f"and bole_compile_drafter=False say the same without this warning)"
+        )
+    return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)
+
+
+def tensor_parallel_settings(bole: BoleConfig, tp: TensorParallel) -> BoleConfig:
+    """`bole` for a tensor-parallel model (transformers' `tp_plan`): refuses `compile` and turns CUDA graphs and the
+    drafter's compile off, saying so once. The verify forward's collectives are transformers' DTensor hooks, which
+    hf_bole has not captured in graphs nor compiled (issue 60)."""
+    if tp.size == 1:
+        return bole
+    if bole.compile:
+        raise ValueError(
+            f"bole_compile=True is not supported under tensor parallelism yet (this model is split over {tp.size} "
+            f"ranks by its tp_plan): drop bole_compile, or load the model on one device"
+        )
+    if bole.cuda_graphs or bole.compile_drafter:
+        logger.warning_once(
+            f"hf_bole: CUDA graphs and the drafter's compile are off under tensor parallelism ({tp.size} ranks): "
+            f"verify forwards and MTP drafting launch their kernels from Python (bole_cuda_graphs=False and "
+            f"bole_compile_drafter=False say the same without this warning)"
         )
     return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)
