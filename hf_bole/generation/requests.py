@@ -94,7 +94,7 @@ def spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
     return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)
 
 
-def tensor_parallel_settings(bole: BoleConfig, tp: TensorParallel) -> BoleConfig:
+def tensor_parallel_settings(bole: BoleConfig, tp: TensorParallel, place: Placement) -> BoleConfig:
     """`bole` for a tensor-parallel model (transformers' `tp_plan`): refuses `compile` and turns CUDA graphs and the
     drafter's compile off, saying so once. The verify forward's collectives are transformers' DTensor hooks, which
     hf_bole has not captured in graphs nor compiled (issue 60)."""
@@ -105,7 +105,7 @@ def tensor_parallel_settings(bole: BoleConfig, tp: TensorParallel) -> BoleConfig
             f"bole_compile=True is not supported under tensor parallelism yet (this model is split over {tp.size} "
             f"ranks by its tp_plan): drop bole_compile, or load the model on one device"
         )
-    if bole.cuda_graphs or bole.compile_drafter:
+    if (bole.cuda_graphs or bole.compile_drafter) and place.input_device.type == "cuda":
         logger.warning_once(
             f"hf_bole: CUDA graphs and the drafter's compile are off under tensor parallelism ({tp.size} ranks): "
             f"verify forwards and MTP drafting launch their kernels from Python (bole_cuda_graphs=False and "
