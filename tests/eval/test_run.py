@@ -619,8 +619,9 @@ def test_tensor_parallel_run(tmp_path):
          "12", "--max-new-tokens", "12", "--device", "cpu", "--output-dir", str(tmp_path / "out")],
         cwd=run.HOUSE_CHECKPOINT.parents[2], env=env, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
-    header, *rows = (json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines())
-    assert header["settings"]["tensor_parallel"] == 2 and header["settings"]["command"].startswith("torchrun")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    settings = rows[0]["settings"]  # every row carries the header
+    assert settings["tensor_parallel"] == 2 and settings["command"].startswith("torchrun --nproc-per-node=2")
     assert sorted((r["mode"], r["batch_size"], r["num_prompts"], r["num_processes"]) for r in rows) == [
         ("ar", 1, 2, 1), ("ar", 2, 2, 1), ("bole", 1, 2, 1), ("bole", 2, 2, 1)
     ]  # fmt: skip
