@@ -5,8 +5,8 @@ A shape larger than one GPU (122B-A10B: 227 GiB in bf16) is built across the GPU
 device first, placed by accelerate's `infer_auto_device_map` under a per-GPU budget (`spread_max_memory`), each
 weight then made on its GPU and initialised as `hf_bole.shapes.build_model` initialises it, and accelerate's hooks
 attached (`dispatch_model`), as `from_pretrained(..., device_map="auto")` leaves a checkpoint. Under `torchrun`,
-`build_model_tensor_parallel` shards it over the processes' GPUs instead, as `from_pretrained(..., tp_plan="auto")`
-does.
+`hf_bole.shapes.build_model_tensor_parallel` shards it over the processes' GPUs instead, as
+`from_pretrained(..., tp_plan="auto")` does.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from hf_bole import shapes
-from hf_bole.shapes import SHAPES, build_model, model_class, parameter_bytes, trained_like
+from hf_bole.shapes import (
+    SHAPES,
+    build_model,
+    build_model_tensor_parallel,
+    model_class,
+    parameter_bytes,
+    trained_like,
+)
 
 HOUSE_CHECKPOINT = Path(__file__).resolve().parent / "house" / "checkpoint"
 
@@ -104,24 +111,3 @@ def build_model_across(config, dtype: torch.dtype, max_memory: dict, seed: int =
     trained_like(model)
     return dispatch_model(model, device_map).eval()
 
-
-def build_model_tensor_parallel(config, dtype: torch.dtype, seed: int = 0):
-    """`build_model` sharded over the processes of `torchrun` by transformers' tensor parallelism: a random-weight
-    model of `config` loaded with `from_pretrained(None, state_dict={}, tp_plan="auto")`, so that transformers makes
-    and initialises each rank's shards on its GPU (no checkpoint, no host copy), then `trained_like`. The weights
-    every rank holds whole (norms, GDN convs and decays) are rank 0's, so that the ranks run one model."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    torch.manual_seed(seed)
-    config.tie_word_embeddings = False  # the unembedding `trained_like` sets must not overwrite the embedding
-    model = model_class(config).from_pretrained(
-        None, config=config, state_dict={}, tp_plan="auto", dtype=dtype, attn_implementation="sdpa"
-    )
-    torch.manual_seed(seed)  # `trained_like` draws alike on every rank
-    trained_like(model)
-    with torch.no_grad():
-        for param in model.parameters():
-            if not isinstance(param, DTensor):
-                dist.broadcast(param.data, src=0)
-    return model.eval()

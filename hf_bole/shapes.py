@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import (
     AutoConfig,
@@ -143,6 +144,25 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype, seed: in
     with torch.device(device):
         model = model_class(config)._from_config(config, dtype=dtype, attn_implementation="sdpa")
     trained_like(model)
+    return model.eval()
+
+
+def build_model_tensor_parallel(config, dtype: torch.dtype, seed: int = 0):
+    """`build_model` sharded over the processes of `torchrun` by transformers' tensor parallelism: a random-weight
+    model of `config` loaded with `from_pretrained(None, state_dict={}, tp_plan="auto")`, so that transformers makes
+    and initialises each rank's shards on its GPU (no checkpoint, no host copy), then `trained_like`. The weights
+    every rank holds whole (norms, GDN convs and decays) are rank 0's, so that the ranks run one model."""
+    torch.manual_seed(seed)
+    config.tie_word_embeddings = False  # the unembedding `trained_like` sets must not overwrite the embedding
+    model = model_class(config).from_pretrained(
+        None, config=config, state_dict={}, tp_plan="auto", dtype=dtype, attn_implementation="sdpa"
+    )
+    torch.manual_seed(seed)  # `trained_like` draws alike on every rank
+    trained_like(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not isinstance(param, DTensor):
+                dist.broadcast(param.data, src=0)
     return model.eval()
 
 

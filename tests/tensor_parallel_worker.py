@@ -17,6 +17,7 @@ from transformers.utils import logging
 
 import hf_bole  # noqa: F401  (registers custom_generate="hf_bole")
 from eval.oracle import OracleDrafter
+from hf_bole.generation.budget import calibrate
 from hf_bole.tensor_parallel import tensor_parallel
 from tests.models import tiny
 
@@ -75,6 +76,9 @@ def main(folder: Path, out_path: Path) -> None:
     for kind in ("dense", "moe"):
         model = AutoModelForCausalLM.from_pretrained(folder / kind, tp_plan="auto", dtype=torch.float32).eval()
         results[kind] = runs(model, kind)
+        if kind == "dense":  # the budget table of a tensor-parallel model: timed on every rank, keyed by the degree
+            table = calibrate(model, [1], [8], [0, 4], warmup=1, reps=1, cuda_graphs=False)
+            results["calibrated"] = [table.key.launch, [e.nodes for e in table.entries]]
     results["key_value_heads"] = tensor_parallel(model).key_value_heads
     # A plan that splits the GDN heads (their decays sharded) is refused.
     gdn = model.model.layers[0].linear_attn

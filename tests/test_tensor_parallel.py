@@ -59,6 +59,10 @@ def test_ranks_agree(ranks):
     assert ranks[0]["key_value_heads"] == 1  # each rank attends with one of the two KV heads
 
 
+def test_calibration_keyed_by_degree(ranks):
+    assert ranks[0]["calibrated"] == ["tp2-eager", [[0, 1, 4]]]  # the grid holds the floor too (1 node)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_matches_plain_tensor_parallel(ranks, kind):
     got = ranks[0][kind]

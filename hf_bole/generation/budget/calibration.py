@@ -36,6 +36,7 @@ from hf_bole.generation.tree import DraftTree
 from hf_bole.generation.verify import Verify, VerifyGraphs, trimmed
 from hf_bole.kernels.utils import MAX_TREE_NODES
 from hf_bole.placement import placement
+from hf_bole.tensor_parallel import tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +273,10 @@ def _measure_bucket(
     roots = prompt[:, -1:]
     no_parents = torch.full((b, 1), -1, dtype=torch.long, device=device)
     with attention_backends():
-        cache = BoleCache(model.config, b, max_cache_len=kv + ROW_CAP + 2, device=device, dtype=model.dtype)
+        cache = BoleCache(
+            model.config, b, max_cache_len=kv + ROW_CAP + 2, device=device, dtype=model.dtype,
+            key_value_heads=tensor_parallel(model).key_value_heads,
+        )  # fmt: skip
         for start in range(0, kv, prefill_chunk):  # through the decoder: no logits over the whole prompt
             chunk = prompt[:, start : start + prefill_chunk]
             decoder(input_ids=chunk, use_cache=True, **{cache_argument(type(decoder).forward): cache})
