@@ -26,7 +26,7 @@ NEW = 12
 
 
 def generate(model, prompts, **kwargs):
-    ids, mask = tiny.left_pad(prompts)
+    ids, mask = (t.to(model.device) for t in tiny.left_pad(prompts))
     kwargs.setdefault("max_new_tokens", NEW)
     return model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs).tolist()
 
@@ -41,7 +41,7 @@ def runs(model, kind: str) -> dict:
         [len(p) for p in PROMPTS], [row[P:] for row in longer], depth=4, topk=2, accept=0.8,
         vocab_size=model.config.vocab_size,
     )  # fmt: skip
-    ids, mask = tiny.left_pad(PROMPTS)
+    ids, mask = (t.to(model.device) for t in tiny.left_pad(PROMPTS))
     oracled = model.generate(
         ids, attention_mask=mask, pad_token_id=0, max_new_tokens=NEW, do_sample=False, custom_generate="hf_bole",
         bole_drafter=oracle, bole_budget=16, return_dict_in_generate=True,

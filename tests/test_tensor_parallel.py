@@ -1,5 +1,5 @@
-"""Tensor parallelism (transformers' `tp_plan="auto"`) on the CPU: two gloo ranks under torchrun decode tiny
-checkpoints (`tests/tensor_parallel_worker.py`), compared with each other and with one process."""
+"""Tensor parallelism (transformers' `tp_plan="auto"`): two ranks under torchrun (gloo on the CPU, NCCL on two GPUs)
+decode tiny checkpoints (`tests/tensor_parallel_worker.py`), compared with each other and with one process."""
 
 from __future__ import annotations
 
@@ -24,10 +24,16 @@ KINDS = ("dense", "moe")
 # Two ranks split 4 query and 2 KV heads; transformers 5.17 gathers a colwise LM head only over an even vocabulary.
 SHAPE = dict(vocab_size=96, num_attention_heads=4, num_key_value_heads=2)
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available() or torch.empty(0).device.type != "cpu",
-    reason="two gloo ranks on the CPU need torch.distributed with gloo",
-)
+# transformers' TP puts the ranks on the accelerator when there is one: one GPU each (NCCL), else the CPU (gloo).
+pytestmark = [
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available() or torch.empty(0).device.type != "cpu",
+        reason="two gloo ranks on the CPU need torch.distributed with gloo",
+    ),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="two ranks on GPUs need two GPUs"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -601,6 +601,7 @@ def test_data_parallel_matches_one_process(checkpoint, tmp_path):
             assert r["outputs_sha256"] == ar[r["dataset"], r["batch_size"]]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU recipe; on GPUs eval/gpu.sh's tp parts run --tp")
 def test_tensor_parallel_run(tmp_path):
     """`torchrun --nproc-per-node 2 eval/run.py --tp` (gloo on the CPU): one random-weight model sharded over both
     processes (`build_model_tensor_parallel`), every prompt run by both, one table: hf_bole exact against plain
