@@ -31,7 +31,7 @@ from eval.bench_kernels import machine_header, time_graph  # noqa: E402
 from hf_bole.kernels import tree_attention, tree_masks  # noqa: E402
 from hf_bole.kernels.attention import naive_tree_attention  # noqa: E402
 from hf_bole.kernels.tree_gdn.ancestors import tree_attention_mask, tree_masks_torch  # noqa: E402
-from hf_bole.models.qwen3_5 import attention_backends  # noqa: E402
+from hf_bole.models.adapter import attention_backends  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 
 SHAPES = {"9B": (16, 4, 256), "27B": (24, 4, 256)}  # query heads, KV heads, head dim

@@ -22,8 +22,16 @@
 #   9b816       the same at batch 8 and 16, without ar-static (MODES_9B816)   benchmarks/e2e_9b_b8_b16.jsonl
 #   kernels     one GDN layer's tree verify (serial walk, fla chain, closed form) and the commit
 #                                                                                     benchmarks/kernels.jsonl
+#   kda         one KDA layer's tree verify (serial walk, fla chunk_kda chain, closed form) and the commit,
+#               Kimi-Linear-48B-A3B's sizes                                              benchmarks/kda.jsonl
 #   budget-house  "auto" against fixed budgets, house model, GSM8K, batch 8 and 1  benchmarks/budget_house.jsonl
 #   budget-9b     the same on the 9B shape (its table first: cal-9B)                 benchmarks/budget_9b.jsonl
+#   drafters    the house model, MBPP, batch 1: ar, hf_bole with the MTP head, n-gram and a small model (2 of the
+#               house model's layers), transformers' assisted decoding with that small model and its prompt lookup
+#               (these two need transformers >= 5.25)                          benchmarks/drafters_house_b1.jsonl
+#   next1       end to end on the random Qwen3-Next-80B-A3B shape cut to 40 of its 48 layers (one H200; the whole
+#               shape needs two GPUs), oracle drafter, batch 1: ar, ar-static, bole     benchmarks/e2e_next_b1.jsonl
+#   cal-next    its budget table                                        hf_bole/budgets/<key>.json
 # On 2 or more GPUs of one host (tensor parallelism over all visible GPUs, NGPU; the 122B-A10B shape's 227 GiB of bf16
 # weights need H200 x2 or H100 x4), each part one command of at most 10 minutes:
 #   tp-tests    the tensor-parallel tests on two GPUs over NCCL (tests/test_tensor_parallel.py)
@@ -44,7 +52,7 @@
 # eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,45p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,53p' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -146,10 +154,22 @@ kernels)
         --shapes 32,1,16 48,1,128 32,8,64 32,16,128
     RENDER=1
     ;;
+kda)
+    step kda 240 python3 eval/bench_kda.py --out benchmarks/kda.jsonl
+    RENDER=1
+    ;;
 budget-house)
     harness budget_house 540 --datasets gsm8k --modes bole --batch-sizes 8 1 --num-prompts 8 --max-new-tokens 96 \
         --budget 32 128 248 auto --repeats 3 --interleave
     ;;
+drafters)
+    step drafters 540 python3 eval/bench_drafters.py --out benchmarks/drafters_house_b1.jsonl
+    ;;
+next1)
+    harness e2e_next_b1 590 --shape Qwen3-Next-80B-A3B-40L --max-new-tokens 128 --depth 6 --chain-depth 6 --repeats 3 \
+        --interleave --batch-sizes 1 --num-prompts 2 --modes ${MODES_NEXT1:-ar ar-static bole}
+    ;;
+cal-next) calibrate Qwen3-Next-80B-A3B-40L 400 ;;
 budget-9b)
     harness budget_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 8 1 --num-prompts 8 --max-new-tokens 96 \
         --budget 16 32 64 128 auto --repeats 3 --interleave

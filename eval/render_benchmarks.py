@@ -217,6 +217,33 @@ def kernels(rows: list[dict]) -> list[str]:
     return lines
 
 
+def kda(rows: list[dict]) -> list[str]:
+    """eval/bench_kda.py's lines: a header, then one line per (shape, provider)."""
+    head, timed = rows[0], rows[1:]
+    h = head["header"]
+    lines = [
+        machine_line({**h, "gpu": h["device"]}),
+        f"- One KDA layer of Kimi-Linear-48B-A3B: H = {head['H']} heads, K = V = {head['K']}, bf16 q/k/v, fp32 gates "
+        f"and state, random trees of depth ≤ the column's, products at {head['precision']}; each time the median of "
+        "CUDA-graph replays over rotating inputs; correctness against float64 first (largest error "
+        f"{max(v for k, v in head['errors'].items() if not k.startswith('fla')):.1e}).",
+        "",
+        "| batch | tree nodes | depth | serial ms | fla chunk (chain) ms | bole ms | commit ms | bole ÷ fla chain "
+        "| serial ÷ bole | bole MiB | serial MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for B, T, depth in dict.fromkeys((r["B"], r["T"], r["depth"]) for r in timed):
+        by = {r["provider"]: r for r in timed if (r["B"], r["T"], r["depth"]) == (B, T, depth)}
+        ms = lambda p: by.get(p, {}).get("ms")  # noqa: E731
+        cell = lambda p: "OOM" if by.get(p, {}).get("oom") else _f(ms(p), ".3f")  # noqa: E731
+        ratio = lambda a, b: f"{ms(a) / ms(b):.2f}×" if ms(a) and ms(b) else "–"  # noqa: E731
+        mib = lambda p: _f((by.get(p, {}).get("transient_bytes") or 0) / 2**20 or None, ".1f")  # noqa: E731
+        lines.append(f"| {B} | {T} | {depth} | {cell('serial')} | {cell('fla-chunk')} | {cell('bole')} | "
+                     f"{cell('commit')} | {ratio('bole', 'fla-chunk')} | {ratio('serial', 'bole')} | {mib('bole')} | "
+                     f"{mib('serial')} |")  # fmt: skip
+    return lines
+
+
 def _model(settings: dict) -> str:
     return "the house model" if report.is_house(settings["model"]) else settings["model"]
 
@@ -327,6 +354,8 @@ def main() -> None:
         doc = replace(doc, "layouts", layouts(rows))
     if rows := load("kernels"):
         doc = replace(doc, "kernels", kernels(rows))
+    if rows := load("kda"):
+        doc = replace(doc, "kda", kda(rows))
     for name in BUDGETS:
         if rows := load(name):
             doc = replace(doc, name, budgets(rows))

@@ -1,4 +1,4 @@
-"""The harness's random-weight models: the published Qwen3.5 shapes of `hf_bole.shapes`, the house model's shape
+"""The harness's random-weight models: the published Qwen3.5 and Qwen3-Next shapes of `hf_bole.shapes`, the house model's shape
 (`"house"`), and a shape larger than one GPU built across the GPUs.
 
 A shape larger than one GPU (122B-A10B: 227 GiB in bf16) is built across the GPUs by `build_model_across`: on the meta

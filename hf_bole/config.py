@@ -7,6 +7,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import PreTrainedModel
+
 VERIFY_MODES = ("closed_form", "serial")
 ATTENTION_MODES = ("auto", "model", "triton")
 PREFILL_MODES = ("auto", "chains", "plain")
@@ -58,9 +60,10 @@ class BoleConfig:
             key once, the committed keys split over programs and only the slots in use read; its torch reference
             off CUDA), `"model"` (the model's own attention, SDPA or eager, with the tree's ancestor mask as a 4D
             mask), or `"auto"`: `"triton"` on CUDA, `"model"` elsewhere (`resolve_attention`).
-        drafter (`str` or object, *optional*, defaults to `"mtp"`):
-            `"mtp"` (the checkpoint's multi-token-prediction head), `"ngram"` (prompt lookup, no weights), or any
-            object with a `propose(ctx) -> DraftTree` method.
+        drafter (`str`, `PreTrainedModel` or object, *optional*, defaults to `"mtp"`):
+            `"mtp"` (the checkpoint's multi-token-prediction head), `"ngram"` (prompt lookup, no weights), a small
+            causal LM sharing the target's tokenizer (`hf_bole.generation.drafters.model.ModelDrafter`; `generate`'s
+            `assistant_model=` says the same), or any object with a `propose(ctx) -> DraftTree` method.
         ngram_max_size (`int`, *optional*, defaults to 3):
             The longest suffix the n-gram drafter looks up in the committed tokens.
         ngram_min_size (`int`, *optional*, defaults to 1):
@@ -185,6 +188,8 @@ class BoleConfig:
                     f"BoleConfig.drafter must be one of {BUILTIN_DRAFTERS} or an object with a "
                     f"`propose(ctx) -> DraftTree` method, got {self.drafter!r}"
                 )
+        elif isinstance(self.drafter, PreTrainedModel):
+            pass  # a small-model drafter, checked against the target when the call starts
         elif isinstance(self.drafter, type):
             raise ValueError(
                 f"BoleConfig.drafter must be a drafter object, got the class {self.drafter.__name__}: pass an "

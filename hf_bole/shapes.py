@@ -1,6 +1,6 @@
-"""The published Qwen3.5 shapes as random-weight models, for calibration and benchmarks without checkpoints
-(`python -m hf_bole.calibrate --shape 9B`). A forward's cost depends on the shape, not on the weights, so a budget
-table measured on a shape serves the published checkpoint of that shape (`hf_bole.generation.budget.model_key`).
+"""The published Qwen3.5 and Qwen3-Next shapes as random-weight models, for calibration and benchmarks without
+checkpoints (`python -m hf_bole.calibrate --shape 9B`). A forward's cost depends on the shape, not on the weights, so a
+budget table measured on a shape serves the published checkpoint of that shape (`hf_bole.generation.budget.model_key`).
 
 Every shape shares: vocab 248320, attention head_dim 256, GDN key/value head dims 128, conv kernel 4, layers
 [lin, lin, lin, full] x N, partial rotary 0.25, one MTP layer (declared in the config; a random model has no MTP
@@ -12,6 +12,14 @@ weights, so it drafts with another drafter, e.g. the harness's oracle).
     27B         5120    64      24/4           16/48          17408
     35B-A3B     2048    40      16/2           16/32          256 experts top-8, 512 (+512 shared)
     122B-A10B   3072    48      32/2           16/64          256 experts top-8, 1024 (+1024 shared)
+
+Qwen3-Next-80B-A3B is transformers' `Qwen3NextConfig()` as it is (its docstring: the defaults yield a configuration
+like Qwen3-Next-80B-A3B-Instruct's): vocab 151936, hidden 2048, 48 layers [lin, lin, lin, full] x 12, attention 16/2
+heads of 256 (gated, partial rotary 0.25), GDN 16/32 heads of 128, 512 experts top-10 of 512 (+512 shared), 79.7B
+parameters, 148 GiB in bf16: more than one H200 holds, so it runs spread over two GPUs (`eval/run.py --device-map
+auto`). Qwen3-Next-80B-A3B-40L is the same with 40 of its 48 layers (124 GiB in bf16), every layer as the 80B-A3B's,
+for one H200: per layer the forwards cost what the 80B-A3B's do, so ratios between decoding modes carry over (the LM
+head and embedding, 1% of the weights, excepted).
 
 Example:
 
@@ -39,6 +47,8 @@ from transformers import (
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 EMBEDDING_SCALE = 10.0
@@ -82,12 +92,18 @@ SHAPES: dict[str, dict] = {
         linear_num_key_heads=16, linear_num_value_heads=64, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
     ),
+    # transformers' Qwen3NextConfig defaults (see above); the MTP layer declared as in the published config
+    "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next"),
+    "Qwen3-Next-80B-A3B-40L": dict(model_type="qwen3_next", num_hidden_layers=40),
 }  # fmt: skip
 
 
-def shape_config(shape: str, **overrides) -> Qwen3_5TextConfig | Qwen3_5MoeTextConfig:
+def shape_config(shape: str, **overrides) -> Qwen3_5TextConfig | Qwen3_5MoeTextConfig | Qwen3NextConfig:
     """The text config of a named shape (`SHAPES`) or of the checkpoint folder `shape` (its `config.json`);
     `overrides` replace fields (tests shrink a shape this way)."""
+    if shape in SHAPES and SHAPES[shape].get("model_type") == "qwen3_next":
+        fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
+        return Qwen3NextConfig(**{"mtp_num_hidden_layers": 1, **fields, **overrides})
     if shape in SHAPES:
         fields = {**COMMON, **SHAPES[shape], **overrides}
         moe = "num_experts" in fields
@@ -111,7 +127,12 @@ def model_class(config) -> type:
         return Qwen3_5MoeForCausalLM
     if config.model_type == "qwen3_5_text":
         return Qwen3_5ForCausalLM
-    raise ValueError(f"shapes are Qwen3.5 text configs (qwen3_5_text, qwen3_5_moe_text), got {config.model_type!r}")
+    if config.model_type == "qwen3_next":
+        return Qwen3NextForCausalLM
+    raise ValueError(
+        f"shapes are Qwen3.5 or Qwen3-Next text configs (qwen3_5_text, qwen3_5_moe_text, qwen3_next), got "
+        f"{config.model_type!r}"
+    )
 
 
 def parameter_bytes(config, dtype: torch.dtype) -> int:
@@ -179,9 +200,8 @@ def trained_like(model) -> None:
       decoding part within a few tokens, and a drafter that knows plain decoding's continuation stops being
       accepted.
     """
-    for layer in model.model.layers:
-        if layer.block_type == "linear_attention":
-            gdn = layer.linear_attn
+    for gdn in model.model.layers.modules():
+        if hasattr(gdn, "A_log") and hasattr(gdn, "dt_bias"):  # a GDN layer, of any family
             A = torch.empty_like(gdn.A_log, dtype=torch.float32).uniform_(1.0, 16.0)
             dt = torch.empty_like(A).uniform_(math.log(1e-3), math.log(1e-1)).exp()
             gdn.A_log.copy_(A.log())

@@ -85,9 +85,9 @@ def torch_gdn(monkeypatch):
     tests that run a model on the CPU of a GPU machine (fla's kernels take GPU tensors only)."""
     if importlib.util.find_spec("fla") is None:
         return
-    from hf_bole.models.qwen3_5 import SUPPORTED_MODEL_TYPES
+    from hf_bole.models import all_families
 
-    for module in SUPPORTED_MODEL_TYPES.values():
+    for module in [f.module(t) for f in all_families() if f.available for t in f.modules]:
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
             # Unwrapped past hf_bole's seam and transformers' kernel dispatch; tree_forward wraps the seam around
             # it again, and the fixture's teardown puts the usual dispatch back.

@@ -1,5 +1,5 @@
-"""hf_bole.shapes: the published Qwen3.5 shapes as in DESIGN.md §8 (checked without building them), and shrunken ones
-built."""
+"""hf_bole.shapes: the published Qwen3.5 shapes as in DESIGN.md §8 and Qwen3-Next-80B-A3B (checked without building
+them), and shrunken ones built."""
 
 from __future__ import annotations
 
@@ -44,11 +44,28 @@ def test_shape_config(name):
     assert abs(billions - float(name.split("B")[0])) / float(name.split("B")[0]) < 0.25
 
 
+@pytest.mark.parametrize("name, layers, billions", [("Qwen3-Next-80B-A3B", 48, 79.7), ("Qwen3-Next-80B-A3B-40L", 40, 66.5)])
+def test_qwen3_next_shape_config(name, layers, billions):
+    """transformers' Qwen3NextConfig defaults, the 80B-A3B's (its docstring), or 40 of their layers."""
+    c = shape_config(name)
+    assert c.model_type == "qwen3_next" and c.num_hidden_layers == layers
+    assert (c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        151936, 2048, 16, 2, 256
+    )
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim) == (16, 32, 128)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == (
+        512, 10, 512, 512
+    )
+    assert c.layer_types == ["linear_attention"] * 3 + ["full_attention"] + c.layer_types[4:]
+    assert c.layer_types.count("full_attention") == layers // 4
+    assert abs(parameter_bytes(c, torch.bfloat16) / 2 / 1e9 - billions) < 0.1
+
+
 def test_shapes_listed():
-    assert set(SHAPES) == set(TABLE)
+    assert set(SHAPES) == set(TABLE) | {"Qwen3-Next-80B-A3B", "Qwen3-Next-80B-A3B-40L"}
 
 
-@pytest.mark.parametrize("name", ["9B", "35B-A3B"])
+@pytest.mark.parametrize("name", ["9B", "35B-A3B", "Qwen3-Next-80B-A3B"])
 def test_build_model_shrunken(name):
     small = dict(
         vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -56,6 +73,8 @@ def test_build_model_shrunken(name):
     )  # fmt: skip
     if "A3B" in name:
         small.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        if "Next" in name:
+            small.update(intermediate_size=96)
     else:
         small.update(intermediate_size=96)
     model = build_model(shape_config(name, **small), "cpu", torch.bfloat16, seed=1)

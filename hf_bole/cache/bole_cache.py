@@ -42,6 +42,7 @@ from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 from hf_bole.placement import placement
 from hf_bole.tensor_parallel import tensor_parallel
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # layers with KV (a sliding window's is kept whole)
 KV_GROWTH_STEP = 64  # a growing cache's KV capacity is a multiple of this many slots
 
 
@@ -247,8 +248,9 @@ class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
 
 class BoleCache(Cache):
     """
-    A transformers `Cache` for Qwen3.5 hybrid models (Gated DeltaNet + full attention) that verifies a whole
-    draft tree in one forward and commits only each row's accepted path.
+    A transformers `Cache` for hybrid models (Gated DeltaNet + attention: Qwen3.5 and the other families of
+    `hf_bole.models.family`) that verifies a whole draft tree in one forward and commits only each row's accepted
+    path.
 
     Plain forwards (prefill, one-token decode, `model.generate`) behave exactly as with transformers' own
     caches. `hf_bole.models.tree_forward` runs the model over a tree of candidate tokens per row without
@@ -257,8 +259,8 @@ class BoleCache(Cache):
 
     Args:
         config (`PreTrainedConfig`):
-            The model config: a Qwen3.5 (or Qwen3.5-MoE) text config, or the composite config of a
-            `...ForConditionalGeneration` model (its text config is used).
+            The model config: the text config of a supported family (`hf_bole.models.family`), or the composite
+            config of a `...ForConditionalGeneration` model (its text config is used).
         batch_size (`int`):
             Number of rows.
         max_cache_len (`int`, *optional*):
@@ -309,13 +311,13 @@ class BoleCache(Cache):
     ):
         config = config.get_text_config(decoder=True)
         layer_types = list(getattr(config, "layer_types", None) or [])
-        attn_layers = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        attn_layers = [i for i, t in enumerate(layer_types) if t in ATTENTION_LAYER_TYPES]
         gdn_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
         if not attn_layers or not gdn_layers or len(attn_layers) + len(gdn_layers) != len(layer_types):
             raise ValueError(
-                f"BoleCache needs the config of a hybrid model whose layers are 'linear_attention' (GDN) or "
-                f"'full_attention', with at least one of each (Qwen3_5ForCausalLM and the other classes hf_bole "
-                f"supports); got {type(config).__name__} with layer_types={layer_types}"
+                f"BoleCache needs the config of a hybrid model whose layers are 'linear_attention' (GDN) or attention "
+                f"{ATTENTION_LAYER_TYPES}, with at least one of each (Qwen3_5ForCausalLM and the other classes of "
+                f"`hf_bole.models.family`); got {type(config).__name__} with layer_types={layer_types}"
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -336,7 +338,7 @@ class BoleCache(Cache):
             layer_devices = [torch.device(d) for d in layer_devices]
 
         layers = [
-            BoleAttentionLayer(self, i) if t == "full_attention" else BoleLinearAttentionLayer(self, i)
+            BoleAttentionLayer(self, i) if t in ATTENTION_LAYER_TYPES else BoleLinearAttentionLayer(self, i)
             for i, t in enumerate(layer_types)
         ]
         super().__init__(layers=layers)

@@ -8,6 +8,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from hf_bole.config import BoleConfig
 from hf_bole.generation.drafters import DraftContext, NgramDrafter
@@ -109,8 +110,12 @@ def drop_drafters(model) -> None:
 
 
 def make_drafter(model, config: BoleConfig, device: torch.device):
-    """The call's drafter: the n-gram drafter, the model's MTP drafter (kept per model and tree shape across calls),
-    or the user's object as given."""
+    """The call's drafter: the n-gram drafter, the model's MTP drafter (kept per model and tree shape across calls), a
+    small model's (its own state per call), or the user's object as given."""
+    if isinstance(config.drafter, PreTrainedModel):
+        from hf_bole.generation.drafters.model import ModelDrafter
+
+        return ModelDrafter(config.drafter, model, depth=config.depth, topk=config.topk)
     if config.drafter == "ngram":
         return NgramDrafter(config)
     if config.drafter == "mtp":

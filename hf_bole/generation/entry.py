@@ -16,20 +16,21 @@ import threading
 import weakref
 
 import torch
+from transformers import PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 
 from hf_bole.config import BoleConfig
 from hf_bole.generation.draft import drop_drafters
 from hf_bole.generation.loop import decode
-from hf_bole.generation.requests import check_assisted, check_cache_args
+from hf_bole.generation.requests import assistant_drafter, check_assisted, check_cache_args
 from hf_bole.generation.select import drop_select_graphs
 from hf_bole.generation.verify import drop_verify_graphs
 from hf_bole.generation.writes import drop_writes
 
 CUSTOM_GENERATE_NAME = "hf_bole"
 # Arguments of `GenerationMixin.generate` that transformers (5.17-5.25) does not forward to a `custom_generate`
-# callable; the loop reads them from the calling frame so that a streamer still streams and a forbidden
-# assistant still raises.
+# callable; the loop reads them from the calling frame so that a streamer still streams and an assistant model
+# drafts.
 _DROPPED_GENERATE_ARGS = ("streamer", "assistant_model", "synced_gpus")
 
 
@@ -81,9 +82,10 @@ def generate(model, *args, **kwargs):
     kwargs.pop("trust_remote_code", None)
     # Settings are read again in `decode`; checking them here names a misspelt `bole_*` argument, which
     # transformers would only report as an unused model kwarg.
+    assistant_drafter(kwargs.pop("assistant_model", None), kwargs)
     BoleConfig.from_generate_kwargs(kwargs, kwargs.get("generation_config"))
     # transformers would refuse these with a less helpful message, or run without them.
-    check_assisted(kwargs.get("assistant_model"), kwargs, kwargs.get("generation_config"), model.generation_config)
+    check_assisted(kwargs, kwargs.get("generation_config"), model.generation_config)
     check_cache_args(kwargs)
     return model.generate(*args, custom_generate=generate, **kwargs)
 
@@ -101,13 +103,16 @@ generate.__signature__ = inspect.Signature(
 
 
 def install_generate_hooks() -> None:
-    """Two hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
+    """Three hooks on transformers' `GenerationMixin` (5.17-5.25), installed once by `import hf_bole`:
 
     - `model.generate(..., custom_generate="hf_bole")` resolves to `generate` from any working directory and without
       `trust_remote_code` (the name is intercepted before transformers looks for a folder or Hub repo);
     - `tokenizer=` reaches the stopping criteria when `custom_generate` is hf_bole's callable: transformers drops it
-      for every callable, so stop strings would fail with "could not locate a tokenizer"; and arguments asking for
-      transformers' assisted decoding are refused with hf_bole's message before transformers checks them.
+      for every callable, so stop strings would fail with "could not locate a tokenizer"; arguments asking for
+      transformers' assisted decoding without a model are refused with hf_bole's message before transformers checks
+      them; and `assistant_model=` becomes hf_bole's drafter (`bole_drafter`);
+    - such a call is not taken for transformers' assisted decoding when transformers validates the generation mode
+      (5.17-5.24 refuse that for stateful models; 5.25 would check the assistant's tokenizer).
     """
     load = GenerationMixin.load_custom_generate
     if getattr(load, "__hf_bole_original__", None) is None:
@@ -131,17 +136,32 @@ def install_generate_hooks() -> None:
                 # models with their own message): the arguments of the `generate` call making it.
                 frame = sys._getframe(1)
                 passed = frame.f_locals if frame.f_code is inspect.unwrap(GenerationMixin.generate).__code__ else {}
-                assistant = more.get("assistant_model", args[1] if len(args) > 1 else None)
-                check_assisted(assistant, kwargs, passed.get("generation_config"), self.generation_config)
+                check_assisted(kwargs, passed.get("generation_config"), self.generation_config)
                 check_cache_args(kwargs)
             tokenizer = kwargs.get("tokenizer")
             extracted = extract(self, custom_generate, kwargs, *args, **more)
-            if custom_generate is generate and tokenizer is not None:
-                extracted["tokenizer"] = tokenizer
+            if custom_generate is generate:
+                assistant_drafter(more.get("assistant_model", args[1] if len(args) > 1 else None), extracted)
+                if tokenizer is not None:
+                    extracted["tokenizer"] = tokenizer
             return extracted
 
         extract_generation_mode_kwargs.__hf_bole_original__ = extract
         GenerationMixin._extract_generation_mode_kwargs = extract_generation_mode_kwargs
+
+    validate = GenerationMixin._validate_generation_mode
+    if getattr(validate, "__hf_bole_original__", None) is None:
+
+        @functools.wraps(validate)
+        def validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs, *args, **more):
+            # hf_bole's call with assistant_model= (its drafter now, `assistant_drafter`): not transformers' assisted
+            # decoding, which 5.17-5.24 refuse for stateful models
+            if isinstance(generation_mode_kwargs.get("bole_drafter"), PreTrainedModel):
+                generation_mode = generation_config.get_generation_mode()
+            return validate(self, generation_mode, generation_config, generation_mode_kwargs, *args, **more)
+
+        validate_generation_mode.__hf_bole_original__ = validate
+        GenerationMixin._validate_generation_mode = validate_generation_mode
 
 
 def release(model) -> None:

@@ -68,7 +68,7 @@ def decode(
     writes = Writes.for_call(model, plan.input_ids, width, plan.pad_token, plan.stopping, graphed_writes)
     state = Rows(B, P, plan.max_new, plan.stopping, writes)
     draft_args = (plan.drafter, writes, plan.columns, plan.per_row, plan.mask.sum(-1), P, plan.step, device)
-    if isinstance(bole.drafter, str):
+    if plan.builtin_drafter:
         draft = Draft(*draft_args)
     else:  # a user's drafter gets its trees checked every round
         draft = CheckedDraft(

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
@@ -18,7 +18,7 @@ from hf_bole.generation.budget import BudgetResolver
 from hf_bole.generation.draft import drafter_max_depth, make_drafter, prompt_columns
 from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, captures
 from hf_bole.generation.prefill import unchainable, use_chains, weight_bytes
-from hf_bole.generation.requests import check_request, spread_settings, tensor_parallel_settings
+from hf_bole.generation.requests import assistant_drafter, check_request, spread_settings, tensor_parallel_settings
 from hf_bole.generation.stopping import Stopping
 from hf_bole.kernels.utils import MAX_TREE_NODES
 from hf_bole.models import graph_unsafe_experts
@@ -64,6 +64,11 @@ class CallPlan:
     columns: list | None
 
     @property
+    def builtin_drafter(self) -> bool:
+        """Whether hf_bole made the drafter (MTP, n-gram, a small model's): a user's gets its trees checked."""
+        return isinstance(self.bole.drafter, (str, PreTrainedModel))
+
+    @property
     def lag(self) -> int:
         """Rounds the host may read late: 1 while pipelined."""
         return 1 if self.pipelined else 0
@@ -87,6 +92,7 @@ class CallPlan:
         """The plan of `model.generate`'s call with these arguments (`dropped`: the assistant model and `synced_gpus`
         transformers does not forward), checking the request first."""
         generation_config = generation_config if generation_config is not None else model.generation_config
+        assistant_drafter(dropped.get("assistant_model"), model_kwargs)
         bole, model_kwargs = BoleConfig.from_generate_kwargs(
             {k: v for k, v in model_kwargs.items() if v is not None or not k.startswith("bole_")}, generation_config
         )

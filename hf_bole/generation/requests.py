@@ -17,7 +17,8 @@ logger = logging.get_logger(__name__)
 
 ASSISTANT_ERROR = (
     "hf_bole drafts with its own drafter: drop {name} and choose one with bole_drafter ('mtp', the checkpoint's "
-    "MTP head; 'ngram', prompt lookup; or an object with propose(ctx) -> DraftTree)"
+    "MTP head; 'ngram', prompt lookup; a small causal LM sharing the tokenizer, also as assistant_model=; or an "
+    "object with propose(ctx) -> DraftTree)"
 )
 # GenerationConfig settings that ask transformers for its own assisted decoding (some only in later versions).
 _ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type")
@@ -31,13 +32,14 @@ _CACHE_ARGS = ("cache", "past_key_values", "cache_params")
 # Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
+
 def check_request(model, generation_config: GenerationConfig, model_kwargs: dict, dropped: dict) -> None:
     check_supported_model(model)
     if generation_config.num_beams != 1:
         raise ValueError(f"hf_bole decodes one sequence per row; num_beams={generation_config.num_beams} is not supported")
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("hf_bole returns one sequence per row; repeat the prompts instead of num_return_sequences")
-    check_assisted(dropped.get("assistant_model"), {}, generation_config)
+    check_assisted({}, generation_config)
     if dropped.get("synced_gpus"):
         raise ValueError("hf_bole does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     for flag in _UNSUPPORTED_OUTPUTS:
@@ -62,15 +64,27 @@ def check_cache_args(kwargs: dict) -> None:
             raise ValueError(CACHE_ERROR.format(name=name))
 
 
-def check_assisted(assistant_model, kwargs: dict, *configs) -> None:
-    """Refuses an assistant model, and settings of `kwargs` or `configs` (GenerationConfigs, or None) that ask for
-    transformers' assisted decoding."""
-    if assistant_model is not None:
-        raise ValueError(ASSISTANT_ERROR.format(name="assistant_model"))
+def assistant_drafter(assistant_model, kwargs: dict) -> None:
+    """`assistant_model=` is `bole_drafter=`: puts the assistant into `kwargs` (`generate`'s keyword arguments) as
+    hf_bole's drafter; refuses it next to another `bole_drafter`."""
+    if assistant_model is None:
+        return
+    if kwargs.get("bole_drafter") not in (None, assistant_model):
+        raise ValueError(
+            "assistant_model= and bole_drafter= both name a drafter: pass one (assistant_model=small is "
+            "bole_drafter=small)"
+        )
+    kwargs["bole_drafter"] = assistant_model
+
+
+def check_assisted(kwargs: dict, *configs) -> None:
+    """Refuses settings of `kwargs` or `configs` (GenerationConfigs, or None) that ask for transformers' assisted
+    decoding without a model (prompt lookup, early exit, MTP)."""
     for name in _ASSISTED_SETTINGS:
         values = [kwargs.get(name)] + [getattr(config, name, None) for config in configs if config is not None]
         if any(value not in (None, False) for value in values):
             raise ValueError(ASSISTANT_ERROR.format(name=name))
+
 
 def spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
     """`bole` for a model spread over several devices (accelerate's `device_map`): refuses `compile` and turns CUDA

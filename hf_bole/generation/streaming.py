@@ -8,7 +8,7 @@ from hf_bole.generation.rows import Rows
 
 
 class Streamer:
-    """Hands tokens to a streamer exactly as plain decoding does: one `[B]` tensor per step, a step once every
+    """Hands tokens to a streamer exactly as plain decoding does: one `[B]` host tensor per step, a step once every
     row has produced its token there (a padded row contributes its pad)."""
 
     def __init__(self, streamer, rows: Rows):
@@ -23,7 +23,7 @@ class Streamer:
         if self.streamer is not None:
             for t in range(self.sent, upto):
                 step = [rows.tokens[b][t] if t < rows.n_gen[b] else rows.pad for b in range(rows.B)]
-                self.streamer.put(torch.tensor(step))
+                self.streamer.put(torch.tensor(step, device="cpu"))  # on the host, as plain decoding's `.cpu()`
         self.sent = max(self.sent, upto)
         if final and self.streamer is not None:
             self.streamer.end()

@@ -1,7 +1,6 @@
-"""Model adapters: tree-mode forwards for the supported hybrid model families."""
+"""Model adapters: tree-mode forwards for the supported hybrid model families (`hf_bole.models.family`)."""
 
-from hf_bole.models.qwen3_5 import (
-    SUPPORTED_CLASSES,
+from hf_bole.models.adapter import (
     TreeBatch,
     TreeForwardOutput,
     attention_backends,
@@ -12,14 +11,17 @@ from hf_bole.models.qwen3_5 import (
     install_adapters,
     tree_forward,
 )
+from hf_bole.models.family import Family, all_families, family_of
 
 __all__ = [
-    "SUPPORTED_CLASSES",
+    "Family",
     "TreeBatch",
     "TreeForwardOutput",
+    "all_families",
     "attention_backends",
     "cache_argument",
     "check_supported_model",
+    "family_of",
     "graph_unsafe_experts",
     "install_adapter",
     "install_adapters",

@@ -29,15 +29,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
+from hf_bole.models.family import family_of
+
 logger = logging.get_logger(__name__)
 
-# Attribute names of the Linears that one module calls on one input, in no particular order: Qwen3.5's GDN
-# layer, its attention layer, its MLP (dense, and the MoE's shared expert).
-GROUPS = (
-    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-)
 
 
 @dataclass(eq=False)
@@ -144,8 +139,9 @@ _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fuse_projections(decoder: nn.Module) -> list[_Group]:
-    """Makes the weights of `decoder`'s projection groups (`GROUPS`) views of one buffer per group, once (again for a
-    group whose weights moved since); returns the groups. Says once, in a log line, which groups stay apart.
+    """Makes the weights of `decoder`'s projection groups (its family's `projection_groups`, the first a module holds;
+    `decoder.config` names the family) views of one buffer per group, once (again for a group whose weights moved
+    since); returns the groups. Says once, in a log line, which groups stay apart.
 
     The buffer is made outside inference mode, also when called inside it: the Linears' weights become views of it,
     and a weight made an inference tensor would fail the model's next forward outside inference mode with grad."""
@@ -153,8 +149,9 @@ def fuse_projections(decoder: nn.Module) -> list[_Group]:
     if held is not None and all(group.intact() for group in held):
         return held
     groups, apart = [], []
+    projection_groups = family_of(decoder.config).projection_groups
     for name, module in decoder.named_modules():
-        for names in GROUPS:
+        for names in projection_groups:
             if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
                 continue
             reason = _why_not([getattr(module, n) for n in names])
@@ -162,6 +159,7 @@ def fuse_projections(decoder: nn.Module) -> list[_Group]:
                 groups.append(_fuse(name, module, names))
             else:
                 apart.append(f"{name} ({reason})")
+            break
     if apart and held is None:
         logger.warning(
             f"hf_bole: {len(apart)} of {len(apart) + len(groups)} projection groups run one GEMM per projection in the "

@@ -1,4 +1,5 @@
-"""The multi-token-prediction (MTP) head that Qwen3.5 checkpoints ship as `mtp.*` tensors: module, loading, saving.
+"""The multi-token-prediction (MTP) head that Qwen3.5 and Qwen3-Next checkpoints ship as `mtp.*` tensors (the
+families with `Family.mtp`): module, loading, saving.
 
 One MTP step maps a pair (hidden state h_t, next token x_{t+1}) at position t to a hidden state that predicts x_{t+2}:
 
@@ -15,9 +16,11 @@ One MTP step maps a pair (hidden state h_t, next token x_{t+1}) at position t to
     mtp.norm.weight                   [hidden]
 
 transformers keeps these keys out of the model (`_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`) and its generic
-`MtpModel` (`modeling_layers.py`) cannot be built from a Qwen3.5 config (it needs `num_mtp_layers` and
-`mtp_layer_types`, which Qwen3.5 configs do not carry), so the head is assembled here from transformers' own layer
-classes, under the checkpoint's own parameter names, so that loading is a prefix strip and saving a prefix add.
+`MtpModel` (`modeling_layers.py`) cannot be built from a Qwen3.5 or Qwen3-Next config (it needs `num_mtp_layers` and
+`mtp_layer_types`, which these configs do not carry), so the head is assembled here from transformers' own layer
+classes, under the checkpoint's own parameter names, so that loading is a prefix strip and saving a prefix add. The
+tensors are read from the checkpoint's safetensors files, in its folder or in the local Hub cache (never downloaded:
+`from_pretrained` fetched every shard the index lists).
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 from hf_bole.kernels.ops import masked_attention
+from hf_bole.models.adapter import cache_argument
+from hf_bole.models.family import all_families, family_of
 from hf_bole.placement import placement
-from hf_bole.models.qwen3_5 import cache_argument
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MTP_PREFIX = "mtp."
 MTP_SHARD_NAME = "model-mtp.safetensors"
 
@@ -89,7 +92,8 @@ AttentionInterface.register("hf_bole_mtp", mtp_attention)
 
 class Qwen3_5MTP(nn.Module):
     r"""
-    The Qwen3.5 (dense or MoE) MTP head, with the checkpoint's parameter names minus the `mtp.` prefix.
+    The MTP head of a Qwen3.5 (dense or MoE) or Qwen3-Next model, with the checkpoint's parameter names minus the
+    `mtp.` prefix.
 
     Build it with [`Qwen3_5MTP.for_model`] (fresh, for training) or [`Qwen3_5MTP.from_pretrained`] (checkpoint
     weights); save it with [`save_pretrained_with_mtp`].
@@ -100,7 +104,7 @@ class Qwen3_5MTP(nn.Module):
             [`mtp_attention`] (SDPA, whatever the target's implementation: the drafter passes boolean tree masks that
             flash attention cannot take and eager attention would read as additive).
         decoder_layer_cls (`type[nn.Module]`):
-            The target's decoder-layer class (`Qwen3_5DecoderLayer` or `Qwen3_5MoeDecoderLayer`).
+            The target's decoder-layer class (`Qwen3_5DecoderLayer`, `Qwen3_5MoeDecoderLayer`, `Qwen3NextDecoderLayer`).
         norm_cls (`type[nn.Module]`):
             The target's RMSNorm class (`1 + weight` scaling, zero-initialised).
     """
@@ -118,6 +122,7 @@ class Qwen3_5MTP(nn.Module):
         self.pre_fc_norm_hidden = norm_cls(hidden, eps=eps)
         self.layers = nn.ModuleList([decoder_layer_cls(config, 0)])
         self.norm = norm_cls(hidden, eps=eps)
+        self._family = family_of(config)
         # read once here, not in every forward, where torch.compile would trace the signature look-up
         self._cache_argument = cache_argument(decoder_layer_cls.forward)
 
@@ -141,10 +146,10 @@ class Qwen3_5MTP(nn.Module):
 
         Args:
             model (`PreTrainedModel`):
-                A Qwen3.5 or Qwen3.5-MoE model (`ForCausalLM` or `ForConditionalGeneration`). The head is placed on the
+                A model of a family with an MTP head (Qwen3.5, Qwen3.5-MoE, Qwen3-Next). The head is placed on the
                 device of its `lm_head`, in its dtype.
             pretrained (`str` or `os.PathLike`, *optional*):
-                A checkpoint folder or Hub repo id (resolved through the local Hub cache when offline). Defaults to
+                A checkpoint folder or Hub repo id (resolved through the local Hub cache, never downloaded). Defaults to
                 `model.name_or_path`, the folder or repo `model` was loaded from.
             state_dict (`dict[str, torch.Tensor]`, *optional*):
                 Tensors in the checkpoint's layout (`mtp.*` keys; other keys are ignored). Takes precedence over
@@ -162,6 +167,7 @@ class Qwen3_5MTP(nn.Module):
             >>> mtp = Qwen3_5MTP.from_pretrained(model)
             ```
         """
+        _check_family(model.config.get_text_config())
         if state_dict is not None:
             source = "the given state_dict"
         else:
@@ -205,14 +211,15 @@ class Qwen3_5MTP(nn.Module):
     @classmethod
     def _build(cls, model: PreTrainedModel, device: torch.device | str) -> Qwen3_5MTP:
         text_config = model.config.get_text_config()
-        if text_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"The MTP head is defined for Qwen3.5 and Qwen3.5-MoE ({', '.join(SUPPORTED_MODEL_TYPES)}), not "
-                f"'{text_config.model_type}'."
-            )
+        _check_family(text_config)
         decoder = model.get_decoder()
         with torch.device(device):
             return cls(text_config, type(decoder.layers[0]), type(decoder.norm))
+
+    def rotary_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """What the target's rotary embedding takes for text positions `positions [B, T]`: Qwen3.5's multimodal
+        `(3, B, T)` position ids (one text position on all three axes), Qwen3-Next's `[B, T]` as they are."""
+        return self._family.rotary_position_ids(positions)
 
     def forward(
         self,
@@ -234,8 +241,7 @@ class Qwen3_5MTP(nn.Module):
                 The hidden states h_t: the target's final (normed) hidden states, or this head's own outputs when it
                 recurses.
             position_embeddings (`tuple[torch.FloatTensor, torch.FloatTensor]`):
-                `(cos, sin)` from the target's rotary embedding at positions t (Qwen3.5's takes position ids of
-                shape `(3, batch_size, seq_len)`, the same text position on all three axes).
+                `(cos, sin)` from the target's rotary embedding at positions t (`rotary_position_ids`).
             attention_mask (`torch.BoolTensor` of shape `(batch_size, 1, seq_len, kv_len)`, *optional*):
                 True where a query may attend; `None` is causal attention over `seq_len` (training).
             past_key_values (*optional*):
@@ -264,34 +270,41 @@ class Qwen3_5MTP(nn.Module):
         return self.norm(x)
 
 
+def _check_family(text_config) -> None:
+    if not family_of(text_config).mtp:
+        with_mtp = ", ".join(f.name for f in all_families() if f.mtp)
+        raise ValueError(
+            f"The MTP head is defined for the families whose checkpoints ship one ({with_mtp}), not "
+            f"'{text_config.model_type}': draft with bole_drafter='ngram' or a small model (assistant_model=)."
+        )
+
+
 def load_mtp_state_dict(pretrained: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The `mtp.*` tensors of a safetensors checkpoint (single file or sharded), keys unchanged; `{}` when it has none.
 
-    `pretrained` is a local folder or a Hub repo id; repo ids resolve through the Hub cache (and download when online).
-    Only the shards that hold `mtp.*` keys are opened.
+    `pretrained` is a local folder or a Hub repo id; repo ids resolve through the local Hub cache only (nothing is
+    downloaded: a model loaded from the Hub has every shard its index lists there). Only the shards that hold `mtp.*`
+    keys are opened.
     """
-    index = cached_file(
-        pretrained,
-        SAFE_WEIGHTS_INDEX_NAME,
-        _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False,
-    )
+    index = _local_file(pretrained, SAFE_WEIGHTS_INDEX_NAME)
     if index is not None:
         weight_map = json.loads(Path(index).read_text())["weight_map"]
         shards = sorted({shard for key, shard in weight_map.items() if key.startswith(MTP_PREFIX)})
-        files = [cached_file(pretrained, shard) for shard in shards]
+        files = [_local_file(pretrained, shard) for shard in shards]
+        missing = [shard for shard, file in zip(shards, files) if file is None]
+        if missing:
+            raise ValueError(
+                f"The checkpoint index at '{pretrained}' puts `mtp.*` weights in {missing}, which are not there (nor in "
+                f"the local Hub cache); hf_bole downloads nothing: fetch them (e.g. `huggingface_hub.snapshot_download`), "
+                f"pass `state_dict=`, or use `bole_drafter=\"ngram\"`, which needs no weights."
+            )
     else:
-        single = cached_file(
-            pretrained,
-            SAFE_WEIGHTS_NAME,
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-        )
+        single = _local_file(pretrained, SAFE_WEIGHTS_NAME)
         if single is None:
             raise ValueError(
                 f"Found no safetensors checkpoint ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}) at '{pretrained}' "
-                f'to read `mtp.*` weights from. Pass `state_dict=`, or use `bole_drafter="ngram"`, which needs no '
-                f"weights."
+                f'(a folder, or a repo in the local Hub cache) to read `mtp.*` weights from. Pass `state_dict=`, or use '
+                f'`bole_drafter="ngram"`, which needs no weights.'
             )
         files = [single]
     tensors = {}
@@ -299,6 +312,17 @@ def load_mtp_state_dict(pretrained: str | os.PathLike) -> dict[str, torch.Tensor
         with safe_open(file, framework="pt") as f:
             tensors.update({key: f.get_tensor(key) for key in f.keys() if key.startswith(MTP_PREFIX)})
     return tensors
+
+
+def _local_file(pretrained: str | os.PathLike, filename: str) -> str | None:
+    """`filename` of the checkpoint `pretrained` (a folder, or a repo id in the local Hub cache), or None."""
+    return cached_file(
+        pretrained,
+        filename,
+        local_files_only=True,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+    )
 
 
 def save_pretrained_with_mtp(

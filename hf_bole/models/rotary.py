@@ -4,8 +4,9 @@ transformers' `apply_rotary_pos_emb` runs about twelve elementwise kernels per f
 `rotate_half`'s negation and `cat`, the sum, the `cat` of the pass-through dims, for q and for k): 24 of a house-model
 verify forward's ~258 kernels, 96 on the 9B shape's eight attention layers; here they are one launch each.
 
-The Qwen3.5 modeling modules' `apply_rotary_pos_emb` (a module global their attention layers look up at every call)
-is wrapped once per process (`install`): inside `rotary_fused()`, which an eager `tree_forward` enters, the wrapper
+The `apply_rotary_pos_emb` of the modeling modules of the families whose formula it is (`Family.rotary`: Qwen3.5,
+Qwen3-Next, Lara-Mini; a module global their attention layers look up at every call) is wrapped once per process
+(`install`): inside `rotary_fused()`, which an eager `tree_forward` enters, the wrapper
 calls `rotary` (bit for bit the same result) for the calls made in that thread; every other call, from any other
 thread or outside the context, goes to transformers' function. A call it does not cover (another `unsqueeze_dim`,
 mixed dtypes, other ranks) goes there too, and a log line says so once. A compiled forward does not enter it:
@@ -19,15 +20,13 @@ import functools
 import threading
 
 import torch
-from transformers.models.qwen3_5 import modeling_qwen3_5
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.utils import logging
 
 from hf_bole.kernels.rotary import rotary
+from hf_bole.models.family import all_families
 
 logger = logging.get_logger(__name__)
 
-MODULES = (modeling_qwen3_5, modeling_qwen3_5_moe)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -71,9 +70,16 @@ def _stand_in(original):
     return apply_rotary_pos_emb
 
 
+@functools.cache
+def modules() -> tuple:
+    """The modeling modules whose `apply_rotary_pos_emb` `rotary` computes: those of the families with `rotary` that
+    this transformers version ships."""
+    return tuple(f.module(t) for f in all_families() if f.rotary and f.available for t in f.modules)
+
+
 def install() -> None:
     """Wraps the modeling modules' `apply_rotary_pos_emb` (once per process)."""
-    for module in MODULES:
+    for module in modules():
         current = module.apply_rotary_pos_emb
         if getattr(current, "__hf_bole_original__", None) is None:
             module.apply_rotary_pos_emb = _stand_in(current)
@@ -81,8 +87,8 @@ def install() -> None:
 
 @contextlib.contextmanager
 def rotary_fused():
-    """A context in which this thread's calls of the Qwen3.5 attention layers' rotary embeddings run as one kernel
-    each."""
+    """A context in which this thread's calls of the attention layers' rotary embeddings (of the `modules()`) run as
+    one kernel each."""
     install()
     outer, _FUSED.on = _FUSED.on, True
     try:

@@ -31,7 +31,7 @@ def test_render(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
     monkeypatch.setattr(render, "README", readme)
-    sections = [*render.E2E, "layouts", "kernels", *render.BUDGETS, "tables"]
+    sections = [*render.E2E, "layouts", "kernels", "kda", *render.BUDGETS, "tables"]
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
         _row("ar", 1, 100.0), _row("ar-static", 1, 500.0, exact=0.75), _row("chain", 1, 2000.0, acc=6.5, exact=1.0),
@@ -43,6 +43,14 @@ def test_render(tmp_path, monkeypatch):
          "precision": "tf32x3", "ms": ms, "transient_bytes": 3 * 2**20} for p, ms in (("serial", 0.04), ("bole", 0.01))
     ]  # fmt: skip
     _write(data / "kernels.jsonl", kernel_rows)
+    kda_header = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers": "5.17", "fla": "0.6.0",
+                  "commit": None}  # fmt: skip
+    _write(data / "kda.jsonl", [
+        {"header": kda_header, "errors": {"fp32_o": 2e-6, "fla_o": 0.5}, "H": 32, "K": 128, "V": 128,
+         "precision": "tf32x3"},
+        *({"provider": p, "B": 1, "T": 64, "depth": 8, "ms": ms, "transient_bytes": 2**20 if p == "bole" else None}
+          for p, ms in (("bole", 0.02), ("commit", 0.01), ("fla-chunk", 0.025), ("serial", 0.1))),
+    ])  # fmt: skip
     budget_settings = {**SETTINGS, "depth": [5]}
     _write(data / "budget_house.jsonl", [
         {**_row(f"bole b{b}", 8, t), "settings": budget_settings, "tree_budget": b, "tree_epsilon": 0.3,
@@ -61,6 +69,8 @@ def test_render(tmp_path, monkeypatch):
     assert "commit `0000000`, a commit this clone's history lacks: not known to be the current code" in text
     assert "| 32 | 1 | 16 | 0.040 | – | 0.010 | 4.0× | – | 32 | 3.0 |" in text and "commit unknown" in text
     assert "| 8 | 900.0 | **1000.0** | 990.0 | 0.99 |" in text and "the house model, mbpp" in text
+    assert "| 1 | 64 | 8 | 0.100 | 0.025 | 0.020 | 0.010 | 0.80× | 5.00× | 1.0 | – |" in text
+    assert "largest error 2.0e-06" in text  # fla's own distance from float64 is not ours
     assert "old e2e_9b_b1" in text and "old budget_9b" in text  # no data: left as it was
     assert "| house model | NVIDIA H200 | bfloat16 | closed_form |" in text  # the shipped tables
     assert (data / "speedup.png").stat().st_size > 0

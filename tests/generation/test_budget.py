@@ -511,7 +511,7 @@ def test_calibrate_times_by_default_the_most_nodes_each_width_holds(dense):
 
 def test_calibrate_times_the_compiled_forward(dense, monkeypatch):
     """`compile=True` times the forward `bole_compile=True` runs, under a key of its own."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     compiled = []
 

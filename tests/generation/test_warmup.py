@@ -41,7 +41,7 @@ def test_warmup_runs_every_width_and_leaves_generate_unchanged(verify):
 
 def test_compiled_warmup_skips_width_one(monkeypatch):
     """With `compile`, the warm-up compiles the forward rounds reach (width >= 2), not width 1's graph of its own."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     compiled = []
     monkeypatch.setattr(adapter, "_compiled", lambda decoder: compiled.append(decoder) or decoder.forward)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_bole.models import norms
-from hf_bole.models import qwen3_5 as adapter
+from hf_bole.models import adapter, family_of
 from hf_bole.models.twin import tree_twin
 from tests.models.tiny import build_model, random_tree_logits
 
@@ -20,7 +20,7 @@ def _model(kind: str = "dense"):
     model = build_model(kind)
     with torch.no_grad():
         for module in model.modules():
-            if type(module) in norms.ZERO_CENTRED + norms.GATED:
+            if type(module) in sum(family_of(model.config).norm_classes(), ()):
                 module.weight.add_(torch.randn_like(module.weight) * 0.3)
     return model
 

@@ -12,8 +12,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_bole.cache import BoleCache
 from hf_bole.kernels import tree_ancestor_mask
-from hf_bole.models import SUPPORTED_CLASSES, TreeBatch, check_supported_model, tree_forward
-from hf_bole.models.qwen3_5 import _tree_causal_conv1d_fn, _tree_gated_delta_rule
+from hf_bole.models import TreeBatch, check_supported_model, family_of, tree_forward
+from hf_bole.models.adapter import _tree_causal_conv1d_fn, _tree_gated_delta_rule
 from hf_bole.models.twin import tree_twin
 from tests.models.tiny import (
     VOCAB,
@@ -181,7 +181,7 @@ def _eager_norms_and_rotary_as_compiled(monkeypatch) -> None:
     (inductor fuses those itself): hf_bole's norm kernel sums in another order, so on CUDA a few entries round
     differently from transformers' (tests/kernels/test_rmsnorm.py), and a bit-for-bit comparison of the compiled
     forward with the eager one would fail there for that alone."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     twin = adapter.tree_twin
     monkeypatch.setattr(adapter, "tree_twin", lambda decoder, projections, norms: twin(decoder, projections, False))
@@ -194,7 +194,7 @@ def _eager_norms_and_rotary_as_compiled(monkeypatch) -> None:
 def test_compiled_tree_forward_is_one_graph(verify, attention, monkeypatch):
     """Under torch.compile the tree kernels are custom ops, not graph breaks: dynamo traces the whole decoder into
     one graph (`fullgraph=True` raises at any break), and that graph, run as traced, gives the eager logits."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     traced_decoders = []
 
@@ -222,7 +222,7 @@ def test_compile_serves_every_width_from_its_second_graph(monkeypatch, caplog):
     third width and cache capacity reuse that graph (dynamo traces the tree kernels' fake implementations with
     symbolic sizes), with the eager logits, also from a tree given as a narrowed view (as the loop cuts selection's
     padded rows), whose strides differ."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     graphs = []
 
@@ -259,7 +259,7 @@ def test_compiled_tree_forward_hands_its_kernels_no_views_of_storage_later_layer
     writes the tree's KV through the mutating op `hf_bole::write_tree_kv`, which inductor calls in place, never by
     `scatter_` into a view that attention then reads; and the tree conv reads its input from a tensor of its own,
     not from a view of the conv inputs every GDN layer writes into one buffer."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     graphs = []
 
@@ -302,7 +302,7 @@ def test_inductor_graph_with_the_capacity_symbolic_keeps_every_attention_layer(m
     house-model logits off by 1-2, greedy outputs off plain `generate` from the second prompt on.
     The write op now takes the whole stack and the layer's index. What the commit then builds from the round (GDN
     states, conv windows, KV) must match too."""
-    import hf_bole.models.qwen3_5 as adapter
+    import hf_bole.models.adapter as adapter
 
     monkeypatch.setattr(adapter, "_COMPILED", type(adapter._COMPILED)())
     torch._dynamo.reset()  # a static first graph of its own, not one an earlier test left
@@ -375,13 +375,13 @@ def test_generate_matches_plain(kind, num_beams):
 
 def test_check_supported_model():
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, intermediate_size=32))
-    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM"):
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM.*got a config of model type 'llama'"):
         check_supported_model(llama)
     config = text_config(layer_types=["full_attention"] * 4)
-    with pytest.raises(ValueError, match="both GDN"):
+    with pytest.raises(ValueError, match="at least one of each"):
         check_supported_model(type(build_model())(config))
-    check_supported_model(build_model("vl"))
-    assert len(SUPPORTED_CLASSES) == 4
+    assert check_supported_model(build_model("vl")) is family_of(config)
+    assert len(family_of(config).model_classes()) == 4
 
 
 def test_tree_batch_on_other_devices():

@@ -13,7 +13,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 from hf_bole.cache import BoleCache
-from hf_bole.models import qwen3_5 as adapter
+from hf_bole.models import adapter
 from hf_bole.models import rotary as rotary_module
 from hf_bole.models import tree_forward
 from tests.models.tiny import build_model, prefill, random_tree_logits
@@ -75,7 +75,7 @@ def test_call_the_kernel_does_not_cover_goes_to_transformers_and_says_so(caplog)
     with caplog.at_level(logging.WARNING), rotary_module.rotary_fused():
         got = modeling_qwen3_5.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         modeling_qwen3_5.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-    gold = rotary_module.MODULES[0].apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    gold = rotary_module.modules()[0].apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
     assert all(torch.equal(a, b) for a, b in zip(got, gold))
     assert caplog.text.count("elementwise kernels (unsqueeze_dim=2)") == 1
 

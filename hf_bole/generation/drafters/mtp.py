@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from hf_bole.generation.drafters.base import DraftContext
+from hf_bole.generation.drafters.topk_tree import TopkLevels
 from hf_bole.generation.graphs import capture
 from hf_bole.generation.tree import DraftTree
 from hf_bole.kernels.attention import MAX_QUERY_ROWS
@@ -64,7 +65,8 @@ class MTPDrafter:
         lm_head (`nn.Module`):
             The target's output projection.
         rotary_emb (`nn.Module`):
-            The target's rotary embedding, called as `rotary_emb(x, position_ids)` with `position_ids [3, B, T]`.
+            The target's rotary embedding, called as `rotary_emb(x, position_ids)` with the position ids
+            `mtp.rotary_position_ids` gives (`[3, B, T]` for Qwen3.5, `[B, T]` for Qwen3-Next).
         depth (`int`):
             The deepest level drafted (1 = the root's children only).
         topk (`int`):
@@ -364,10 +366,9 @@ class MTPDrafter:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's rotary embedding `(cos, sin)` at text positions `[B, T]`, each `[B, T, head_dim]`, on the
         positions' device (the head's) in the embedding's dtype, as the head's inputs have it."""
-        # The rotary embedding reads only the dtype and device of its first argument. Qwen3.5's takes multimodal
-        # (3, B, T) position ids; text has one position on all three axes.
+        # The rotary embedding reads only the dtype and device of its first argument.
         like = positions.new_empty(0, dtype=self.embed_tokens.weight.dtype)
-        return tuple(t.to(positions.device) for t in self.rotary_emb(like, positions.expand(3, *positions.shape)))
+        return tuple(t.to(positions.device) for t in self.rotary_emb(like, self.mtp.rotary_position_ids(positions)))
 
     def _best(self, x: torch.Tensor, log_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The `topk` largest of every row of `x [..., n]` (of its log-softmax with `log_softmax`): values float32,
@@ -519,14 +520,9 @@ class MTPDrafter:
         key_lengths = cache.used(committed)  # [B]
         committed_keys = ((keys >= cache.offset) & (keys < key_lengths[:, None]))[:, None, :]  # [B, 1, L]
 
-        # the drafted nodes, level by level; node ids number them in this order (shallower first)
-        logp, tokens = self._children(root_hidden)  # [B, K]
-        all_tokens, all_logp, all_cum = [tokens], [logp], [logp]
-        all_parents = [torch.full_like(tokens, -1)]
+        levels = TopkLevels(*self._children(root_hidden))  # the root's children, [B, K]
         frontier_hidden = root_hidden[:, None].expand(-1, K, -1)  # [B, K, hidden]
-        frontier_ids = torch.arange(K, device=device).expand(batch_size, -1)  # [B, K]
-        frontier_cum = logp
-        frontier_tokens = tokens
+        frontier_tokens = levels.tokens[0]
         frontier_ancestors = torch.zeros(batch_size, K, cache.num_keys, dtype=torch.bool, device=device)
         # Every node of level d sits at position root_position + d: the rotary embedding of all levels at once (one
         # computation a round instead of one a level), each [B, depth - 1, head_dim]
@@ -544,30 +540,15 @@ class MTPDrafter:
                 few_queries=True,
                 key_lengths=key_lengths,
             )  # [B, K, hidden]
-            child_logp, child_tokens = self._children(out)  # [B, K, K]
-            child_cum = (frontier_cum[..., None] + child_logp).flatten(1)  # [B, K*K]
-            child_tokens = child_tokens.flatten(1)
-            all_tokens.append(child_tokens)
-            all_logp.append(child_logp.flatten(1))
-            all_cum.append(child_cum)
-            all_parents.append(frontier_ids.repeat_interleave(K, dim=1))
+            levels.add(*self._children(out))  # [B, K, K]
             if d + 1 < self.depth:
-                frontier_cum, chosen = self._best(child_cum)  # [B, K] among the level's K*K children
+                chosen = levels.advance(self._best)  # [B, K] among the level's K*K children
                 parent = chosen // K  # index of the parent in the current frontier
-                frontier_tokens = child_tokens.gather(1, chosen)
+                frontier_tokens = levels.tokens[-1].gather(1, chosen)
                 frontier_hidden = out.gather(1, parent[..., None].expand(-1, -1, hidden_size))
                 frontier_ancestors = frontier_ancestors.gather(1, parent[..., None].expand(-1, -1, cache.num_keys))
-                frontier_ids = K + (d - 1) * K * K + chosen
 
-        tokens, logp, cum, parents = (torch.cat(x, dim=1) for x in (all_tokens, all_logp, all_cum, all_parents))
-        # ids grow with depth, so the stable sort breaks ties shallower first and every parent precedes its children
-        order = cum.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]  # [B, N]
-        rank = torch.full_like(cum, -1, dtype=torch.long)
-        rank.scatter_(1, order, torch.arange(num_nodes, device=device).expand(batch_size, -1))
-        parents = parents.gather(1, order)
-        parents = torch.where(parents >= 0, rank.gather(1, parents.clamp(min=0)), -1)
-        logp = torch.where(cum.gather(1, order) > float("-inf"), logp.gather(1, order), float("-inf"))
-        return tokens.gather(1, order), parents, logp
+        return levels.best_nodes(num_nodes)
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""The narrow adapter that routes Qwen3.5 and Qwen3.5-MoE layers into tree mode, on transformers' own classes.
+"""The narrow adapter that routes a GDN model's layers into tree mode, on transformers' own classes.
 
 Tree mode is asked for per call: `tree_forward` passes a `bole_tree` keyword argument, which the model's
 forward hands untouched to every layer, and a dict attention mask, which the model passes through untouched.
-Without them every layer runs exactly as upstream. The seams, all module-level functions of transformers'
-Qwen3.5 modeling files, wrapped once per process and passing through unless asked:
+Without them every layer runs exactly as upstream. The seams, all module-level functions of the modeling module of
+every supported family (`hf_bole/models/family.py`: Qwen3.5, Qwen3-Next, OLMo-Hybrid, Lara-Mini), wrapped once per
+process and passing through unless asked:
 
     causal_conv1d_fn                   the GDN conv (a hub-kernel seam): with `bole_tree`, the conv along each
                                        node's ancestor path (`tree_causal_conv1d`)
@@ -36,26 +37,18 @@ from types import ModuleType
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.models.qwen3_5 import modeling_qwen3_5
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.utils import logging
 
 from hf_bole.cache.bole_cache import BoleCache, GDNTreeState, TreeRound
 from hf_bole.config import VERIFY_MODES, resolve_attention
 from hf_bole import kernels
 from hf_bole.kernels import ops as kernel_ops
+from hf_bole.models.family import GDN_LAYER, Family, all_families, family_of, supported
 from hf_bole.models.rotary import rotary_fused
 from hf_bole.models.twin import tree_twin
 
 logger = logging.get_logger(__name__)
 
-SUPPORTED_CLASSES = (
-    "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForCausalLM",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
-)
-SUPPORTED_MODEL_TYPES = {"qwen3_5_text": modeling_qwen3_5, "qwen3_5_moe_text": modeling_qwen3_5_moe}
 # The tree mask is an arbitrary ancestor pattern, which these attention implementations take as a 4D mask.
 TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -192,21 +185,21 @@ def graph_unsafe_experts(module: torch.nn.Module) -> list[str]:
     return unsafe
 
 
-def check_supported_model(model: torch.nn.Module) -> None:
-    """Raises a `ValueError` unless `model` is a Qwen3.5 (dense or MoE) model hf_bole can verify trees with:
-    one of `SUPPORTED_CLASSES`, with GDN and full-attention layers and an attention implementation that
-    takes an arbitrary 4D mask ("sdpa" or "eager")."""
-    supported = tuple(getattr(transformers, name) for name in SUPPORTED_CLASSES)
-    if not isinstance(model, supported):
-        raise ValueError(
-            f"hf_bole verifies trees on {', '.join(SUPPORTED_CLASSES)} (text-only input); got {type(model).__name__}"
-        )
+def check_supported_model(model: torch.nn.Module) -> Family:
+    """Raises a `ValueError` unless `model` is a model hf_bole can verify trees with: one of the classes of a
+    supported family (`hf_bole.models.family`), with GDN and KV-caching attention layers and an attention
+    implementation that takes an arbitrary 4D mask ("sdpa" or "eager"). Returns its family."""
     config = model.config.get_text_config(decoder=True)
+    family = family_of(config)
+    if not isinstance(model, family.model_classes()):
+        raise ValueError(f"hf_bole verifies trees on {supported()} (text-only input); got {type(model).__name__}")
     layer_types = set(config.layer_types)
-    if layer_types != {"linear_attention", "full_attention"}:
+    if GDN_LAYER not in layer_types or not layer_types & set(family.attention_layers) or not layer_types <= {
+        GDN_LAYER, *family.attention_layers
+    }:
         raise ValueError(
-            f"hf_bole needs a hybrid model with both GDN ('linear_attention') and 'full_attention' layers; "
-            f"{type(model).__name__} has layer types {sorted(layer_types)}"
+            f"hf_bole needs a hybrid model of GDN ('{GDN_LAYER}') and attention ({', '.join(family.attention_layers)}) "
+            f"layers, at least one of each; {type(model).__name__} has layer types {sorted(layer_types)}"
         )
     if config._attn_implementation not in TREE_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
@@ -214,30 +207,28 @@ def check_supported_model(model: torch.nn.Module) -> None:
             f"{config._attn_implementation!r} cannot take; load the model with attn_implementation='sdpa' "
             f"(or 'eager')"
         )
+    return family
 
 
 def install_adapters() -> None:
-    """Wraps the tree seams of every supported family's modeling module (once per process): `import hf_bole` does,
-    before any `BoleCache` meets a forward, whose plain forwards report padding and positions through one of them."""
-    for model_type in SUPPORTED_MODEL_TYPES:
-        _install(model_type)
+    """Wraps the tree seams of the modeling modules of every family this transformers version ships (once per
+    process): `import hf_bole` does, before any `BoleCache` meets a forward, whose plain forwards report padding and
+    positions through one of them."""
+    for family in all_families():
+        if family.available:
+            for model_type in family.modules:
+                _install(family.module(model_type))
 
 
 def install_adapter(config) -> None:
     """Wraps the tree seams of the modeling module of `config` (a text config; once per process).
 
-    Raises a `ValueError` naming the supported classes for any other model family.
+    Raises a `ValueError` listing the supported families and classes for any other architecture.
     """
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"hf_bole supports {', '.join(SUPPORTED_CLASSES)} (model types {', '.join(SUPPORTED_MODEL_TYPES)}); "
-            f"got a config of model type {config.model_type!r}"
-        )
-    _install(config.model_type)
+    _install(family_of(config).module(config.model_type))
 
 
-def _install(model_type: str) -> None:
-    module = SUPPORTED_MODEL_TYPES[model_type]
+def _install(module: ModuleType) -> None:
     _wrap(module, "causal_conv1d_fn", _tree_causal_conv1d_fn)
     _wrap(module, "torch_chunk_gated_delta_rule", _tree_gated_delta_rule)
     _wrap(module, "torch_recurrent_gated_delta_rule", _tree_gated_delta_rule)
@@ -264,7 +255,7 @@ def tree_forward(
     then keeps each row's accepted path.
 
     Args:
-        model: a Qwen3.5 model (see `check_supported_model`).
+        model: a model of a supported family (see `check_supported_model`).
         cache: the `BoleCache` the model was prefilled with.
         input_ids: `[B, N]` int64 tokens of the nodes. Node 0 of each row is its root: the last accepted token,
             not yet in the cache.
@@ -298,7 +289,7 @@ def tree_forward(
         >>> out = tree_forward(model, cache, ids, parents)
         >>> cache.commit(out.tree_round, torch.tensor([[0, 1, 3]]))  # accept root -> 1 -> 3
     """
-    check_supported_model(model)
+    family = check_supported_model(model)
     if not isinstance(cache, BoleCache):
         raise ValueError(f"tree_forward needs a BoleCache, got {type(cache).__name__}")
     if verify not in VERIFY_MODES:
@@ -329,14 +320,17 @@ def tree_forward(
     # One ancestor mask for every layer: the attention mask, the positions and the tree kernels share it.
     tree_round = cache.round_for(parents, verify, tree_round)
     with twin.entered(), rotary, cache.tree_mode(parents, tree_round) as (mask, position_ids, ancestors):
-        if config._attn_implementation == "eager" and attention == "model":  # eager attention adds its mask
+        masks = {layer_type: mask for layer_type in family.attention_layers}
+        if "sliding_attention" in masks:
+            masks["sliding_attention"] = _sliding(mask, cache, position_ids, config.sliding_window)
+        if config._attn_implementation == "eager":  # eager attention adds its mask
             dtype = decoder.get_input_embeddings().weight.dtype
-            mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
-        # Qwen3.5 takes mRoPE position ids: a text row and three rotary rows, all equal for text.
+            zero, low = torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min
+            masks = {layer_type: torch.where(m, zero, low) for layer_type, m in masks.items()}
         outputs = forward(
             input_ids=input_ids,
-            attention_mask={"full_attention": mask, "linear_attention": None},
-            position_ids=position_ids[None].expand(4, -1, -1),
+            attention_mask={**masks, GDN_LAYER: None},
+            position_ids=family.position_ids(position_ids),
             **{cache_argument(type(decoder).forward): cache},
             use_cache=True,
             bole_tree=TreeBatch(
@@ -354,6 +348,21 @@ def tree_forward(
     # Under a device_map the final norm and the LM head may sit on different devices: hand both out where the logits
     # are (no copy on one device).
     return TreeForwardOutput(logits=logits, hidden_states=hidden_states.to(logits.device), tree_round=tree_round)
+
+
+def _sliding(mask: torch.Tensor, cache: BoleCache, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """The tree mask `mask [B, 1, N, C]` of a sliding-window layer: what decoding each node's path token by token sees,
+    the keys of the last `window` slots up to the node's own. A node of depth d decodes at slot `lengths[b] + d`, and
+    so did each of its ancestors at its own depth (`position_ids [B, N]` are the positions after the committed ones
+    plus the depths)."""
+    B, _, N, C = mask.shape
+    depth = position_ids - cache.positions[:, None]  # [B, N]
+    lengths = cache.lengths[:, None]  # [B, 1]
+    # [B, C] the slot each stored key was decoded at: committed slots their own, a tree node's its depth's
+    decoded = torch.arange(C, device=mask.device).expand(B, C).scatter(
+        1, lengths + torch.arange(N, device=mask.device), lengths + depth
+    )
+    return mask & (decoded[:, None, None, :] > (lengths + depth - window)[:, None, :, None])
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -478,8 +487,13 @@ class _TreeAttentionFunctions:
 
 
 def _attention(original, *args, bole_tree: TreeBatch | None = None, **kwargs):
-    if bole_tree is None or bole_tree.attention != "triton":
+    if bole_tree is None or bole_tree.attention != "triton" or kwargs.get("sliding_window") is not None:
         if bole_tree is not None:
+            if bole_tree.attention == "triton":
+                logger.warning_once(
+                    "hf_bole: the sliding-window attention layers of the verify forward run the model's own attention "
+                    "with the tree's windowed mask (hf_bole's tree attention kernel has no window)"
+                )
             kwargs["bole_tree"] = bole_tree  # passed on exactly as called
         return original(*args, **kwargs)
     _, query, key, value = args[:4]  # a full-attention layer's call: (module, q, k, v, mask, dropout=, scaling=)

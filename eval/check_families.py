@@ -1,0 +1,117 @@
+"""Greedy exactness of every GDN family on real-shape random models in bf16 (issue 58): plain `generate` against
+hf_bole with the oracle drafter (deep accepted paths) and with the n-gram drafter, a left-padded batch.
+
+    python eval/check_families.py --layers 8 --new 64
+
+Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B), cut to `--layers` decoder
+layers (every layer as the shape's; the layer pattern the config makes for that count) so that every family fits one
+GPU. Weights are random, made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's attention blocks normalise
+after their output projections, so their post-norms are scaled down instead. Where an output differs from plain
+decoding, the line names the first differing step and plain decoding's gap between its two best logits there: a gap
+within bf16 rounding of the logits is a near-tie (the verify forward's kernels round differently, as DESIGN.md §6
+explains), a wide one a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_bole  # noqa: E402, F401  (registers custom_generate="hf_bole")
+from eval.oracle import OracleDrafter  # noqa: E402
+from hf_bole.models import all_families  # noqa: E402
+from hf_bole.shapes import LAYER_OUTPUT_SCALE, shape_config, trained_like  # noqa: E402
+
+# family name -> (config class, model class); Qwen3.5's config is hf_bole.shapes' 9B
+MODELS = {
+    "Qwen3.5": (None, "Qwen3_5ForCausalLM"),
+    "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "OLMo-Hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
+    "Lara-Mini": ("LaraMiniConfig", "LaraMiniForCausalLM"),
+}
+
+
+def build(family: str, layers: int, device: torch.device, dtype: torch.dtype, overrides: dict, seed: int = 0):
+    config_name, model_name = MODELS[family]
+    fields = dict(num_hidden_layers=layers, **overrides)
+    if config_name is None:
+        config = shape_config("9B", **fields)
+    else:
+        config = getattr(transformers, config_name)(**fields)
+    config.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, model_name)._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    with torch.no_grad():
+        trained_like(model)
+        for layer in model.model.layers:
+            if hasattr(layer, "post_feedforward_layernorm"):  # OLMo-Hybrid's post-norm attention blocks
+                for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+                    norm.weight.mul_(LAYER_OUTPUT_SCALE)
+    return model.eval()
+
+
+def first_difference(ours: torch.Tensor, ref: torch.Tensor) -> int | None:
+    diff = (ours != ref).nonzero()
+    return int(diff[:, 1].min()) if len(diff) else None
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=INT", help="config fields of every family")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    overrides = {k: int(v) for k, v in (o.split("=") for o in args.override)}
+    available = {f.name for f in all_families() if f.available}
+    failed = 0
+    for family in args.families:
+        if family not in available:
+            print(f"{family}: not in transformers {transformers.__version__}")
+            continue
+        model = build(family, args.layers, device, dtype, overrides)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        gen = torch.Generator().manual_seed(1)
+        lengths = (37, 20, 5)
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, n in enumerate(lengths):  # left padding
+            ids[b, -n:] = torch.randint(1, vocab, (n,), generator=gen)
+            mask[b, -n:] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        common = dict(attention_mask=mask, max_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None)
+        plain = model.generate(ids, output_logits=True, return_dict_in_generate=True, **common)
+        ref = plain.sequences[:, ids.shape[1] :]
+        continuations = [row.tolist() for row in ref]
+        oracle = OracleDrafter(lengths, continuations, depth=6, topk=4, accept=0.8, vocab_size=vocab)
+        for label, drafter in (("oracle", oracle), ("ngram", "ngram")):
+            out = model.generate(ids, custom_generate="hf_bole", bole_drafter=drafter, return_dict_in_generate=True,
+                                 **common)  # fmt: skip
+            ours = out.sequences[:, ids.shape[1] :]
+            step = first_difference(ours, ref)
+            line = f"{family} ({type(model).__name__}, {args.layers} layers, {args.dtype}) {label}: "
+            line += f"{out.mean_accepted_tokens:.2f} accepted/round, "
+            if step is None:
+                print(line + "identical to plain generate")
+                continue
+            top2 = torch.stack(plain.logits).float().topk(2, dim=-1).values[step]  # [B, 2] at the first difference
+            gaps = (top2[:, 0] - top2[:, 1]).tolist()
+            print(line + f"differs from step {step}; plain decoding's top-2 logit gaps there {gaps}")
+            failed += 1
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(int(main() > 0))

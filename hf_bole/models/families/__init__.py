@@ -1,0 +1,10 @@
+"""The architectures hf_bole verifies trees on, one file each (see `hf_bole.models.family`)."""
+
+from hf_bole.models.families.lara_mini import LARA_MINI
+from hf_bole.models.families.olmo_hybrid import OLMO_HYBRID
+from hf_bole.models.families.qwen3_5 import QWEN3_5
+from hf_bole.models.families.qwen3_next import QWEN3_NEXT
+
+FAMILIES = (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID, LARA_MINI)
+
+__all__ = ["FAMILIES", "LARA_MINI", "OLMO_HYBRID", "QWEN3_5", "QWEN3_NEXT"]

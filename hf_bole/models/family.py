@@ -1,0 +1,127 @@
+"""What tree mode needs to know of one architecture, described once per family (`hf_bole/models/families/`).
+
+hf_bole verifies trees on transformers' own modeling classes, through seams their modeling modules already make
+swappable (`hf_bole/models/adapter.py`). Every Gated DeltaNet (GDN) family in transformers copies the same GDN code
+(Qwen3-Next's): the module-level functions `causal_conv1d_fn`, `torch_chunk_gated_delta_rule`,
+`torch_recurrent_gated_delta_rule`, `create_recurrent_attention_mask` and `ALL_ATTENTION_FUNCTIONS`, called with the
+same arguments. What differs between families is small and is what a `Family` says:
+
+    modules               the modeling module of each text config `model_type` (its seams are wrapped)
+    classes               the classes verified: `...ForCausalLM`, and the text path of `...ForConditionalGeneration`
+    mrope                 whether the decoder takes mRoPE position ids `[4, B, N]` (a text row and three rotary rows,
+                          Qwen3.5) or text positions `[B, N]`
+    attention_layers      the layer types that keep a KV cache ("full_attention"; "sliding_attention", whose tree
+                          mask also drops keys further back than `config.sliding_window`)
+    projection_groups     the Linears of one module that read one input, fused into one GEMM in the verify forward
+                          (`models/fused.py`); the first group a module holds wins
+    zero_centred_norms,   RMSNorm classes whose forward is exactly `kernels.rms_norm`'s (`(1 + w)` in float32) or
+    gated_norms           `kernels.gated_rms_norm`'s (SiLU gate, normalised row rounded first), run as one kernel each
+                          in an eager verify forward (`models/norms.py`); others keep transformers' forward
+    rotary                whether the modules' `apply_rotary_pos_emb` computes what `kernels.rotary` does (partial
+                          rotary included, bit for bit), run as one kernel in an eager verify forward
+    mtp                   whether checkpoints ship Qwen3.5's `mtp.*` head (`models/mtp.py`), which transformers drops
+
+Adding a family is a file in `families/` and its tests. A family of another recurrence (KDA: `chunk_kda`, per-channel
+gates) needs seams of its own for the recurrence and the conv (three short convs, q, k and v apart) and a cache of
+per-channel states: not this description alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import transformers
+
+GDN_LAYER = "linear_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's description for tree mode (see the module docstring for each field)."""
+
+    name: str
+    modules: dict[str, str]  # text config model_type -> modeling module (import path)
+    classes: tuple[str, ...]
+    shipped_in: str  # a transformers release that ships it, for the message where this one lacks it
+    mrope: bool = False
+    attention_layers: tuple[str, ...] = ("full_attention",)
+    projection_groups: tuple[tuple[str, ...], ...] = ()
+    zero_centred_norms: tuple[str, ...] = ()
+    gated_norms: tuple[str, ...] = ()
+    rotary: bool = False
+    mtp: bool = False
+
+    @property
+    def available(self) -> bool:
+        """Whether this transformers version ships the family's modeling modules."""
+        return all(_module(path) is not None for path in self.modules.values())
+
+    def module(self, model_type: str) -> ModuleType:
+        """The modeling module of text config model type `model_type`."""
+        return _module(self.modules[model_type])
+
+    def model_classes(self) -> tuple[type, ...]:
+        """The classes of `classes` this transformers version has."""
+        return _classes(self.classes)
+
+    def norm_classes(self) -> tuple[tuple[type, ...], tuple[type, ...]]:
+        """The classes of `zero_centred_norms` and of `gated_norms` in the family's modules."""
+        modules = [self.module(t) for t in self.modules]
+        find = lambda names: tuple(getattr(m, n) for n in names for m in modules if hasattr(m, n))  # noqa: E731
+        return find(self.zero_centred_norms), find(self.gated_norms)
+
+    def position_ids(self, position_ids):
+        """The decoder's position ids for text positions `position_ids [B, N]`."""
+        return position_ids[None].expand(4, -1, -1) if self.mrope else position_ids
+
+    def rotary_position_ids(self, position_ids):
+        """What the decoder's rotary embedding takes for text positions `position_ids [B, N]`."""
+        return position_ids[None].expand(3, -1, -1) if self.mrope else position_ids
+
+
+@functools.cache
+def _classes(names: tuple[str, ...]) -> tuple[type, ...]:
+    return tuple(cls for name in names if (cls := getattr(transformers, name, None)) is not None)
+
+
+@functools.cache
+def _module(path: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return None
+
+
+def all_families() -> tuple[Family, ...]:
+    """Every family hf_bole describes, this transformers version's or not."""
+    from hf_bole.models.families import FAMILIES
+
+    return FAMILIES
+
+
+def supported() -> str:
+    """The families and classes hf_bole verifies with this transformers version, and those it lacks, for messages."""
+    have = [f"{f.name} ({', '.join(c.__name__ for c in f.model_classes())})" for f in all_families() if f.available]
+    lack = [f"{f.name} (in {f.shipped_in})" for f in all_families() if not f.available]
+    return "; ".join(have) + (f"; not in transformers {transformers.__version__}: {', '.join(lack)}" if lack else "")
+
+
+def family_of(config) -> Family:
+    """The family of `config` (a text config, or a composite one whose text config is used).
+
+    Raises a `ValueError` listing what is supported for any other architecture."""
+    family = _family(config.model_type)  # a text config's own (reading the text config costs ~6 us a call)
+    if family is None:
+        model_type = config.get_text_config(decoder=True).model_type
+        family = _family(model_type)
+    if family is None:
+        raise ValueError(f"hf_bole verifies trees on {supported()}; got a config of model type {model_type!r}")
+    return family
+
+
+@functools.cache  # every tree forward asks
+def _family(model_type: str) -> Family | None:
+    return next((f for f in all_families() if model_type in f.modules and f.available), None)
