@@ -105,7 +105,7 @@ harness_tp() {  # harness_tp NAME SECONDS NPROC ARGS...: eval/run.py --tp under 
     local name=$1 limit=$2 nproc=$3
     shift 3
     rm -rf "/tmp/$name"
-    step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" eval/run.py --tp \
+    step "$name" "$limit" python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" eval/run.py --tp \
         --output-dir "/tmp/$name" "$@"
     cp "/tmp/$name/results.jsonl" "benchmarks/$name.jsonl" 2>/dev/null \
         || cp "/tmp/$name/results.partial.jsonl" "benchmarks/$name.jsonl" 2>/dev/null

@@ -36,59 +36,46 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tp")
+def _checkpoints(folder: Path) -> Path:
     for kind in KINDS:
         model = tiny.build_model(kind, **SHAPE)
         save_pretrained_with_mtp(model, Qwen3_5MTP.for_model(model), folder / kind)
     return folder
 
 
-@pytest.fixture(scope="module")
-def ranks(checkpoints) -> list[dict]:
-    """What each of the two ranks got."""
+def _ranks(checkpoints: Path) -> list[dict]:
+    """What each of the two ranks got (`--standalone`: a free port, beside any other test's ranks)."""
     out = checkpoints / "out.json"
     # The torch paths on the CPU, as the tests outside `interpreter` take them (`conftest.triton_mode`).
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "0"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "tests.tensor_parallel_worker", str(checkpoints), str(out)]  # fmt: skip
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-6000:]
     return [json.loads(out.with_name(f"out.{r}.json").read_text()) for r in range(2)]
 
 
-def test_ranks_agree(ranks):
-    """Every rank decodes the same tokens: drafts, selection, acceptance and sampling agree without an exchange."""
+def test_tensor_parallel(tmp_path):
+    """One torchrun of two ranks (the costly part, so one test: pytest-xdist would start one per worker) checked
+    against itself, plain `generate` under the same sharding, and one process."""
+    checkpoints = _checkpoints(tmp_path)
+    ranks = _ranks(checkpoints)
+    # Every rank decodes the same tokens: drafts, selection, acceptance and sampling agree without an exchange.
     assert ranks[0] == ranks[1]
-    assert ranks[0]["key_value_heads"] == 1  # each rank attends with one of the two KV heads
-
-
-def test_calibration_keyed_by_degree(ranks):
-    assert ranks[0]["calibrated"] == ["tp2-eager", [[0, 1, 4]]]  # the grid holds the floor too (1 node)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_greedy_matches_plain_tensor_parallel(ranks, kind):
-    got = ranks[0][kind]
-    for run in ("mtp", "oracle", "serial", "ngram_b1"):
-        if run in got:
-            assert got[run] == got["plain"][: len(got[run])], run
-    assert got["oracle_accepted"] > 3  # deep trees were accepted through the sharded attention
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_greedy_matches_one_process(checkpoints, ranks, kind):
-    model = AutoModelForCausalLM.from_pretrained(checkpoints / kind, dtype=torch.float32).eval()
-    assert tensor_parallel(model).size == 1
-    one = worker.generate(model, worker.PROMPTS, do_sample=False, custom_generate="hf_bole", bole_budget=16)
-    assert ranks[0][kind]["mtp"] == one == worker.generate(model, worker.PROMPTS, do_sample=False)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_refusals(ranks, kind):
-    got = ranks[0][kind]
-    assert "Seed every rank alike" in got["unlike_seeds"]
-    assert "bole_compile=True is not supported under tensor parallelism" in got["compile"]
-    assert "splits layer 0's (model.layers.0.linear_attn)" in ranks[0]["split_gdn"]
+    got = ranks[0]
+    assert got["key_value_heads"] == 1  # each rank attends with one of the two KV heads
+    assert got["calibrated"] == ["tp2-eager", [[0, 1, 4]]]  # a table keyed by the degree (the grid holds the floor)
+    assert "splits layer 0's (model.layers.0.linear_attn)" in got["split_gdn"]
+    for kind in KINDS:
+        runs = got[kind]
+        for run in ("mtp", "oracle", "serial", "ngram_b1"):  # greedy: plain generate under the same sharding
+            if run in runs:
+                assert runs[run] == runs["plain"][: len(runs[run])], (kind, run)
+        assert runs["oracle_accepted"] > 3, kind  # deep trees were accepted through the sharded attention
+        model = AutoModelForCausalLM.from_pretrained(checkpoints / kind, dtype=torch.float32).eval()
+        assert tensor_parallel(model).size == 1
+        one = worker.generate(model, worker.PROMPTS, do_sample=False, custom_generate="hf_bole", bole_budget=16)
+        assert runs["mtp"] == one == worker.generate(model, worker.PROMPTS, do_sample=False), kind
+        assert "Seed every rank alike" in runs["unlike_seeds"]
+        assert "bole_compile=True is not supported under tensor parallelism" in runs["compile"]

@@ -615,9 +615,9 @@ def test_tensor_parallel_run(tmp_path):
     tiny.text_config("moe", vocab_size=96, num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the torch paths on the CPU, as outside `interpreter` tests
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "eval/run.py", "--tp", "--shape",
-         str(tmp_path), "--modes", "ar", "bole", "--batch-sizes", "1", "2", "--num-prompts", "2", "--prompt-length",
-         "12", "--max-new-tokens", "12", "--device", "cpu", "--output-dir", str(tmp_path / "out")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "eval/run.py", "--tp",
+         "--shape", str(tmp_path), "--modes", "ar", "bole", "--batch-sizes", "1", "2", "--num-prompts", "2",
+         "--prompt-length", "12", "--max-new-tokens", "12", "--device", "cpu", "--output-dir", str(tmp_path / "out")],
         cwd=run.HOUSE_CHECKPOINT.parents[2], env=env, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
