@@ -43,9 +43,9 @@ def tensor_parallel(model: nn.Module) -> TensorParallel:
     """The `TensorParallel` of a Qwen3.5 model: read from its DTensor weights, so that it holds whichever transformers
     version sharded them.
 
-    Raises a `ValueError` for what hf_bole cannot run: a family other than Qwen3.5 (whose plans place the heads
-    otherwise: OLMo-Hybrid gathers its attention projections), a plan that splits a GDN layer's heads (its
-    projections not gathered), or a mesh of more than one dimension (data or pipeline parallelism besides TP)."""
+    Reads Qwen3.5's layout (its attention's `k_proj` split by heads; `check_family` refuses the others). Raises a
+    `ValueError` for a plan that splits a GDN layer's heads (its projections not gathered), or a mesh of more than one
+    dimension (data or pipeline parallelism besides TP)."""
     config = model.config.get_text_config(decoder=True)
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if not meshes:
@@ -57,14 +57,6 @@ def tensor_parallel(model: nn.Module) -> TensorParallel:
             "besides): load it with tensor parallelism only"
         )
     mesh = meshes.pop()
-    from hf_bole.models.family import family_of  # here: hf_bole.models imports the cache, which imports this module
-
-    family = family_of(config).name
-    if family != "Qwen3.5":
-        raise ValueError(
-            f"hf_bole runs tensor parallelism (tp_plan) on Qwen3.5 models; this {family} model is sharded by one: "
-            f"load it on one device or with device_map='auto'"
-        )
     layers = model.get_decoder().layers
     attention = next(layer.self_attn for layer in layers if layer.block_type == "full_attention")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

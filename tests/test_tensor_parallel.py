@@ -14,10 +14,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from hf_bole.config import BoleConfig
+from hf_bole.generation.requests import tensor_parallel_settings
 from hf_bole.models.mtp import Qwen3_5MTP, save_pretrained_with_mtp
-from hf_bole.tensor_parallel import tensor_parallel
+from hf_bole.placement import Placement
+from hf_bole.tensor_parallel import TensorParallel, tensor_parallel
 from tests import tensor_parallel_worker as worker
-from tests.models import tiny
+from tests.models import tiny, tiny_families
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("dense", "moe")
@@ -81,3 +84,17 @@ def test_tensor_parallel(tmp_path):
         assert runs["mtp"] == one == worker.generate(model, worker.PROMPTS, do_sample=False), kind
         assert "Seed every rank alike" in runs["unlike_seeds"]
         assert "bole_compile=True is not supported under tensor parallelism" in runs["compile"]
+
+
+def test_other_families_refused():
+    """Tensor parallelism runs on Qwen3.5: another family's plan places the heads otherwise (OLMo-Hybrid gathers its
+    attention projections), so a sharded model of it is refused before any forward."""
+    if not tiny_families.available("olmo_hybrid"):
+        pytest.skip("OLMo-Hybrid is not in this transformers version")
+    model = tiny_families.build("olmo_hybrid")
+    cpu = torch.device("cpu")
+    place = Placement(cpu, cpu, (cpu,) * len(model.model.layers))
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tp_plan\) on Qwen3.5 models; this OLMo-Hybrid model"):
+        tensor_parallel_settings(model, BoleConfig(), TensorParallel(2, None, 1), place)
+    one = tensor_parallel_settings(model, BoleConfig(), TensorParallel(1, None, 1), place)
+    assert one == BoleConfig()  # not sharded: nothing to refuse

@@ -98,7 +98,7 @@ class CallPlan:
         )
         check_request(model, generation_config, model_kwargs, dropped)
         place, tp = placement(model), tensor_parallel(model)
-        bole = tensor_parallel_settings(spread_settings(bole, place), tp, place)
+        bole = tensor_parallel_settings(model, spread_settings(bole, place), tp, place)
         # "auto" attention, settled once for the call: the graphs, the budget table and the forwards are keyed by it.
         bole = dataclasses.replace(bole, attention=resolve_attention(bole.attention, place.layer_devices[0]))
         check_logits_processor(logits_processor)

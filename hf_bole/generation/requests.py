@@ -8,7 +8,7 @@ from transformers import Cache, GenerationConfig
 from transformers.utils import logging
 
 from hf_bole.config import BoleConfig
-from hf_bole.models import check_supported_model
+from hf_bole.models import check_supported_model, family_of
 from hf_bole.placement import Placement
 from hf_bole.tensor_parallel import TensorParallel
 
@@ -108,12 +108,18 @@ def spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
     return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)
 
 
-def tensor_parallel_settings(bole: BoleConfig, tp: TensorParallel, place: Placement) -> BoleConfig:
-    """`bole` for a tensor-parallel model (transformers' `tp_plan`): refuses `compile` and turns CUDA graphs and the
-    drafter's compile off, saying so once. The verify forward's collectives are transformers' DTensor hooks, which
+def tensor_parallel_settings(model, bole: BoleConfig, tp: TensorParallel, place: Placement) -> BoleConfig:
+    """`bole` for a tensor-parallel `model` (transformers' `tp_plan`): refuses families other than Qwen3.5 and
+    `compile`, and turns CUDA graphs and the drafter's compile off, saying so once. The verify forward's collectives are transformers' DTensor hooks, which
     hf_bole has not captured in graphs nor compiled (issue 60)."""
     if tp.size == 1:
         return bole
+    family = family_of(model.config).name
+    if family != "Qwen3.5":  # the others' plans place the heads otherwise (OLMo-Hybrid gathers its attention's)
+        raise ValueError(
+            f"hf_bole runs tensor parallelism (tp_plan) on Qwen3.5 models; this {family} model is sharded by one: "
+            f"load it on one device or with device_map='auto'"
+        )
     if bole.compile:
         raise ValueError(
             f"bole_compile=True is not supported under tensor parallelism yet (this model is split over {tp.size} "
