@@ -87,8 +87,19 @@ step() {  # step NAME SECONDS COMMAND...: the command under a time limit, its lo
 harness() {  # harness NAME SECONDS ARGS...: eval/run.py, its rows into benchmarks/NAME.jsonl (a cut-short run's too)
     local name=$1 limit=$2
     shift 2
+    launched "$name" "$limit" python3 eval/run.py "$@"
+}
+harness_tp() {  # harness_tp NAME SECONDS NPROC ARGS...: the same with --tp under torchrun, over NPROC processes
+    local name=$1 limit=$2 nproc=$3
+    shift 3
+    launched "$name" "$limit" python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+        eval/run.py --tp "$@"
+}
+launched() {  # launched NAME SECONDS COMMAND...: an eval/run.py command line, its output under /tmp/NAME
+    local name=$1 limit=$2
+    shift 2
     rm -rf "/tmp/$name"
-    step "$name" "$limit" python3 eval/run.py --output-dir "/tmp/$name" "$@"
+    step "$name" "$limit" "$@" --output-dir "/tmp/$name"
     cp "/tmp/$name/results.jsonl" "benchmarks/$name.jsonl" 2>/dev/null \
         || cp "/tmp/$name/results.partial.jsonl" "benchmarks/$name.jsonl" 2>/dev/null
     cp "/tmp/$name/results.md" "$LOGS/$name.md" 2>/dev/null
@@ -99,17 +110,6 @@ calibrate() {  # calibrate SHAPE SECONDS: a table of batch sizes 1, 4, 8, 16 at 
     [ "$1" = house ] && source="--model eval/house/checkpoint"
     step "cal-$1" "$2" python3 -m hf_bole.calibrate $source --dtype bf16 --batch-sizes 1 4 8 16 --kv-lengths 1024 \
         --reps 5 --table-dir hf_bole/budgets --plot "$LOGS/cal-$1.png"
-    RENDER=1
-}
-harness_tp() {  # harness_tp NAME SECONDS NPROC ARGS...: eval/run.py --tp under torchrun, over NPROC processes
-    local name=$1 limit=$2 nproc=$3
-    shift 3
-    rm -rf "/tmp/$name"
-    step "$name" "$limit" python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" eval/run.py --tp \
-        --output-dir "/tmp/$name" "$@"
-    cp "/tmp/$name/results.jsonl" "benchmarks/$name.jsonl" 2>/dev/null \
-        || cp "/tmp/$name/results.partial.jsonl" "benchmarks/$name.jsonl" 2>/dev/null
-    cp "/tmp/$name/results.md" "$LOGS/$name.md" 2>/dev/null
     RENDER=1
 }
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
