@@ -43,10 +43,10 @@ def tensor_parallel(model: nn.Module) -> TensorParallel:
     """The `TensorParallel` of a Qwen3.5 model: read from its DTensor weights, so that it holds whichever transformers
     version sharded them.
 
-    Reads Qwen3.5's layout (its attention's `k_proj` split by heads; `generate` refuses other families under
-    tensor parallelism: `generation.requests.tensor_parallel_settings`). Raises a
-    `ValueError` for a plan that splits a GDN layer's heads (its projections not gathered), or a mesh of more than one
-    dimension (data or pipeline parallelism besides TP)."""
+    Reads Qwen3.5's layout (its attention's `k_proj` split by heads; `generate` refuses other families under tensor
+    parallelism: `generation.requests.tensor_parallel_settings`). Raises a `ValueError` for a plan that splits a GDN
+    layer's heads (its projections not gathered), or a mesh of more than one dimension (data or pipeline parallelism
+    besides TP)."""
     config = model.config.get_text_config(decoder=True)
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if not meshes:
