@@ -37,6 +37,19 @@
 #                 ar-static, chain, bole ("auto": cal-9B first, on this GPU)         benchmarks/batch_sweep.jsonl
 #   batch-sweep-mtp  the same with a random MTP head (what drafting costs): chain, bole, and bole at budget 0
 #                 (plain decoding through hf_bole's loop)                        benchmarks/batch_sweep_mtp.jsonl
+# On 2 or more GPUs of one host (tensor parallelism over all visible GPUs, NGPU; the 122B-A10B shape's 227 GiB of bf16
+# weights need H200 x2 or H100 x4), each part one command of at most 10 minutes:
+#   tp-tests    the tensor-parallel tests on two GPUs over NCCL (tests/test_tensor_parallel.py)
+#               (logs only; about 2 min)
+#   tp122-1     122B-A10B shape, random weights, bf16, oracle drafter, batch 1 (one prompt), sharded over NGPU
+#               processes: ar (plain generate under the same TP) and bole, passes in turns (about 6 min, 9.5 at most)
+#                                                                                  benchmarks/e2e_122b_tp_b1.jsonl
+#   tp122-8     the same at batch 8 (8 prompts, one batch)                         benchmarks/e2e_122b_tp_b8.jsonl
+#   dm122-1     the same shape and settings under --device-map auto (one process), batch 1 (about 5 min)
+#                                                                                  benchmarks/e2e_122b_dm_b1.jsonl
+#   dm122-8     the same at batch 8                                                benchmarks/e2e_122b_dm_b8.jsonl
+#   tp27        27B shape, batch 1: ar and bole under TP over 2 GPUs, then both on one GPU (CUDA graphs on; about
+#               8 min)                                  benchmarks/e2e_27b_tp2_b1.jsonl, benchmarks/e2e_27b_1gpu_b1.jsonl
 #
 # After the parts: eval/render_benchmarks.py rewrites BENCHMARKS.md, README.md's results and benchmarks/speedup.png,
 # and everything the parts wrote, logs included, is packed into $OUT/gpu_results.tgz (OUT default runs/gpu); `tar
@@ -44,7 +57,7 @@
 # eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,58p' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -79,8 +92,19 @@ step() {  # step NAME SECONDS COMMAND...: the command under a time limit, its lo
 harness() {  # harness NAME SECONDS ARGS...: eval/run.py, its rows into benchmarks/NAME.jsonl (a cut-short run's too)
     local name=$1 limit=$2
     shift 2
+    launched "$name" "$limit" python3 eval/run.py "$@"
+}
+harness_tp() {  # harness_tp NAME SECONDS NPROC ARGS...: the same with --tp under torchrun, over NPROC processes
+    local name=$1 limit=$2 nproc=$3
+    shift 3
+    launched "$name" "$limit" python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+        eval/run.py --tp "$@"
+}
+launched() {  # launched NAME SECONDS COMMAND...: an eval/run.py command line, its output under /tmp/NAME
+    local name=$1 limit=$2
+    shift 2
     rm -rf "/tmp/$name"
-    step "$name" "$limit" python3 eval/run.py --output-dir "/tmp/$name" "$@"
+    step "$name" "$limit" "$@" --output-dir "/tmp/$name"
     cp "/tmp/$name/results.jsonl" "benchmarks/$name.jsonl" 2>/dev/null \
         || cp "/tmp/$name/results.partial.jsonl" "benchmarks/$name.jsonl" 2>/dev/null
     cp "/tmp/$name/results.md" "$LOGS/$name.md" 2>/dev/null
@@ -95,6 +119,9 @@ calibrate() {  # calibrate SHAPE SECONDS BATCH_SIZES...: a table at a KV length 
     RENDER=1
 }
 BATCHES="1 4 8 16 32 64 128 256"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+# The 122B-A10B runs: the device_map measurement before tensor parallelism used these settings (depth 6).
+SHAPE122="--shape 122B-A10B --max-new-tokens 128 --depth 6 --repeats 3 --interleave --modes ar bole"
 HOUSE="--datasets mbpp --num-prompts 8 --max-new-tokens 128 --depth 10 --chain-depth 10 --repeats 3 --interleave"
 SHAPE9B="--shape 9B --max-new-tokens 128 --depth 6 --chain-depth 6 --repeats 3 --interleave"
 # one batch per batch size, 64 new tokens: batch 256 then makes 16384 tokens a pass
@@ -162,6 +189,19 @@ batch-sweep)
     ;;
 batch-sweep-mtp)
     harness batch_sweep_mtp 540 $SWEEP --drafter mtp --modes chain bole --budget auto 0
+    ;;
+tp-tests)
+    step tp_tests 300 $PYTEST tests/test_tensor_parallel.py
+    ;;
+tp122-1) harness_tp e2e_122b_tp_b1 570 "$NGPU" $SHAPE122 --batch-sizes 1 --num-prompts 1 ;;
+tp122-8) harness_tp e2e_122b_tp_b8 570 "$NGPU" $SHAPE122 --batch-sizes 8 --num-prompts 8 ;;
+dm122-1) harness e2e_122b_dm_b1 570 $SHAPE122 --device-map auto --batch-sizes 1 --num-prompts 1 ;;
+dm122-8) harness e2e_122b_dm_b8 570 $SHAPE122 --device-map auto --batch-sizes 8 --num-prompts 8 ;;
+tp27)
+    harness_tp e2e_27b_tp2_b1 280 2 --shape 27B --max-new-tokens 128 --depth 6 --repeats 3 --interleave \
+        --modes ar bole --batch-sizes 1 --num-prompts 1
+    harness e2e_27b_1gpu_b1 280 --shape 27B --max-new-tokens 128 --depth 6 --repeats 3 --interleave \
+        --modes ar bole --batch-sizes 1 --num-prompts 1
     ;;
 *)
     echo "unknown part $PART"

@@ -30,6 +30,9 @@ README = REPO / "README.md"
 E2E = ("e2e_house_b1", "e2e_house_b8", "e2e_9b_b1", "e2e_9b_b8_b16")
 BUDGETS = ("budget_house", "budget_9b")
 SWEEP = ("batch_sweep", "batch_sweep_mtp")  # the oracle's run (ar-static among its modes), the MTP head's
+# Models larger than one GPU (eval/gpu.sh tp122-1, tp122-8, dm122-1, dm122-8, tp27): one table, a row per layout and
+# batch size.
+LAYOUTS = ("e2e_122b_tp_b1", "e2e_122b_tp_b8", "e2e_122b_dm_b1", "e2e_122b_dm_b8", "e2e_27b_tp2_b1", "e2e_27b_1gpu_b1")
 MODES = ("ar", "ar-static", "chain", "tree-serial", "bole")
 
 
@@ -223,6 +226,37 @@ def batch_sweep(oracle: list[dict], mtp: list[dict]) -> list[str]:
     return lines
 
 
+def layout(settings: dict) -> str:
+    """Where a run's model sat: tensor-parallel over N processes, spread by accelerate's device map, or one GPU."""
+    if settings.get("tensor_parallel", 1) > 1:
+        return f"tensor parallel over {settings['tensor_parallel']} GPUs"
+    return "device_map='auto'" if settings.get("device_map") else "one GPU"
+
+
+def layouts(rows: list[dict]) -> list[str]:
+    """The runs of models larger than one GPU: per shape, layout and batch size, ar's and bole's tokens/s."""
+    lines = provenance(rows) + [
+        "- bf16, greedy, oracle drafter, bole depth 6; tokens/s over the generate calls' wall time, prefill included, "
+        "median of the passes taken in turns (ar and bole alternate); ar is plain `generate` in the same layout.",
+        "",
+        "| shape | layout | batch | ar | bole | bole ÷ ar | tokens a round | outputs equal to ar |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["mode"].split()[0] != "bole":
+            continue
+        ar = next((a for a in rows if a["mode"] == "ar" and a["settings"] == r["settings"]
+                   and a["batch_size"] == r["batch_size"]), {})  # fmt: skip
+        cells = [
+            r["settings"].get("shape"), layout(r["settings"]), r["batch_size"],
+            ar.get("error") or _f(ar.get("output_tokens_per_s")), r.get("error") or _f(r.get("output_tokens_per_s")),
+            _bole_over({"bole": r, "ar": ar}, "ar", ".2f"), _f(r.get("mean_accepted_tokens"), ".2f"),
+            "–" if r.get("exact_share") is None else f"{100 * r['exact_share']:.0f}%",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
 def summary(runs: dict[str, list[dict]]) -> list[str]:
     """README's table: every end-to-end run's tokens/s by mode, one line per model, prompts and batch size."""
     lines = provenance([r for rows in runs.values() for r in rows]) + [
@@ -407,6 +441,8 @@ def main() -> None:
     runs = {name: rows for name in E2E if (rows := load(name))}
     for name, rows in runs.items():
         doc = replace(doc, name, e2e(rows))
+    if rows := [r for name in LAYOUTS for r in load(name)]:
+        doc = replace(doc, "layouts", layouts(rows))
     if rows := load("kernels"):
         doc = replace(doc, "kernels", kernels(rows))
     if rows := load("kda"):

@@ -97,6 +97,10 @@ def markdown(rows: list[dict], header: dict) -> str:
     graphs = "on" if s.get("cuda_graphs") else "off"
     if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
         graphs = f"off (the model spans {', '.join(devices)})"
+    tp = s.get("tensor_parallel", 1)
+    if tp > 1:  # and for a tensor-parallel one (--tp)
+        where = f"{where} ×{tp}, the model sharded over {tp} processes (tensor parallelism, --tp)"
+        graphs = "off (tensor parallelism)"
     attention = {  # results written before the header settled "auto" say neither
         "triton": ", tree attention by hf_bole's kernel (bole_attention=\"triton\")",
         "model": ", tree attention by the model's own attention with the tree mask (bole_attention=\"model\")",

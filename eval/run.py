@@ -5,6 +5,7 @@
     python eval/run.py --shape 9B --modes ar bole --batch-sizes 1 8 --max-new-tokens 256   # random 9B, oracle drafter
     accelerate launch --multi_gpu --num_processes 2 eval/run.py ...   # prompts sharded over processes (GPUs or CPU)
     python eval/run.py --shape 122B-A10B --device-map auto --modes ar bole --batch-sizes 1 8   # one model, all GPUs
+    torchrun --nproc-per-node 2 eval/run.py --tp --shape 122B-A10B --modes ar bole   # one model, its weights sharded
 
 Modes (eval/modes.py): `ar` plain `generate`; `ar-static` its static cache, compiled; `chain` hf_bole with topk 1,
 depth 3 (--chain-depth); `tree-serial` bole's trees verified node by node with state snapshots; `bole` the closed
@@ -21,6 +22,7 @@ import functools
 import gc
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -44,6 +46,7 @@ from eval.shapes import (  # noqa: E402
     SHAPES,
     build_model,
     build_model_across,
+    build_model_tensor_parallel,
     parameter_bytes,
     shape_config,
     spread_max_memory,
@@ -148,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "through from_pretrained(device_map='auto'), a --shape built across them); every mode runs on that placement",
     )  # fmt: skip
     ap.add_argument(
+        "--tp", action="store_true", help="under `torchrun --nproc-per-node N`: one model sharded over the N processes "
+        "by transformers' tensor parallelism (a checkpoint through from_pretrained(tp_plan='auto'), a --shape built so: "
+        "eval.shapes.build_model_tensor_parallel); every process runs every prompt, the first one reports",
+    )  # fmt: skip
+    ap.add_argument(
         "--gpu-reserve-gib", type=float, default=8.0, help="--device-map: GiB each GPU keeps free of weights "
         "(activations, tree cache); the weights are shared evenly over the GPUs (eval.shapes.spread_max_memory)",
     )  # fmt: skip
@@ -165,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.compile = [c == "on" for c in dict.fromkeys(args.compile or ["on"])]
     if args.device_map and not args.device.startswith("cuda"):
         ap.error("--device-map spreads the model over GPUs: it needs --device cuda")
+    if args.tp and (args.device_map or int(os.environ.get("WORLD_SIZE", "1")) < 2):
+        ap.error("--tp shards the model over the processes of `torchrun --nproc-per-node N` (N >= 2), without --device-map")
     if args.repeats is None:
         args.repeats = 3 if args.device.startswith("cuda") else 1
     if args.num_prompts is None:
@@ -196,6 +206,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     args = parse_args(argv)
     accelerator = Accelerator(cpu=args.device == "cpu")
+    # Processes that run prompts apart (data parallel): all of them, or one model's ranks as one under --tp.
+    data_parallel = 1 if args.tp else accelerator.num_processes
     if args.device_map and accelerator.num_processes > 1:
         raise SystemExit(
             "--device-map spreads one model over all GPUs; `accelerate launch` runs one process per GPU: use one or "
@@ -212,17 +224,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     generation = generation_kwargs(args, model, tokenizer)
 
     launcher = (
-        ["python"]
-        if accelerator.num_processes == 1
+        ["torchrun", f"--nproc-per-node={accelerator.num_processes}"] if args.tp
+        else ["python"] if accelerator.num_processes == 1
         else ["accelerate", "launch", f"--num_processes={accelerator.num_processes}"]
-    )
+    )  # fmt: skip
     command = shlex.join([*launcher, "eval/run.py", *(sys.argv[1:] if argv is None else argv)])
     place = hf_bole.placement.placement(model)
     header = {
         "machine": report.machine(),
-        "settings": settings(args, model_label, dtype, accelerator.num_processes, command),
+        "settings": settings(args, model_label, dtype, data_parallel, command),
         "devices": [str(d) for d in place.devices],  # several under --device-map
     }
+    header["settings"]["tensor_parallel"] = accelerator.num_processes if args.tp else 1
     # the attention hf_bole's modes run with, "auto" settled as generate settles it (for the report's header)
     header["settings"]["attention"] = hf_bole.config.resolve_attention(
         args.attention or BoleConfig().attention, place.layer_devices[0]
@@ -236,11 +249,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def finish(dataset, prompts, batch_size: int, mode, records: list[dict], error: str | None, reference_only: bool):
         """A mode's row from every process's records, written at once: a run cut short (a time limit) still leaves
         every finished mode's row behind."""
-        # which process timed each batch: processes run side by side, so their times do not add up
-        gathered = gather_object([{**r, "process": accelerator.process_index} for r in records])
+        # which process timed each batch: processes run side by side, so their times do not add up (under --tp
+        # every rank ran every batch together: the first one's records)
+        gathered = [{**r, "process": 0} for r in records] if args.tp else (
+            gather_object([{**r, "process": accelerator.process_index} for r in records])
+        )  # fmt: skip
         errors = [e for e in gather_object([error]) if e is not None]  # from every process
         if accelerator.is_main_process and not reference_only:
-            row = summarize(dataset, prompts, mode, batch_size, gathered, args, accelerator.num_processes)
+            row = summarize(dataset, prompts, mode, batch_size, gathered, args, data_parallel)
             row["budget_source"] = budget_source(model, mode, args, batch_size)
             # the most draft nodes a row gets at this batch size (0: every round decodes plainly)
             row["row_nodes"] = budget_for(model, mode, args, batch_size).max_row_nodes if mode.drafts else None
@@ -256,6 +272,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for batch_size in args.batch_sizes:
             prompts = all_prompts[: args.num_batches * batch_size] if args.num_batches else all_prompts
             with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
+                mine = list(range(len(prompts))) if args.tp else mine
                 batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
             reference: list[dict] = []
             modes = [m for name in run_modes for m in make_modes(name, batch_size, args)]
@@ -418,7 +435,8 @@ def set_backends(args) -> None:
 
 def load_target(args, device: torch.device, dtype: torch.dtype):
     """`(model, tokenizer or None, label)`: the checkpoint of --model, or a random model of --shape; with
-    --device-map spread over all visible GPUs, each holding an even share of the weights."""
+    --device-map spread over all visible GPUs, each holding an even share of the weights; with --tp sharded over the
+    processes."""
     config = shape_config(args.shape) if args.shape else None
     max_memory = None
     if args.device_map:
@@ -430,6 +448,8 @@ def load_target(args, device: torch.device, dtype: torch.dtype):
         max_memory = spread_max_memory(parameter_bytes(config, dtype), list(range(torch.cuda.device_count())), reserve)
     if args.shape:
         label = f"random {args.shape} shape"
+        if args.tp:
+            return build_model_tensor_parallel(config, dtype, seed=args.seed), None, label
         if max_memory is not None:
             model = build_model_across(config, dtype, max_memory, seed=args.seed)
         else:
@@ -447,10 +467,12 @@ def load_target(args, device: torch.device, dtype: torch.dtype):
             f"Pass --model <checkpoint folder or Hub id> or --shape <{'|'.join(SHAPES)}>."
         )
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=dtype, attn_implementation="sdpa",
-        **(dict(device_map="auto", max_memory=max_memory) if max_memory is not None else dict(device_map={"": device})),
-    )  # fmt: skip
+    placed = dict(device_map={"": device})
+    if max_memory is not None:
+        placed = dict(device_map="auto", max_memory=max_memory)
+    elif args.tp:
+        placed = dict(tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa", **placed)
     return model.eval(), tokenizer, args.model
 
 
@@ -616,10 +638,22 @@ def run_batch(model, tokenizer, prompts, batch: list[int], mode: Mode, args, gen
         "transient_bytes": out.peak_transient_bytes if mode.drafts else None,
         "round_time_ms": out.round_time_ms if profiled else None,
         "round_host_ms": out.round_host_ms if profiled else None,
-        # summed over the model's GPUs (one, or all under --device-map)
-        "peak_memory_bytes": sum(torch.cuda.max_memory_allocated(gpu) for gpu in gpus) if gpus else None,
+        # summed over the model's GPUs (one, or all under --device-map or --tp)
+        "peak_memory_bytes": _peak_memory(gpus, args.tp),
         "divergences": divergences,
     }
+
+
+def _peak_memory(gpus: list[torch.device], tp: bool) -> int | None:
+    """Peak bytes allocated on `gpus` since their last reset, summed; under `tp` over every rank's GPU."""
+    if not gpus:
+        return None
+    peak = sum(torch.cuda.max_memory_allocated(gpu) for gpu in gpus)
+    if tp:
+        total = torch.tensor([peak], device=gpus[0])
+        torch.distributed.all_reduce(total)
+        peak = int(total)
+    return peak
 
 
 def summarize(

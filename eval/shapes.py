@@ -5,7 +5,9 @@ shape (`"house"`), a shape larger than one GPU built across the GPUs, and a rand
 A shape larger than one GPU (122B-A10B: 227 GiB in bf16) is built across the GPUs by `build_model_across`: on the meta
 device first, placed by accelerate's `infer_auto_device_map` under a per-GPU budget (`spread_max_memory`), each
 weight then made on its GPU and initialised as `hf_bole.shapes.build_model` initialises it, and accelerate's hooks
-attached (`dispatch_model`), as `from_pretrained(..., device_map="auto")` leaves a checkpoint.
+attached (`dispatch_model`), as `from_pretrained(..., device_map="auto")` leaves a checkpoint. Under `torchrun`,
+`hf_bole.shapes.build_model_tensor_parallel` shards it over the processes' GPUs instead, as
+`from_pretrained(..., tp_plan="auto")` does.
 """
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ from torch import nn
 
 from hf_bole import shapes
 from hf_bole.models.mtp import MTP_PREFIX, Qwen3_5MTP
-from hf_bole.shapes import SHAPES, build_model, model_class, parameter_bytes, trained_like
+from hf_bole.shapes import (
+    SHAPES,
+    build_model,
+    build_model_tensor_parallel,
+    model_class,
+    parameter_bytes,
+    trained_like,
+)
 
 HOUSE_CHECKPOINT = Path(__file__).resolve().parent / "house" / "checkpoint"
 
 __all__ = [
-    "HOUSE_CHECKPOINT", "SHAPES", "build_model", "build_model_across", "parameter_bytes", "shape_config",
-    "spread_max_memory", "with_random_mtp",
+    "HOUSE_CHECKPOINT", "SHAPES", "build_model", "build_model_across", "build_model_tensor_parallel", "parameter_bytes",
+    "shape_config", "spread_max_memory", "with_random_mtp",
 ]  # fmt: skip
 
 

@@ -3,19 +3,24 @@
 
     python -m hf_bole.calibrate --model Qwen/Qwen3.5-9B --dtype bf16
     python -m hf_bole.calibrate --shape 9B --batch-sizes 1 4 8 16 32 64 128 256 --kv-lengths 1024 --out budget_9b.json
+    torchrun --nproc-per-node 2 -m hf_bole.calibrate --shape 122B-A10B   # tensor-parallel over 2 GPUs
 
 Writes the table to `$HF_BOLE_CACHE/budgets/<key>.json` (default `~/.cache/hf_bole/budgets/`), where "auto" looks
 first (or into `--table-dir`: `hf_bole/budgets` in a clone ships it with the package), and to `--out` if given,
 after every (batch size, KV length) bucket it finishes and once more at the end, plus a
 PNG of a round's cost against N (`--plot`, default: beside the JSON; needs matplotlib). `--shape` builds a
 random-weight model of a published Qwen3.5 shape (`hf_bole.shapes`): timings do not depend on the weights, and the
-table's key is the shape's, so it serves the published checkpoint of that shape.
+table's key is the shape's, so it serves the published checkpoint of that shape. Under `torchrun` the model is
+sharded over the processes by transformers' tensor parallelism (`tp_plan="auto"`; a shape through
+`hf_bole.shapes.build_model_tensor_parallel`): every rank times the forwards together, the first one writes the table,
+keyed by the TP degree (`TableKey.launch`: "tp<N>-...").
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -29,7 +34,7 @@ from hf_bole.generation.budget import (
     calibrate,
     plot_table,
 )
-from hf_bole.shapes import SHAPES, build_model, shape_config
+from hf_bole.shapes import SHAPES, build_model, build_model_tensor_parallel, shape_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -94,12 +99,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def tensor_parallel_launch() -> bool:
+    """Whether `torchrun` started this process among several: the model is then sharded over them."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def load_model(args: argparse.Namespace):
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     if args.shape is not None:
+        if tensor_parallel_launch():
+            return build_model_tensor_parallel(shape_config(args.shape), dtype, seed=args.seed)
         return build_model(shape_config(args.shape), device, dtype)
     from transformers import AutoModelForCausalLM
 
+    if tensor_parallel_launch():
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa", tp_plan="auto")
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
@@ -109,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = load_model(args)
 
+    # Under tensor parallelism every rank times, the first one writes and reports.
+    first = not tensor_parallel_launch() or torch.distributed.get_rank() == 0
+
     def save(table) -> list[Path]:
+        if not first:
+            return []
         folder = args.table_dir or cache_dir()
         return ([] if args.no_save else [table.save(folder / table.key.filename)]) + (
             [table.save(args.out)] if args.out is not None else []
@@ -123,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, cuda_graphs=args.cuda_graphs, compile=args.compile, attention=args.attention, on_bucket=save,
     )  # fmt: skip
     written = save(table)
+    if not first:
+        return 0
     key = table.key
     print(f"{key.model} on {key.device}, {key.dtype}, {key.verify}, {key.launch}, epsilon {table.epsilon}:")
     print(f"{'batch':>6} {'KV':>7} {'T_ver(floor)':>12} {'T_commit':>9} {'budget':>6}  N:T(N)/T(floor) (ms)")

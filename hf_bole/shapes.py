@@ -39,6 +39,8 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import (
     AutoConfig,
     Qwen3_5ForCausalLM,
@@ -166,9 +168,29 @@ def build_model(config, device: torch.device | str, dtype: torch.dtype, seed: in
     return model.eval()
 
 
+def build_model_tensor_parallel(config, dtype: torch.dtype, seed: int = 0):
+    """`build_model` sharded over the processes of `torchrun` by transformers' tensor parallelism: a random-weight
+    model of `config` loaded with `from_pretrained(None, state_dict={}, tp_plan="auto")`, so that transformers makes
+    and initialises each rank's shards on its GPU (no checkpoint, no host copy), then `trained_like`. The weights
+    every rank holds whole (norms, GDN convs and decays) are rank 0's, so that the ranks run one model."""
+    torch.manual_seed(seed)
+    config.tie_word_embeddings = False  # the unembedding `trained_like` sets must not overwrite the embedding
+    model = model_class(config).from_pretrained(
+        None, config=config, state_dict={}, tp_plan="auto", dtype=dtype, attn_implementation="sdpa"
+    )
+    torch.manual_seed(seed)  # `trained_like` draws alike on every rank
+    trained_like(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if not isinstance(param, DTensor):
+                dist.broadcast(param.data, src=0)
+    return model.eval()
+
+
 @torch.no_grad()
 def trained_like(model) -> None:
-    """Changes transformers' random initialisation of `model` in place, wherever its weights are:
+    """Changes transformers' random initialisation of `model` in place, wherever its weights are (on several devices,
+    or sharded by tensor parallelism: then the same on every rank where torch's generator is):
     - GDN decays are redrawn as Mamba-2 initialises them: upstream draws A up to 16 with dt_bias = 1, so every state
       forgets itself within a token, which no trained model does;
     - the unembedding is the embedding, permuted, the embedding is scaled up and every layer's output projections
@@ -185,12 +207,21 @@ def trained_like(model) -> None:
             dt = torch.empty_like(gdn.dt_bias, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1)).exp()
             gdn.A_log.copy_(A.log())
             gdn.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-    embedding = model.get_input_embeddings().weight  # [V, hidden]
-    successor = torch.randperm(embedding.shape[0], device=embedding.device)
+    embedding, unembedding = model.get_input_embeddings().weight, model.get_output_embeddings().weight  # [V, hidden]
+    full = embedding.full_tensor() if isinstance(embedding, DTensor) else embedding
+    successor = torch.randperm(full.shape[0], device=full.device)
     # logit of v ~ <embedding[successor[v]], h>: largest where v is the current token's successor (under a device map
     # the LM head may sit on another GPU than the embedding: one copy).
-    model.get_output_embeddings().weight.copy_(embedding[successor])
-    embedding.mul_(EMBEDDING_SCALE)
+    permuted = full[successor]
+    if isinstance(unembedding, DTensor):  # tensor-parallel: this rank's rows of it, cut locally
+        permuted = distribute_tensor(permuted, unembedding.device_mesh, unembedding.placements, src_data_rank=None)
+    _local(unembedding).copy_(_local(permuted))
+    _local(embedding).mul_(EMBEDDING_SCALE)
     for name, weight in model.model.layers.named_parameters():
         if name.endswith(_LAYER_OUTPUTS):
-            weight.mul_(LAYER_OUTPUT_SCALE)
+            _local(weight).mul_(LAYER_OUTPUT_SCALE)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel weight's shard on this rank (scaling it scales the whole); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t

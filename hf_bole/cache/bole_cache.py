@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
@@ -51,6 +51,7 @@ from hf_bole.kernels import (
 )
 from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 from hf_bole.placement import placement
+from hf_bole.tensor_parallel import tensor_parallel
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # layers with KV (a sliding window's is kept whole)
 KV_GROWTH_STEP = 64  # a growing cache's KV capacity is a multiple of this many slots
@@ -293,6 +294,9 @@ class BoleCache(Cache):
         layer_devices (sequence of `torch.device`, *optional*):
             For a model spread over devices (accelerate's `device_map`): the device each decoder layer runs on, where
             its state is kept (`BoleCache.for_model` reads them from the model). `None`: every layer on `device`.
+        key_value_heads (`int`, *optional*):
+            The KV heads each full-attention layer stores: a tensor-parallel rank's share of them (transformers'
+            `tp_plan`; `BoleCache.for_model` reads it from the model's sharded weights). Defaults to the config's.
 
     Attributes:
         lengths (`torch.LongTensor` of shape `(batch_size,)`):
@@ -325,6 +329,7 @@ class BoleCache(Cache):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         layer_devices: Sequence[torch.device | str] | None = None,
+        key_value_heads: int | None = None,
     ):
         config = config.get_text_config(decoder=True)
         layer_types = list(getattr(config, "layer_types", None) or [])
@@ -370,7 +375,10 @@ class BoleCache(Cache):
         self._gdn_place = {layer: (d, g) for d, group in enumerate(gdn_groups) for g, layer in enumerate(group)}
         self._last_attn_layer = attn_layers[-1]
 
-        self.layout = layout = state_layout(config)
+        layout = state_layout(config)
+        if key_value_heads is not None:  # a rank's share of the KV heads under tensor parallelism
+            layout = replace(layout, kv_heads=key_value_heads)
+        self.layout = layout
         self._conv_dim = layout.conv_dim
 
         capacity, B = max_cache_len or 0, batch_size
@@ -406,11 +414,12 @@ class BoleCache(Cache):
     @classmethod
     def for_model(cls, model, batch_size: int, max_cache_len: int | None = None) -> BoleCache:
         """A cache for `model` in its dtype, each layer's state on the device that layer runs on (one device, or
-        several under accelerate's `device_map`), the bookkeeping on the first layer's."""
-        layer_devices = placement(model).layer_devices
+        several under accelerate's `device_map`), the bookkeeping on the first layer's; of a tensor-parallel model,
+        the KV heads of this rank."""
         return cls(
-            model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype, layer_devices=layer_devices
-        )
+            model.config, batch_size, max_cache_len=max_cache_len, dtype=model.dtype,
+            layer_devices=placement(model).layer_devices, key_value_heads=tensor_parallel(model).key_value_heads,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         devices = f", devices={[str(g.device) for g in self._groups]}" if len(self._groups) > 1 else ""

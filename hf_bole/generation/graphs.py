@@ -11,6 +11,7 @@ import torch
 
 from hf_bole.models import graph_unsafe_experts
 from hf_bole.placement import placement
+from hf_bole.tensor_parallel import tensor_parallel
 
 # Kept caches' capacities and the kept token writes' widths are rounded up to this many slots, so that calls of
 # similar lengths share one cache, one set of writes and their graphs.
@@ -19,13 +20,16 @@ KEPT_CAPACITY_STEP = 512
 
 def captures(model, cuda_graphs: bool) -> bool:
     """Whether verify forwards of `model` replay from CUDA graphs: asked for (`bole_cuda_graphs`), on one CUDA
-    device (not spread over several by a device_map: a graph is captured on one device's stream), and no
-    mixture-of-experts layers whose experts implementation routes tokens with data-dependent shapes
-    (`graph_unsafe_experts`: transformers' "eager"; its default "grouped_mm" is captured)."""
+    device (not spread over several by a device_map: a graph is captured on one device's stream), not sharded by
+    tensor parallelism (its collectives are not captured yet, issue 60), and no mixture-of-experts layers whose
+    experts implementation routes tokens with data-dependent shapes (`graph_unsafe_experts`: transformers' "eager";
+    its default "grouped_mm" is captured)."""
     if not cuda_graphs:
         return False
     place = placement(model)
-    return not place.spans_devices and place.input_device.type == "cuda" and not graph_unsafe_experts(model)
+    if place.spans_devices or place.input_device.type != "cuda" or tensor_parallel(model).size > 1:
+        return False
+    return not graph_unsafe_experts(model)
 
 
 def capture(run, device: torch.device, pool=None, warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -19,11 +19,12 @@ from hf_bole.generation.continuation import Continuation, continuation, given_ca
 from hf_bole.generation.draft import drafter_max_depth, make_drafter, prompt_columns
 from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, captures
 from hf_bole.generation.prefill import unchainable, use_chains, weight_bytes
-from hf_bole.generation.requests import assistant_drafter, check_request, spread_settings
+from hf_bole.generation.requests import assistant_drafter, check_request, spread_settings, tensor_parallel_settings
 from hf_bole.generation.stopping import Stopping
 from hf_bole.kernels.utils import MAX_TREE_NODES
 from hf_bole.models import family_of, graph_unsafe_experts
 from hf_bole.placement import placement
+from hf_bole.tensor_parallel import check_same_generator, tensor_parallel
 
 logger = logging.get_logger(__name__)
 
@@ -101,8 +102,8 @@ class CallPlan:
             {k: v for k, v in model_kwargs.items() if v is not None or not k.startswith("bole_")}, generation_config
         )
         check_request(model, generation_config, model_kwargs, dropped)
-        place = placement(model)
-        bole = spread_settings(bole, place)
+        place, tp = placement(model), tensor_parallel(model)
+        bole = tensor_parallel_settings(model, spread_settings(bole, place), tp, place)
         # "auto" attention, settled once for the call: the graphs, the budget table and the forwards are keyed by it.
         kernel = family_of(model.config).tree_attention_kernel
         bole = dataclasses.replace(bole, attention=resolve_attention(bole.attention, place.layer_devices[0], kernel))
@@ -117,6 +118,8 @@ class CallPlan:
         device, in_device = place.output_device, place.input_device
         input_ids = input_ids.to(device)
         B, P = input_ids.shape
+        if tp.size > 1 and generation_config.do_sample:
+            check_same_generator(tp, device)
         if P == 0:
             raise ValueError(
                 f"hf_bole continues a prompt: input_ids has {B} rows of 0 tokens; give every row at least one token "

@@ -8,8 +8,9 @@ from transformers import GenerationConfig
 from transformers.utils import logging
 
 from hf_bole.config import BoleConfig
-from hf_bole.models import check_supported_model
+from hf_bole.models import check_supported_model, family_of
 from hf_bole.placement import Placement
+from hf_bole.tensor_parallel import TensorParallel
 
 logger = logging.get_logger(__name__)
 
@@ -85,5 +86,31 @@ def spread_settings(bole: BoleConfig, place: Placement) -> BoleConfig:
             f"hf_bole: CUDA graphs and the drafter's compile are off: the model spans {len(place.devices)} devices "
             f"({devices}); verify forwards and MTP drafting launch their kernels from Python (bole_cuda_graphs=False "
             f"and bole_compile_drafter=False say the same without this warning)"
+        )
+    return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)
+
+
+def tensor_parallel_settings(model, bole: BoleConfig, tp: TensorParallel, place: Placement) -> BoleConfig:
+    """`bole` for a tensor-parallel `model` (transformers' `tp_plan`): refuses families other than Qwen3.5 and
+    `compile`, and turns CUDA graphs and the drafter's compile off, saying so once. The verify forward's collectives are transformers' DTensor hooks, which
+    hf_bole has not captured in graphs nor compiled (issue 60)."""
+    if tp.size == 1:
+        return bole
+    family = family_of(model.config).name
+    if family != "Qwen3.5":  # the others' plans place the heads otherwise (OLMo-Hybrid gathers its attention's)
+        raise ValueError(
+            f"hf_bole runs tensor parallelism (tp_plan) on Qwen3.5 models; this {family} model is sharded by one: "
+            f"load it on one device or with device_map='auto'"
+        )
+    if bole.compile:
+        raise ValueError(
+            f"bole_compile=True is not supported under tensor parallelism yet (this model is split over {tp.size} "
+            f"ranks by its tp_plan): drop bole_compile, or load the model on one device"
+        )
+    if (bole.cuda_graphs or bole.compile_drafter) and place.input_device.type == "cuda":
+        logger.warning_once(
+            f"hf_bole: CUDA graphs and the drafter's compile are off under tensor parallelism ({tp.size} ranks): "
+            f"verify forwards and MTP drafting launch their kernels from Python (bole_cuda_graphs=False and "
+            f"bole_compile_drafter=False say the same without this warning)"
         )
     return dataclasses.replace(bole, cuda_graphs=False, compile_drafter=False)

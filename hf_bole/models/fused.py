@@ -14,7 +14,7 @@ runs a twin of the decoder (`models/twin.py`) in which each group's Linears are 
 (`projection_stand_ins`): the first part called multiplies its input by the whole buffer, and every part returns its
 columns of the product. The model's own modules are never swapped. A group stays as it is, and a log line says which
 and why, when its Linears are not plain bias-free `nn.Linear`s on one device in one dtype (quantized, offloaded by
-accelerate, hooked one by one).
+accelerate, hooked one by one, sharded by tensor parallelism).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
 from hf_bole.models.family import family_of
@@ -108,6 +109,8 @@ def _why_not(linears: list[nn.Module]) -> str | None:
             return "accelerate hooks the projections one by one"
         if linear.weight.device.type == "meta":
             return "its weights are offloaded (meta device)"
+        if isinstance(linear.weight, DTensor):
+            return "tensor-parallel: DTensor weights"
     first = linears[0].weight
     if any(l.weight.dtype != first.dtype or l.weight.device != first.device for l in linears):
         return "its projections differ in dtype or device"

@@ -31,7 +31,7 @@ def test_render(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
     monkeypatch.setattr(render, "README", readme)
-    sections = [*render.E2E, "kernels", "kda", *render.BUDGETS, "batch_sweep", "tables"]
+    sections = [*render.E2E, "layouts", "kernels", "kda", *render.BUDGETS, "batch_sweep", "tables"]
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
         _row("ar", 1, 100.0), _row("ar-static", 1, 500.0, exact=0.75), _row("chain", 1, 2000.0, acc=6.5, exact=1.0),
@@ -84,8 +84,13 @@ def test_render(tmp_path, monkeypatch):
         shipped / key.filename
     )
     (shipped / "old.json").write_text(json.dumps({"format": 4}))
+    tp = {**SETTINGS, "shape": "122B-A10B", "tensor_parallel": 2, "device_map": None}
+    _write(data / "e2e_122b_tp_b1.jsonl", [
+        {**_row("ar", 1, 10.0), "settings": tp}, {**_row("bole", 1, 35.0, acc=4.0, exact=1.0), "settings": tp}
+    ])  # fmt: skip
     render.main()
     text = doc.read_text()
+    assert "| 122B-A10B | tensor parallel over 2 GPUs | 1 | 10.0 | 35.0 | 3.50× | 4.00 | 100% |" in text
     # e2e: every mode's tokens/s, a failed mode's error, bole against each baseline, where the budget came from
     assert "| mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.000× | 1.250× | – | 6.50 / – / 8.00 |" in text
     assert "75% / 100% / – / 100%" in text and "bole: table x.json" in text

@@ -404,6 +404,8 @@ def test_bad_arguments():
         run.parse_args(["--drafter", "oracle", "--temperature", "0.7"])
     with pytest.raises(SystemExit):
         run.parse_args(["--device-map", "auto", "--device", "cpu"])  # spreads over GPUs
+    with pytest.raises(SystemExit):
+        run.parse_args(["--tp"])  # shards over torchrun's processes: not launched by torchrun
 
 
 @pytest.mark.parametrize("source", ["--shape", "--model"])
@@ -529,6 +531,8 @@ def test_header_says_graphs_are_off_for_a_spread_model():
     two = report.markdown([], {"machine": machine, "settings": settings, "devices": ["cuda:0", "cuda:1"]})
     assert "hf_bole's CUDA graphs on" in one and "tree attention" not in one
     assert "hf_bole's CUDA graphs off (the model spans cuda:0, cuda:1)" in two
+    tp = report.markdown([], {"machine": machine, "settings": {**settings, "tensor_parallel": 2}, "devices": ["cuda:0"]})
+    assert "NVIDIA H200 ×2, the model sharded over 2 processes" in tp and "CUDA graphs off (tensor parallelism)" in tp
     for attention, said in (("triton", "hf_bole's kernel"), ("model", "the model's own attention")):
         header = {"machine": machine, "settings": {**settings, "attention": attention}, "devices": []}
         text = report.markdown([], header)
@@ -620,3 +624,31 @@ def test_data_parallel_matches_one_process(checkpoint, tmp_path):
     for r in one:  # the digest is of the outputs: an exact mode's equals ar's
         if r["exact_share"] == 1.0:
             assert r["outputs_sha256"] == ar[r["dataset"], r["batch_size"]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU recipe; on GPUs eval/gpu.sh's tp parts run --tp")
+def test_tensor_parallel_run(tmp_path):
+    """`torchrun --nproc-per-node 2 eval/run.py --tp` (gloo on the CPU): one random-weight model sharded over both
+    processes (`build_model_tensor_parallel`), every prompt run by both, one table: hf_bole exact against plain
+    `generate` under the same sharding."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.models import tiny
+
+    tiny.text_config("moe", vocab_size=96, num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the torch paths on the CPU, as outside `interpreter` tests
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "eval/run.py", "--tp",
+         "--shape", str(tmp_path), "--modes", "ar", "bole", "--batch-sizes", "1", "2", "--num-prompts", "2",
+         "--prompt-length", "12", "--max-new-tokens", "12", "--device", "cpu", "--output-dir", str(tmp_path / "out")],
+        cwd=run.HOUSE_CHECKPOINT.parents[2], env=env, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    settings = rows[0]["settings"]  # every row carries the header
+    assert settings["tensor_parallel"] == 2 and settings["command"].startswith("torchrun --nproc-per-node=2")
+    assert sorted((r["mode"], r["batch_size"], r["num_prompts"], r["num_processes"]) for r in rows) == [
+        ("ar", 1, 2, 1), ("ar", 2, 2, 1), ("bole", 1, 2, 1), ("bole", 2, 2, 1)
+    ]  # fmt: skip
+    assert all(r["exact_share"] == 1.0 and r["mean_accepted_tokens"] > 2 for r in rows if r["mode"] == "bole")

@@ -36,6 +36,7 @@ from hf_bole.generation.budget import (
 from hf_bole.generation import select_nodes
 from hf_bole.generation.select import prepared_tree
 from hf_bole.placement import Placement
+from hf_bole.tensor_parallel import TensorParallel
 from hf_bole.models.twin import tree_twin
 from tests.models import tiny
 
@@ -310,7 +311,8 @@ def _fake_gpu_model(monkeypatch):
     monkeypatch.setattr(rule_module, "placement", one_gpu)
     monkeypatch.setattr(graphs_module, "placement", one_gpu)
     return _FakeModel(
-        device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config(), named_modules=lambda: iter(())
+        device=torch.device("cuda"), dtype=torch.bfloat16, config=tiny.text_config(), named_modules=lambda: iter(()),
+        parameters=lambda: iter(()),
     )
 
 
@@ -319,6 +321,16 @@ class _FakeModel(SimpleNamespace):
     weak dictionaries."""
 
     __hash__ = object.__hash__
+
+
+def test_tensor_parallel_table_key(monkeypatch):
+    """A model sharded over two ranks reads 1/2 of the weights per forward and runs it eager: a table of its own."""
+    model = _fake_gpu_model(monkeypatch)
+    sharded = lambda model: TensorParallel(2, None, 1)  # noqa: E731
+    monkeypatch.setattr(tables_module, "tensor_parallel", sharded)
+    monkeypatch.setattr(graphs_module, "tensor_parallel", sharded)
+    key = TableKey.for_model(model, cuda_graphs=True)
+    assert key.launch == "tp2-triton-attention-eager" and key.filename.endswith("__tp2-triton-attention-eager.json")
 
 
 def test_auto_without_table_warns_once(monkeypatch, caplog):

@@ -42,6 +42,7 @@ from hf_bole.generation.tree import DraftTree
 from hf_bole.generation.verify import Verify, VerifyGraphs, trimmed
 from hf_bole.kernels.utils import MAX_TREE_NODES
 from hf_bole.placement import placement
+from hf_bole.tensor_parallel import tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +302,10 @@ def _measure_bucket(
     commits = timer.warmup + timer.reps
     chunk = max(1, min(prefill_chunk, PREFILL_TOKENS // b))
     with attention_backends():
-        cache = BoleCache(model.config, b, max_cache_len=kv + commits + ROW_CAP + 2, device=device, dtype=model.dtype)
+        cache = BoleCache(
+            model.config, b, max_cache_len=kv + commits + ROW_CAP + 2, device=device, dtype=model.dtype,
+            key_value_heads=tensor_parallel(model).key_value_heads,
+        )  # fmt: skip
         for start in range(0, kv, chunk):  # through the decoder: no logits over the whole prompt
             decoder(input_ids=prompt[:, start : start + chunk], use_cache=True,
                     **{cache_argument(type(decoder).forward): cache})  # fmt: skip

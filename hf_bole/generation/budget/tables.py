@@ -28,6 +28,7 @@ from hf_bole.config import resolve_attention
 from hf_bole.generation.graphs import captures
 from hf_bole.models.family import family_of
 from hf_bole.placement import placement
+from hf_bole.tensor_parallel import tensor_parallel
 
 PACKAGE_TABLES = Path(__file__).resolve().parents[2] / "budgets"  # the tables shipped with hf_bole
 
@@ -100,7 +101,8 @@ class TableKey:
     dtype: str  # e.g. "bfloat16"
     verify: str  # "closed_form" or "serial"
     # "graphs" (forwards replayed from CUDA graphs) or "eager" (kernels launched from Python), prefixed "compiled-"
-    # for the torch.compile'd forward (`bole_compile`) and "triton-attention-" for `bole_attention="triton"`
+    # for the torch.compile'd forward (`bole_compile`), "triton-attention-" for `bole_attention="triton"` and
+    # "tp<N>-" for a model sharded over N ranks by tensor parallelism (each rank reads 1/N of the weights)
     launch: str
 
     @classmethod
@@ -119,7 +121,8 @@ class TableKey:
         place = placement(model)
         device = place.input_device
         attention = resolve_attention(attention, place.layer_devices[0], family_of(model.config).tree_attention_kernel)
-        launch = "compiled-" * compile + "triton-attention-" * (attention == "triton")
+        tp = tensor_parallel(model).size
+        launch = f"tp{tp}-" * (tp > 1) + "compiled-" * compile + "triton-attention-" * (attention == "triton")
         launch += "graphs" if captures(model, cuda_graphs) else "eager"
         return cls(model_key(model), device_name(device), dtype_name(model.dtype), verify, launch)
 
