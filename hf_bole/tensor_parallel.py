@@ -27,12 +27,13 @@ class TensorParallel:
     Args:
         size: the TP degree: how many ranks share the model's weights (1: not tensor-parallel).
         group: the process group of those ranks (None at size 1).
-        key_value_heads: the KV heads each full-attention layer of this rank holds (the config's at size 1).
+        key_value_heads: the KV heads each full-attention layer of this rank holds; None at size 1, where the cache
+            holds the layout's own (`cache/layout.py`: MLA's one compressed head included).
     """
 
     size: int
     group: dist.ProcessGroup | None
-    key_value_heads: int
+    key_value_heads: int | None
 
 
 def _local_rows(weight: torch.Tensor) -> int:
@@ -50,7 +51,7 @@ def tensor_parallel(model: nn.Module) -> TensorParallel:
     config = model.config.get_text_config(decoder=True)
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if not meshes:
-        return TensorParallel(1, None, config.num_key_value_heads)
+        return TensorParallel(1, None, None)
     if len(meshes) > 1 or next(iter(meshes)).ndim != 1:
         raise ValueError(
             "hf_bole runs tensor parallelism over one mesh dimension (DistributedConfig(tp_size=N) or tp_plan='auto' "
