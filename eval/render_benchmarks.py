@@ -96,18 +96,23 @@ def _cells(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
     return cells
 
 
-def _tokens_per_s(by_mode: dict[str, dict]) -> list[str]:
-    """Each mode's tokens/s, or its error ("out of memory"), or "–" where it did not run."""
-    return [
-        (by_mode[m].get("error") or _f(by_mode[m]["output_tokens_per_s"])) if m in by_mode else "–" for m in MODES
-    ]
-
-
-def _bole_over(by_mode: dict[str, dict], mode: str, spec: str) -> str:
-    bole, other = (by_mode.get(m, {}) for m in ("bole", mode))
-    if any(r.get("error") or not r.get("output_tokens_per_s") for r in (bole, other)):
+def _tps(row: dict | None) -> str:
+    """A run's tokens/s, or its error ("out of memory"), or "–" where it did not run."""
+    if row is None:
         return "–"
-    return f"{bole['output_tokens_per_s'] / other['output_tokens_per_s']:{spec}}×"
+    return row.get("error") or _f(row.get("output_tokens_per_s"))
+
+
+def _over(row: dict | None, base: dict | None, spec: str = ".2f") -> str:
+    """`row`'s tokens/s over `base`'s, or "–" where either did not run or failed."""
+    if any(not r or r.get("error") or not r.get("output_tokens_per_s") for r in (row, base)):
+        return "–"
+    return f"{row['output_tokens_per_s'] / base['output_tokens_per_s']:{spec}}×"
+
+
+def _tokens_per_s(by_mode: dict[str, dict]) -> list[str]:
+    """Each mode's `_tps`."""
+    return [_tps(by_mode.get(m)) for m in MODES]
 
 
 def e2e(rows: list[dict]) -> list[str]:
@@ -130,7 +135,7 @@ def e2e(rows: list[dict]) -> list[str]:
         "|---|---:|" + "---:|" * (len(MODES) + 3) + "---|---|",
     ]
     for (dataset, batch), by_mode in _cells(rows).items():
-        ratios = [_bole_over(by_mode, m, ".3f") for m in ("ar-static", "chain", "tree-serial")]
+        ratios = [_over(by_mode.get("bole"), by_mode.get(m), ".3f") for m in ("ar-static", "chain", "tree-serial")]
         rounds = [_f(by_mode[m].get("mean_accepted_tokens"), ".2f") if m in by_mode else "–"
                   for m in ("chain", "tree-serial", "bole")]  # fmt: skip
         shares = [by_mode.get(m, {}).get("exact_share") for m in MODES[1:]]
@@ -146,20 +151,6 @@ def _by_label(rows: list[dict]) -> dict[int, dict[str, dict]]:
     for r in rows:
         cells.setdefault(r["batch_size"], {})[r["mode"]] = r
     return cells
-
-
-def _tps(row: dict | None) -> str:
-    if row is None:
-        return "–"
-    return row.get("error") or _f(row.get("output_tokens_per_s"))
-
-
-def _over(row: dict | None, base: dict | None) -> str:
-    if not row or not base or row.get("error") or base.get("error"):
-        return "–"
-    if not row.get("output_tokens_per_s") or not base.get("output_tokens_per_s"):
-        return "–"
-    return f"{row['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}×"
 
 
 def _gib(row: dict | None) -> str:
@@ -250,7 +241,7 @@ def layouts(rows: list[dict]) -> list[str]:
         cells = [
             r["settings"].get("shape"), layout(r["settings"]), r["batch_size"],
             ar.get("error") or _f(ar.get("output_tokens_per_s")), r.get("error") or _f(r.get("output_tokens_per_s")),
-            _bole_over({"bole": r, "ar": ar}, "ar", ".2f"), _f(r.get("mean_accepted_tokens"), ".2f"),
+            _over(r, ar), _f(r.get("mean_accepted_tokens"), ".2f"),
             "–" if r.get("exact_share") is None else f"{100 * r['exact_share']:.0f}%",
         ]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
@@ -267,7 +258,7 @@ def summary(runs: dict[str, list[dict]]) -> list[str]:
     for name, rows in runs.items():
         model = "house" if "house" in name else "9B shape"
         for (dataset, batch), by_mode in _cells(rows).items():
-            ratios = [_bole_over(by_mode, m, ".2f") for m in ("ar-static", "chain")]
+            ratios = [_over(by_mode.get("bole"), by_mode.get(m)) for m in ("ar-static", "chain")]
             lines.append("| " + " | ".join(map(str, [model, dataset, batch, *_tokens_per_s(by_mode), *ratios])) + " |")
     return lines
 
