@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,6 +37,7 @@ from hf_bole.kernels import tree_kda_commit, tree_kda_verify  # noqa: E402
 from hf_bole.kernels.tree_kda import tree_kda_verify_serial  # noqa: E402
 from hf_bole.kernels.tree_kda.closed_form import torch_tree_kda_verify  # noqa: E402
 from hf_bole.kernels.tree_kda import closed_form_kernels  # noqa: E402
+from eval.bench_kernels import machine_header, rel_err  # noqa: E402
 from tests.kernels.trees import chain, random_tree  # noqa: E402
 
 L2_BYTES = 60 * 2**20
@@ -52,30 +51,6 @@ def kimi_linear_kda_sizes() -> tuple[int, int, int]:
 
     config = KimiLinearConfig()
     return config.linear_num_heads, config.linear_head_dim, config.linear_head_dim
-
-
-def machine_header(device: str) -> dict:
-    import triton
-    import transformers
-
-    try:
-        import fla
-
-        fla_version = getattr(fla, "__version__", "installed")
-    except ImportError:
-        fla_version = None
-    commit = os.environ.get("BOLE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "fla": fla_version,
-        "python": platform.python_version(),
-        "commit": commit or None,
-    }
 
 
 def tree_parents(B: int, T: int, depth: int, seed: int, device: str) -> torch.Tensor:
@@ -110,11 +85,6 @@ def rotating_inputs(B, T, H, K, V, device, cpu_smoke) -> list[tuple]:
     set_bytes = B * H * K * V * 4 + B * T * H * (2 * K * 2 + V * 2 + K * 4 + 2)
     n_sets = 2 if cpu_smoke else max(2, min(16, -(-3 * L2_BYTES // set_bytes)))
     return [layer_inputs(B, T, H, K, V, seed=s, device=device) for s in range(n_sets)]
-
-
-def rel_err(x, ref) -> float:
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float("nan") if torch.isnan(x).any() else ((x - ref).norm() / ref.norm()).item()
 
 
 def deepest_path(parents: torch.Tensor, device: str) -> torch.Tensor:
@@ -343,7 +313,7 @@ def main():
         x = r.get(p, {}).get("transient_bytes")
         return float("nan") if x is None else x / 2**20
 
-    print(f"\n{header['device']}, torch {header['torch']}, triton {header['triton']}, fla {header['fla']}, "
+    print(f"\n{header['gpu']}, torch {header['torch']}, triton {header['triton']}, fla {header['fla']}, "
           f"commit {header['commit']}")  # fmt: skip
     sizes = "tiny (--cpu-smoke)" if args.cpu_smoke else "Kimi-Linear-48B-A3B's"
     eager = sorted({f"{p} B={B} T={T} d={d}" for B, T, d, r in table for p, x in r.items() if x.get("cuda_graph") is False})

@@ -42,7 +42,8 @@ L2_BYTES = 60 * 2**20
 KERNELS = {"bole": tree_gdn_verify_fwd, "bole-nopdl": functools.partial(tree_gdn_verify_fwd, pdl=False)}
 
 
-def machine_header() -> dict:
+def machine_header(device: str = "cuda") -> dict:
+    """The JSONL header of a kernel benchmark: the GPU (the CPU under `--cpu-smoke`), versions and commit."""
     import triton
     import transformers
 
@@ -56,7 +57,7 @@ def machine_header() -> dict:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "transformers": transformers.__version__,

@@ -300,7 +300,7 @@ def kda(rows: list[dict]) -> list[str]:
     head, timed = rows[0], rows[1:]
     h = head["header"]
     lines = [
-        machine_line({**h, "gpu": h["device"]}),
+        machine_line(h),
         f"- One KDA layer of Kimi-Linear-48B-A3B: H = {head['H']} heads, K = V = {head['K']}, bf16 q/k/v, fp32 gates "
         f"and state, random trees of depth ≤ the column's, products at {head['precision']}; each time the median of "
         "CUDA-graph replays over rotating inputs; correctness against float64 first (largest error "

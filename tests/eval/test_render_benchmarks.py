@@ -43,7 +43,7 @@ def test_render(tmp_path, monkeypatch):
          "precision": "tf32x3", "ms": ms, "transient_bytes": 3 * 2**20} for p, ms in (("serial", 0.04), ("bole", 0.01))
     ]  # fmt: skip
     _write(data / "kernels.jsonl", kernel_rows)
-    kda_header = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers": "5.17", "fla": "0.6.0",
+    kda_header = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers": "5.17", "fla": "0.6.0",
                   "commit": None}  # fmt: skip
     _write(data / "kda.jsonl", [
         {"header": kda_header, "errors": {"fp32_o": 2e-6, "fla_o": 0.5}, "H": 32, "K": 128, "V": 128,
