@@ -136,11 +136,11 @@ tests)
         tests/test_custom_generate.py
     ;;
 calibrate)
-    calibrate 9B 300 $BATCHES
+    calibrate 9B 420 $BATCHES
     calibrate 27B 300 1 4 8 16 32 64
     calibrate 35B-A3B 300 1 4 8 16 32 64
     ;;
-cal-9B) calibrate 9B 300 $BATCHES ;;
+cal-9B) calibrate 9B 420 $BATCHES ;;
 cal-27B) calibrate 27B 300 1 4 8 16 32 64 ;;
 cal-35B-A3B) calibrate 35B-A3B 300 1 4 8 16 32 64 ;;
 cal-house) calibrate house 200 $BATCHES ;;
