@@ -33,12 +33,14 @@ def tree_gdn_commit_fwd_kernel(
     V: tl.constexpr,
     BL: tl.constexpr,
     BV: tl.constexpr,
+    NV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     PER_KEY_DECAY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # decay: GDN's log P [.., T, H], or with PER_KEY_DECAY, KDA's g [.., T, H, K] (tree_kda/README.md)
-    i_v, i_nbh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    # one grid axis: layers x batch x heads passes CUDA's 65535 limit of the other axes (24 x 256 x 32 = 196608)
+    i_v, i_nbh = tl.program_id(0).to(tl.int64) % NV, tl.program_id(0).to(tl.int64) // NV
     i_nb, i_h = i_nbh // H, i_nbh % H  # i_nb = layer * B + request
     i_b = i_nb % B
     i_hk = i_h // (H // HK)
@@ -88,11 +90,12 @@ def tree_gdn_commit_fwd(initial_state, k, u, decay, path, out, use_qk_l2norm, do
     L = path.shape[1]
     BL = max(16, triton.next_power_of_2(L))
     BV = min(32, V)  # many small programs: the commit is bound by reading and writing the states
-    grid = (triton.cdiv(V, BV), NL * B * H)
+    NV = triton.cdiv(V, BV)
+    grid = (NV * NL * B * H,)  # the V-tiles of one state side by side
     with on_device(out):
         tree_gdn_commit_fwd_kernel[grid](
             initial_state, k, u, decay, path, out, B, T, L,
-            H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, USE_QK_L2NORM=use_qk_l2norm, PER_KEY_DECAY=decay.dim() == 5,
+            H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, NV=NV, USE_QK_L2NORM=use_qk_l2norm, PER_KEY_DECAY=decay.dim() == 5,
             DOT_PRECISION=dot_precision,
             num_warps=4,
         )  # fmt: skip
