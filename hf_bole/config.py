@@ -112,7 +112,9 @@ class BoleConfig:
             each committed whole (`hf_bole/generation/prefill.py`), replayed from its CUDA graphs where `cuda_graphs`
             applies. `"plain"`: transformers' forward over the prompt, its kernels launched from Python. `"auto"`:
             chains when the verify forward replays from graphs and the chains would re-read at most 72 GB of weights
-            in all (`prefill.chain_limit`: at least 512 tokens; 512 on a 9B model), plain otherwise.
+            in all (`prefill.chain_limit`: at least 512 tokens; 512 on a 9B model) and a chain's round holds at most
+            4 GiB for the whole batch (`prefill.CHAIN_PREFILL_ROUND_BYTES`: its factors and logits at every node; 23
+            prompts on a 9B model), plain otherwise.
             "auto" takes plain, and "chains" raises a ValueError, for a batch chains would not prefill as
             transformers' forward does: padding after a row's first token (right padding, a hole in the mask; the
             forward runs it through the GDN layers), a row of padding alone, or position ids other than `generate`'s

@@ -19,7 +19,9 @@ from hf_bole.generation.continuation import Continuation, continuation, given_ca
 from hf_bole.generation.draft import drafter_max_depth, make_drafter, prompt_columns
 from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, captures
 from hf_bole.generation.prefill import unchainable, use_chains, weight_bytes
+from hf_bole.generation.verify import round_bytes
 from hf_bole.generation.requests import assistant_drafter, check_request, spread_settings, tensor_parallel_settings
+from hf_bole.generation.select import width_bucket
 from hf_bole.generation.stopping import Stopping
 from hf_bole.kernels.utils import MAX_TREE_NODES
 from hf_bole.models import family_of, graph_unsafe_experts
@@ -170,7 +172,9 @@ class CallPlan:
         # (doubling), so that a call takes memory and time for the tokens it generates, not for max_new_tokens.
         room = min(max_new, INITIAL_ROOM)
         capacity = P + room + (1 + lag) * step + per_row + 1
-        chains = use_chains(bole.prefill, graphed, P - tail, bole.verify, weight_bytes(model))
+        chain_width = width_bucket(min(P - tail, MAX_TREE_NODES), MAX_TREE_NODES)
+        chain_round = B * sum(round_bytes(model.config, chain_width, model.dtype).values())
+        chains = use_chains(bole.prefill, graphed, P - tail, bole.verify, weight_bytes(model), chain_round)
         # Rows whose shared prefix ends in different columns: transformers' forward appends the same columns to every
         # row, chains each row's own tokens.
         ragged = cached is not None and not cached.aligned

@@ -6,7 +6,9 @@ the prompt leaves it (the same recurrence, computed in closed form). What differ
 forward launches its kernels one by one from Python; a chain of a bucketed width replays the verify forward's CUDA
 graph. Each chain reads every weight once more, so on a large model past a few chains the one eager forward is
 faster, while a small model's long prompts gain from the graphs whatever their length. So "auto" bounds the weights
-the chains re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`).
+the chains re-read, not the prompt's length (`CHAIN_PREFILL_READ_BYTES`). A chain is a verify round, too: it holds the
+GDN factors, the pre-conv inputs and the logits of every node of every row, where the plain forward computes the last
+token's logits alone, so "auto" also bounds what a chain holds for the whole batch (`CHAIN_PREFILL_ROUND_BYTES`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from hf_bole.models import cache_argument
 # The most weight bytes "auto"'s chains may read in all: 4 chains of the 9B shape's 18 GB (bf16), where 4 chains
 # (512 tokens) beat the eager forward and 8 lost to it (measured above).
 CHAIN_PREFILL_READ_BYTES = 4 * 18 * 10**9
+
+
+# The most a chain's verify round may hold for the whole batch under "auto" (`verify.round_bytes`, summed over the
+# rows): on the 9B shape a chain of 128 nodes holds 1.4 MB a node, 47 GB at batch 256 (which ran out of memory on an
+# 80 GB GPU beside the model's 18 GB); 4 GiB lets batches of up to 23 such prompts prefill as chains.
+CHAIN_PREFILL_ROUND_BYTES = 4 * 2**30
 
 
 def chain_limit(weight_bytes: int) -> int:
@@ -45,13 +53,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return _WEIGHT_BYTES[model]
 
 
-def use_chains(mode: str, graphed: bool, prompt_length: int, verify: str, weight_bytes: int) -> bool:
+def use_chains(
+    mode: str, graphed: bool, prompt_length: int, verify: str, weight_bytes: int, round_bytes: int
+) -> bool:
     """Whether `generate` may prefill as chains: asked for ("chains"), or "auto" with the verify forward replayed
-    from CUDA graphs and a prompt of at most `chain_limit(weight_bytes)` tokens; never with `verify="serial"`, whose
-    forward would keep a state snapshot per prompt token. (The batch must suit them too: `unchainable`.)"""
+    from CUDA graphs, a prompt of at most `chain_limit(weight_bytes)` tokens and a chain whose round holds at most
+    `CHAIN_PREFILL_ROUND_BYTES` (`round_bytes`, the whole batch's); never with `verify="serial"`, whose forward would
+    keep a state snapshot per prompt token. (The batch must suit them too: `unchainable`.)"""
     if mode == "plain" or verify != "closed_form":
         return False
-    return mode == "chains" or (graphed and prompt_length <= chain_limit(weight_bytes))
+    fits = prompt_length <= chain_limit(weight_bytes) and round_bytes <= CHAIN_PREFILL_ROUND_BYTES
+    return mode == "chains" or (graphed and fits)
 
 
 def unchainable(mask: torch.Tensor, position_ids: torch.Tensor, run: torch.Tensor | None = None) -> str | None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_bole.cache import BoleCache
+from hf_bole.cache.bole_cache import ATTENTION_LAYER_TYPES
+from hf_bole.cache.layout import state_layout
 from hf_bole.generation import graphs
 from hf_bole.generation.commit import CommitGraphs, TailGraphs
 from hf_bole.generation.tree import VerifyTree
@@ -44,18 +46,19 @@ def round_bytes(config, width: int, dtype: torch.dtype, verify: str = "closed_fo
         `hidden_states`.
     """
     config = config.get_text_config(decoder=True)
+    layout = state_layout(config)
     gdn = sum(t == "linear_attention" for t in config.layer_types)
-    attention = sum(t == "full_attention" for t in config.layer_types)
-    hk, k = config.linear_num_key_heads, config.linear_key_head_dim
-    hv, v = config.linear_num_value_heads, config.linear_value_head_dim
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = sum(t in ATTENTION_LAYER_TYPES for t in config.layer_types)
+    hk, k = layout.linear_key_heads, layout.linear_key_dim
+    hv, v = layout.linear_value_heads, layout.linear_value_dim
     size, f32 = dtype.itemsize, 4
     closed = verify == "closed_form"
+    decay = hv * k if layout.per_key_decay else hv  # KDA's g per key channel, GDN's log-decay per head
     per_node = {
-        "factors": gdn * (hk * k * size + hv * v * f32 + hv * f32) if closed else 0,
+        "factors": gdn * (hk * k * size + hv * v * f32 + decay * f32) if closed else 0,
         "snapshots": 0 if closed else gdn * hv * k * v * f32,
-        "conv_inputs": gdn * (2 * hk * k + hv * v) * size,
-        "tree_kv": 2 * attention * config.num_key_value_heads * head_dim * size,
+        "conv_inputs": gdn * layout.conv_dim * size,
+        "tree_kv": attention * layout.kv_heads * (layout.key_dim + layout.value_dim) * size,
         "logits": config.vocab_size * size,
         "hidden_states": config.hidden_size * size,
     }

@@ -11,12 +11,15 @@ from hf_bole.cache import BoleCache
 from hf_bole.generation import graphs as graphs_module
 from hf_bole.generation.commit import CommitGraphs
 from hf_bole.generation.prefill import (
+    CHAIN_PREFILL_ROUND_BYTES,
     chain_limit,
     chain_prefill,
     use_chains,
     weight_bytes,
 )
+from hf_bole.generation.verify import round_bytes
 from hf_bole.models import tree_forward
+from hf_bole.shapes import shape_config
 from tests.generation.recorded_graph import recording_queued_capture
 from tests.generation.test_verify import _assert_same_committed
 from tests.models import tiny
@@ -102,13 +105,20 @@ def test_which_prefill():
     assert chain_limit(nine_b) == 512  # 4 chains: they beat one eager forward there, 8 did not
     assert chain_limit(4 * nine_b) == 512  # at least 4 chains, however large the model
     assert chain_limit(house) == 2400 * 128  # a small model re-reads little: long prompts as chains too
-    assert use_chains("chains", graphed=False, prompt_length=5000, verify="closed_form", weight_bytes=nine_b)
-    assert use_chains("auto", graphed=True, prompt_length=512, verify="closed_form", weight_bytes=nine_b)
-    assert not use_chains("auto", True, 513, "closed_form", nine_b)  # one forward reads the weights once
-    assert use_chains("auto", True, 1024, "closed_form", house)
-    assert not use_chains("auto", False, 8, "closed_form", house)  # launched from Python either way
-    assert not use_chains("chains", True, 8, "serial", house)  # a snapshot per prompt token
-    assert not use_chains("plain", True, 8, "closed_form", house)
+    small = 10**6  # a chain round's bytes for the whole batch
+    assert use_chains("chains", graphed=False, prompt_length=5000, verify="closed_form", weight_bytes=nine_b,
+                      round_bytes=100 * CHAIN_PREFILL_ROUND_BYTES)  # fmt: skip
+    assert use_chains("auto", graphed=True, prompt_length=512, verify="closed_form", weight_bytes=nine_b,
+                      round_bytes=small)  # fmt: skip
+    assert not use_chains("auto", True, 513, "closed_form", nine_b, small)  # one forward reads the weights once
+    assert use_chains("auto", True, 1024, "closed_form", house, small)
+    assert not use_chains("auto", False, 8, "closed_form", house, small)  # launched from Python either way
+    assert not use_chains("chains", True, 8, "serial", house, small)  # a snapshot per prompt token
+    assert not use_chains("plain", True, 8, "closed_form", house, small)
+    # the 9B shape's chain of 128 at batch 256 holds 47 GB of factors and logits: the plain forward instead
+    chain = sum(round_bytes(shape_config("9B"), 128, torch.bfloat16).values())
+    assert use_chains("auto", True, 128, "closed_form", nine_b, 16 * chain)
+    assert not use_chains("auto", True, 128, "closed_form", nine_b, 256 * chain)
 
 def test_weight_bytes_are_summed_once(monkeypatch):
     """The weights' bytes are summed at a model's first call and kept: the walk over its parameters is host time

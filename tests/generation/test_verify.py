@@ -15,6 +15,7 @@ from hf_bole.generation.tree import VerifyTree
 from hf_bole.generation.verify import graphed_cache, round_bytes, trimmed
 from hf_bole.models import tree_forward
 from tests.generation.recorded_graph import recording_capture, recording_queued_capture
+from tests.models import tiny_families
 from tests.models.tiny import batch_trees, build_model, prefill
 
 PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
@@ -163,3 +164,17 @@ def test_round_bytes_is_what_a_round_allocates(verify, width):
     outputs = {"logits": out.logits.nbytes, "hidden_states": out.hidden_states.nbytes}
     allocated = {**out.tree_round.transient_bytes, **outputs}
     assert allocated == {part: 3 * n for part, n in expected.items()}
+
+
+@pytest.mark.parametrize("name", tiny_families.params())
+def test_round_bytes_of_every_family(name):
+    """The same for every family tree mode serves: KDA's log-decay per key channel, MLA's compressed KV, a sliding
+    window's layers, the layouts `state_layout` reads (the prefill's choice of chains sizes a round with it)."""
+    model = tiny_families.build(name)
+    cache = BoleCache.for_model(model, 3)
+    prefill(model, cache, PROMPTS)
+    parents = torch.arange(-1, 4).expand(3, -1)
+    out = tree_forward(model, cache, torch.ones_like(parents), parents)
+    outputs = {"logits": out.logits.nbytes, "hidden_states": out.hidden_states.nbytes}
+    allocated = {**out.tree_round.transient_bytes, **outputs}
+    assert allocated == {part: 3 * n for part, n in round_bytes(model.config, 5, model.dtype).items()}
