@@ -420,6 +420,29 @@ def plot(runs: dict[str, list[dict]], path: Path) -> Path | None:
     return path
 
 
+def ttft_turn2(rows: list[dict]) -> list[str]:
+    """A conversation's second turn: time to the first new token continuing turn 1's cache against re-prefilling
+    the whole conversation, hf_bole and plain `generate` (eval/ttft_turn2.py; the last run's line)."""
+    r = rows[-1]
+    ms = {arm: 1e3 * s for arm, s in r["median_s"].items()}
+    same = r["same_tokens_as_bole_prefill"]
+    lines = [
+        machine_line(r["machine"]),
+        f"- random {r['shape']} shape, {r['dtype']}, one conversation: {r['history']} tokens after turn 1, turn 2 adds "
+        f"{r['turn']} tokens and generates {r['new']} (n-gram drafter: random weights have no MTP head); from the "
+        f"call to the first new token on the host (a streamer), median of {r['passes']} passes taken in turns, each "
+        "arm's cache copied outside the timed call. Tokens compared with hf_bole's re-prefilled turn.",
+        "",
+        "| | continued from turn 1's cache, ms | re-prefilled, ms | re-prefilled ÷ continued | same tokens |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, who in (("hf_bole", "bole"), ("plain `generate`", "plain")):
+        cont, pre = ms[f"{who}-continued"], ms[f"{who}-prefill"]
+        agree = "yes" if same[f"{who}-continued"] and same[f"{who}-prefill"] else "no"
+        lines.append(f"| {name} | {cont:.1f} | {pre:.1f} | {pre / cont:.2f}× | {agree} |")
+    return lines
+
+
 def replace(doc: str, name: str, lines: list[str], where: str = DOC.name) -> str:
     pattern = re.compile(rf"(<!-- rendered: {name} -->\n).*?(<!-- end: {name} -->)", re.S)
     if not pattern.search(doc):
@@ -443,6 +466,8 @@ def main() -> None:
             doc = replace(doc, name, budgets(rows))
     if any(sweep := [load(name) for name in SWEEP]):
         doc = replace(doc, "batch_sweep", batch_sweep(*sweep))
+    if rows := load("ttft_turn2"):
+        doc = replace(doc, "ttft_turn2", ttft_turn2(rows))
     doc = replace(doc, "tables", shipped_tables())
     DOC.write_text(doc)
     print(f"wrote {DOC}")
