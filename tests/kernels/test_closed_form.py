@@ -260,3 +260,6 @@ def test_closed_form_triton_limits():
     q, k, v, g, beta, h0 = gdn_inputs(1, 4, 1, 1, 24, 16, device=device)
     with pytest.raises(ValueError, match="head dims"):
         tree_gdn_verify(q, k, v, g, beta, make_parents("chain", 4, 1).to(device), h0)
+    q, k, v, g, beta, h0 = gdn_inputs(1, 2, 1, 65536, 16, 16, device=device)  # one request of 65536 value heads
+    with pytest.raises(ValueError, match="at most 65535 .request, value head. pairs"):
+        tree_gdn_verify(q, k, v, g, beta, make_parents("chain", 2, 1).to(device), h0)

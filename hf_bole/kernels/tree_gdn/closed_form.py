@@ -30,6 +30,7 @@ from hf_bole.kernels.utils import (
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # One TF32 pass ("tf32") is not offered: u then strays 4.2e-4 from float64 where the commit needs 1.6e-7 (README.md).
 DOT_PRECISIONS = ("tf32x3", "ieee")
+MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second and third axes
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -66,8 +67,15 @@ def check_verify_inputs(q, k, v, g, beta, parents, initial_state, dot_precision,
 
 
 def check_triton_limits(k: torch.Tensor, v: torch.Tensor) -> None:
-    """What the Triton verify kernels hold: head dims in `SUPPORTED_HEAD_DIMS`, at most `MAX_TREE_NODES` nodes."""
-    T, K, V = k.shape[1], k.shape[-1], v.shape[-1]
+    """What the Triton verify kernels hold: head dims in `SUPPORTED_HEAD_DIMS`, at most `MAX_TREE_NODES` nodes, and
+    a program per request and value head on a grid axis that CUDA caps at `MAX_GRID_Y` programs."""
+    B, T, K = k.shape[0], k.shape[1], k.shape[-1]
+    H, V = v.shape[-2:]
+    if B * H > MAX_GRID_Y:
+        raise ValueError(
+            f"the Triton kernels verify at most {MAX_GRID_Y} (request, value head) pairs in one call, got B x H = "
+            f"{B} x {H}; verify the batch in parts of at most {MAX_GRID_Y // H} requests"
+        )
     if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"the Triton kernels support head dims K, V in {SUPPORTED_HEAD_DIMS}, got K = {K}, V = {V}")
     if T > MAX_TREE_NODES:
