@@ -37,6 +37,9 @@ from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 
 L2_BYTES = 60 * 2**20
+# Dense tensor-core peaks (TFLOP/s) of the GPUs the floor knows: (bf16, tf32), from NVIDIA's H100 SXM datasheet (the
+# H200 has the same chip). Other GPUs: `--peak-tflops BF16,TF32`.
+PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": (989.0, 494.0), "NVIDIA H200": (989.0, 494.0)}
 
 
 KERNELS = {"bole": tree_gdn_verify_fwd, "bole-nopdl": functools.partial(tree_gdn_verify_fwd, pdl=False)}
@@ -140,6 +143,41 @@ def rotating_inputs(B, T, HK, H, K, V) -> list[tuple]:
     return [layer_inputs(B, T, HK, H, K, V, seed=s) for s in range(n_sets)]
 
 
+def peak_tflops(gpu: str, given: str | None) -> tuple[float, float]:
+    """(bf16, tf32) dense TFLOP/s: `given` ("BF16,TF32") or the known GPU's; an unknown GPU is refused."""
+    if given:
+        bf16, tf32 = (float(x) for x in given.split(","))
+        return bf16, tf32
+    if gpu not in PEAK_TFLOPS:
+        raise SystemExit(
+            f"the floor needs the tensor-core peaks of {gpu!r}, which bench_kernels does not know "
+            f"({', '.join(PEAK_TFLOPS)}): pass --peak-tflops BF16,TF32 (dense TFLOP/s)"
+        )
+    return PEAK_TFLOPS[gpu]
+
+
+def verify_floor(B, T, HK, H, K, V, depth, peaks, copy_gbps, bytes_in=2, state_bytes=4) -> dict:
+    """The floor of one verify (ms): the larger of its matmul FLOPs at the precision each runs and its bytes at the
+    measured copy rate. FLOPs as the kernels do them, per (request, value head), on the two halves of BH = BT / 2 rows
+    (BT = tile(T)), with n_d diagonal blocks (2 when the tree spans both halves, else 1):
+      bf16 (q/k exact in bf16)  Gram blocks: 2 (K K^T and Q K^T) x (n_d + [two halves]) x 2 BH^2 K;
+                                K S and Q S of both halves: 4 x 3 passes against the split state x 2 BH K V
+      tf32, 3 passes (tf32x3)   the inverses' squarings: n_d x s x 2 x 2 BH^3, s = ceil(log2(min(depth + 1, BH))) - 1;
+                                the block products: (2 + 4 [two halves]) x 2 BH^2 V
+    Bytes: q, k, v, g (fp32), beta read once, the fp32 state read, o written (the dtype of v) and u (fp32)."""
+    BH = max(32, 1 << (T - 1).bit_length()) // 2
+    halves = T > BH
+    n_d = 1 + halves
+    squarings = max(0, (min(depth + 1, BH) - 1).bit_length() - 1)
+    bf16 = 2 * (n_d + halves) * 2 * BH * BH * K + 4 * 3 * 2 * BH * K * V
+    tf32 = 3 * (n_d * squarings * 2 * 2 * BH**3 + (2 + 4 * halves) * 2 * BH * BH * V)
+    flop_ms = B * H * (bf16 / peaks[0] + tf32 / peaks[1]) / 1e9
+    moved = B * T * (2 * HK * K * bytes_in + H * V * bytes_in + H * (4 + bytes_in)) + B * H * K * V * state_bytes
+    moved += B * T * H * V * (bytes_in + 4)
+    byte_ms = moved / copy_gbps / 1e6
+    return {"floor_ms": max(flop_ms, byte_ms), "floor_flop_ms": flop_ms, "floor_byte_ms": byte_ms}
+
+
 def rel_err(x, ref) -> float:
     x, ref = x.double().cpu(), ref.double().cpu()
     return float("nan") if torch.isnan(x).any() else ((x - ref).norm() / ref.norm()).item()
@@ -184,7 +222,7 @@ def check_correctness() -> dict:
     return errs
 
 
-def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
+def bench_verify(B, T, HK, H, K, V, depth, providers, prec, floor=None):
     parents = make_parents("mixed", T, B, seed=T).cuda()
     parents = bounded_depth(parents, depth)
     # One tree serves every GDN layer of a forward: its ancestor mask is built once, outside the per-layer time.
@@ -226,6 +264,7 @@ def bench_verify(B, T, HK, H, K, V, depth, providers, prec):
         rows.append(
             {"provider": name, "ms": ms, "ms_q20": lo, "ms_q80": hi, "bytes_moved": moved, "transient_bytes": transient}
             | ({"configs": chosen_configs()} if name in KERNELS else {})
+            | ({**floor, "over_floor": ms / floor["floor_ms"]} if name in KERNELS and floor else {})
         )
     mask_ms, _, _ = time_graph(lambda p: tree_ancestor_mask(p), [(parents,)])
     rows.append({"provider": "ancestor_mask_per_tree", "ms": mask_ms, "bytes_moved": 0, "transient_bytes": B * T * T})
@@ -269,8 +308,10 @@ def main():
     ap.add_argument("--precision", default="tf32x3")
     ap.add_argument("--shapes", nargs="+", metavar="H,B,T", help="these (H, B, T) only, e.g. 32,16,128")
     ap.add_argument("--providers", nargs="+", default=["serial", "fla", "bole", "bole-nopdl", "solve"])
+    ap.add_argument("--peak-tflops", metavar="BF16,TF32", help="dense tensor-core peaks of a GPU not in PEAK_TFLOPS")
     args = ap.parse_args()
     header = machine_header()
+    peaks = peak_tflops(header["gpu"], args.peak_tflops)
     quick = quick_gpu_check()
     print(json.dumps({"quick_check_rel_err_vs_float64_closed_form": quick}, indent=1), flush=True)
     ceiling = copy_ceiling_gbps()
@@ -295,9 +336,11 @@ def main():
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     lines = []
     with open(args.out, "w") as f:
-        f.write(json.dumps({"header": header, "copy_ceiling_GBps": ceiling, "errors": errs, "quick_check": quick}) + "\n")
+        f.write(json.dumps({"header": header, "copy_ceiling_GBps": ceiling, "errors": errs, "quick_check": quick,
+                            "peak_tflops_bf16_tf32": peaks}) + "\n")  # fmt: skip
         for H, B, T in shapes:
-            rows = bench_verify(B, T, HK, H, K, V, depth, providers, args.precision)
+            floor = verify_floor(B, T, HK, H, K, V, depth, peaks, ceiling)
+            rows = bench_verify(B, T, HK, H, K, V, depth, providers, args.precision, floor)
             for r in rows:
                 r.update({"op": "verify", "B": B, "T": T, "H": H, "HK": HK, "K": K, "V": V, "depth": depth, "precision": args.precision})
                 if "ms" in r:
@@ -314,7 +357,8 @@ def main():
     print(f"\n{header['gpu']}  torch {header['torch']}  triton {header['triton']}  fla {header['fla']}  commit {header['commit']}")
     print(f"copy ceiling {ceiling:.0f} GB/s; Hk={HK} K=V={K} depth<={depth} bf16 q/k/v, fp32 state; ms per layer (median);")
     print("bole = tree_gdn_verify's kernels (solve: its first); excludes the ancestor mask, built once per tree for all layers")
-    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'bole':>8} {'no-pdl':>8} {'solve':>8} {'mask/tree':>9} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10} {'wksp MiB':>8}")
+    print(f"floor = max(matmul FLOPs at bf16 {peaks[0]:.0f} / tf32 {peaks[1]:.0f} TFLOP/s, bytes at the copy ceiling)")
+    print(f"{'H':>3} {'B':>3} {'T':>4} | {'serial':>8} {'fla-chain':>9} {'bole':>8} {'no-pdl':>8} {'solve':>8} {'mask/tree':>9} | {'floor':>7} {'bole/floor':>10} | {'bole/fla':>8} {'serial/bole':>11} | {'snap MiB':>8} {'factor MiB':>10} {'wksp MiB':>8}")
     for H, B, T, r in lines:
         s, fl, bo, bn, so, mk = (
             r.get(p, {}).get("ms", float("nan")) for p in ("serial", "fla", "bole", "bole-nopdl", "solve", "ancestor_mask_per_tree")
@@ -322,7 +366,8 @@ def main():
         snap = r.get("serial", {}).get("transient_bytes", B * T * H * K * V * 4) / 2**20
         fac = r.get("bole", {}).get("transient_bytes", float("nan")) / 2**20
         ws = workspace_bytes(B, T, H) / 2**20
-        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} {bn:8.4f} {so:8.4f} {mk:9.4f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f} {ws:8.2f}")
+        floor = verify_floor(B, T, HK, H, K, V, depth, peaks, ceiling)["floor_ms"]
+        print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} {bn:8.4f} {so:8.4f} {mk:9.4f} | {floor:7.4f} {bo / floor:10.2f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f} {ws:8.2f}")
     print(
         f"commit: {commit['NL']} layers B={commit['B']} H={commit['H']} K=V={commit['K']} path {commit['L']}: "
         f"{commit['ms']:.4f} ms, {commit['GBps']:.0f} GB/s ({commit['pct_of_copy']:.0f}% of copy)"

@@ -275,8 +275,8 @@ def kernels(rows: list[dict]) -> list[str]:
         "CUDA-graph replays over rotating inputs (3× the L2 cache), correctness checked against float64 first.",
         "",
         "| value heads | batch | tree nodes | serial ms | fla chain ms | bole ms | serial ÷ bole | fla chain ÷ bole "
-        "| snapshots MiB | bole factors MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| floor ms | bole ÷ floor | snapshots MiB | bole factors MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     shapes = list(dict.fromkeys((r["H"], r["B"], r["T"]) for r in verify))
     for H, B, T in shapes:
@@ -286,8 +286,10 @@ def kernels(rows: list[dict]) -> list[str]:
         over = lambda p: f"{ms[p] / ms['bole']:.1f}×" if ms.get(p) and ms.get("bole") else "–"  # noqa: E731
         snap = B * T * H * verify[0]["K"] * verify[0]["V"] * 4 / 2**20
         factors = by.get("bole", {}).get("transient_bytes")
+        floor, over_floor = by.get("bole", {}).get("floor_ms"), by.get("bole", {}).get("over_floor")
         lines.append(f"| {H} | {B} | {T} | {cell('serial')} | {cell('fla')} | {cell('bole')} | {over('serial')} | "
-                     f"{over('fla')} | {snap:.0f} | {_f(factors / 2**20 if factors else None, '.1f')} |")  # fmt: skip
+                     f"{over('fla')} | {_f(floor, '.4f')} | {_f(over_floor, '.1f')}{'×' if over_floor else ''} | "
+                     f"{snap:.0f} | {_f(factors / 2**20 if factors else None, '.1f')} |")  # fmt: skip
     if commit:
         lines += ["", f"Commit (Eq. 10) of all {commit['NL']} GDN layers at once, batch {commit['B']}, {commit['H']} "
                   f"value heads, an accepted path of {commit['L']}: {commit['ms']:.3f} ms ({commit['GBps']:.0f} GB/s, "

@@ -40,7 +40,8 @@ def test_render(tmp_path, monkeypatch):
     ])  # fmt: skip
     kernel_rows = [{"header": {**MACHINE, "commit": None}}] + [
         {"op": "verify", "provider": p, "H": 32, "B": 1, "T": 16, "HK": 16, "K": 128, "V": 128, "depth": 8,
-         "precision": "tf32x3", "ms": ms, "transient_bytes": 3 * 2**20} for p, ms in (("serial", 0.04), ("bole", 0.01))
+         "precision": "tf32x3", "ms": ms, "transient_bytes": 3 * 2**20}
+        | ({"floor_ms": 0.004, "over_floor": 2.5} if p == "bole" else {}) for p, ms in (("serial", 0.04), ("bole", 0.01))
     ]  # fmt: skip
     _write(data / "kernels.jsonl", kernel_rows)
     kda_header = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers": "5.17", "fla": "0.6.0",
@@ -101,7 +102,7 @@ def test_render(tmp_path, monkeypatch):
     assert "| mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.000× | 1.250× | – | 6.50 / – / 8.00 |" in text
     assert "75% / 100% / – / 100%" in text and "bole: table x.json" in text
     assert "commit `0000000`, a commit this clone's history lacks: not known to be the current code" in text
-    assert "| 32 | 1 | 16 | 0.040 | – | 0.010 | 4.0× | – | 32 | 3.0 |" in text and "commit unknown" in text
+    assert "| 32 | 1 | 16 | 0.040 | – | 0.010 | 4.0× | – | 0.0040 | 2.5× | 32 | 3.0 |" in text and "commit unknown" in text
     assert "| 8 | 900.0 | **1000.0** | 990.0 | 0.99 |" in text and "the house model, mbpp" in text
     assert "| 1 | 64 | 8 | 0.100 | 0.025 | 0.020 | 0.010 | 0.80× | 5.00× | 1.0 | – |" in text
     assert "largest error 2.0e-06" in text  # fla's own distance from float64 is not ours
