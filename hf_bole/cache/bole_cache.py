@@ -1034,6 +1034,23 @@ class BoleCache(Cache):
         self._gdn_started = dict.fromkeys(self._gdn_started, False)
         self._advance()
 
+    def empty_rows(self, rows: torch.Tensor, starts: torch.Tensor) -> None:
+        """Empties the rows where `rows` (`[B]` bool) is True, each to `starts[b]` slots of padding (`[B]`: its left
+        padding, so that its next tokens go where transformers' forward over the padded batch puts them); the other
+        rows keep what they hold. Their GDN and conv states become zero, as before any token."""
+        index = rows.to(self.device).nonzero()[:, 0]
+        for group in self._groups:
+            for t in (group.conv, group.recurrent):
+                t[:, index.to(t.device)] = 0
+        starts = starts.to(self.device)
+        slots = torch.arange(self.capacity, device=self.device)
+        emptied = rows.to(self.device)[:, None]
+        self._valid.copy_(torch.where(emptied, slots >= starts[:, None], self._valid))
+        self.lengths.copy_(torch.where(emptied[:, 0], starts, self.lengths))
+        self.positions.masked_fill_(emptied[:, 0], 0)
+        self._aligned_length = None
+        self._advance()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keeps the rows `beam_idx` (beam search)."""
         self.batch_select_indices(beam_idx)

@@ -163,7 +163,7 @@ def load(continued: Continuation, cache: BoleCache, mask: torch.Tensor) -> None:
     cache.load(continued.state, continued.starts, valid)
 
 
-def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: torch.Tensor, prompt_width: int,
+def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: torch.Tensor, mask: torch.Tensor,
            pad_token: int) -> None:  # fmt: skip
     """Brings the call's `cache` to exactly `sequences` (`[B, P + T]`, the output) minus its last column, as plain
     `generate` leaves its cache: appends what each row lacks (a row that stopped at EOS: the EOS and the padding after
@@ -171,30 +171,37 @@ def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: 
     records the token ids. One host read of the rows' lengths.
 
     A row whose commits went past the output (cut inside a round by a stop string or a stopping criterion the commit
-    cannot see, after the round committed its path) cannot be rolled back: the cache is emptied then, which a next
-    call continues from exactly by prefilling the whole conversation, and a warning says so.
+    cannot see, after the round committed its path) cannot be rolled back: it is emptied and its whole conversation
+    prefilled again as chains. Where that row's prompt is not left-padded (chains could not run it as the plain
+    forward does), the whole cache is emptied instead, which a next call continues from exactly by prefilling the
+    conversation, and a warning says so.
 
     Args:
-        written: `[B, >= held]` the tokens the device generated per row after `prompt_width` columns of prompt (the
-            writes' sequences), which the rows' commits followed.
+        written: `[B, >= held]` the tokens the device generated per row after the prompt's `P` columns (the writes'
+            sequences), which the rows' commits followed.
+        mask: `[B, P]` bool, True at the prompt's tokens.
     """
     target = sequences.shape[1] - 1
     held = cache.lengths.to(sequences.device)  # [B] slots each row holds
-    longest = int(held.max())
-    P = prompt_width
+    P = mask.shape[1]
     # Every row holds a prefix of its output: no more slots than it, and the tokens the output kept.
-    width = min(longest, target)
+    width = min(int(held.max()), target)
     unheld = torch.arange(P, width, device=held.device) >= held[:, None]  # [B, width - P]
-    kept = (written[:, P:width] == sequences[:, P:width]) | unheld
-    if longest > target or not bool(kept.all()):
-        rows = [b for b in range(len(held)) if int(held[b]) > target or not bool(kept[b].all())]
-        logger.warning(
-            f"hf_bole: rows {rows} stopped inside a verify round on a stop string or stopping criterion, after the "
-            f"round had committed past it (a GDN state cannot be rolled back): the returned cache is empty, and a "
-            f"call continuing from it prefills the whole conversation (its output is exact, its first token slower)"
-        )
-        cache.reset()
-        return
+    past = (held > target) | ~((written[:, P:width] == sequences[:, P:width]) | unheld).all(-1)  # [B]
+    if bool(past.any()):
+        left_padded = (mask[:, 1:] >= mask[:, :-1]).all(-1) & mask.any(-1)  # [B]
+        if not bool((left_padded | ~past).all()):
+            rows = past.nonzero()[:, 0].tolist()
+            logger.warning(
+                f"hf_bole: rows {rows} stopped inside a verify round on a stop string or stopping criterion, after "
+                f"the round had committed past it (a GDN state cannot be rolled back), and not all of them are "
+                f"left-padded, which a prefill as chains needs: the returned cache is empty, and a call continuing "
+                f"from it prefills the whole conversation (its output is exact, its first token slower)"
+            )
+            cache.reset()
+            return
+        cache.empty_rows(past, (~mask).sum(-1))
+        held = cache.lengths.to(sequences.device)
     lowest = int(held.min())
     if lowest < target:
         columns = torch.arange(lowest, target, device=held.device)

@@ -241,26 +241,55 @@ class StopAfter(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-def test_a_row_stopped_past_its_commit_empties_the_cache(dense, caplog):
-    """A stopping criterion that ends a row inside an accepted path, after the round committed it: the returned cache,
-    and a DynamicCache passed in, are emptied with a warning, and continuing from them prefills the whole conversation:
-    plain generate's output."""
-    ids, mask = tiny.left_pad(PROMPTS[:3])
+def _stopped_in_a_round(dense, ids, mask, row: int = 0):
+    """Settings under which `row` stops inside an accepted path, after the round committed it: a criterion on its
+    3rd token (the oracle's rounds accept 5 tokens after the prefill's), and row 2 at an EOS."""
     probe = plain(dense, ids, mask, max_new_tokens=NEW).sequences[:, ids.shape[1] :]
-    # row 0's 3rd token: inside the first round's path (the oracle's rounds accept 5 tokens after the prefill's)
-    stop = StoppingCriteriaList([StopAfter(int(probe[0, 2]))])
-    kwargs = dict(max_new_tokens=NEW, eos_token_id=int(probe[2, 8]), stopping_criteria=stop)
+    stop = StoppingCriteriaList([StopAfter(int(probe[row, 2]))])
+    return dict(max_new_tokens=NEW, eos_token_id=int(probe[2, 8]), stopping_criteria=stop)
+
+
+@pytest.mark.parametrize("row", [0, 1], ids=["unpadded", "left-padded"])
+def test_a_row_stopped_past_its_commit_is_prefilled_again(dense, caplog, row):
+    """A stopping criterion that ends a row inside an accepted path, after the round committed it: that row is emptied
+    and its conversation prefilled again, so the returned cache (and a DynamicCache passed in) holds what plain
+    generate's does, without a warning, and continues as plain generate does."""
+    ids, mask = tiny.left_pad(PROMPTS[:3])
+    kwargs = _stopped_in_a_round(dense, ids, mask, row)
     first = plain(dense, ids, mask, **kwargs)
     given = DynamicCache(config=dense.config)
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.continuation"):
         out = bole(dense, ids, mask, past_key_values=given, bole_drafter=oracle(dense, ids, mask, NEW), bole_budget=64,
                    **kwargs)  # fmt: skip
     assert torch.equal(out.sequences, first.sequences)
-    assert "rows [0] stopped inside a verify round" in caplog.text
-    assert out.past_key_values is given and given.get_seq_length() == 0
+    assert "stopped inside a verify round" not in caplog.text
+    assert out.past_key_values is given
+    assert_holds_plain_state(given, first.past_key_values)
     ids2, mask2 = extend(first.sequences, mask, [3, 4])
     ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=first.past_key_values)
     out = bole(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=given, bole_drafter="ngram")
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_a_row_stopped_past_its_commit_without_left_padding_empties_the_cache(dense, caplog):
+    """The same with right padding in the prompt, which chains cannot run as the plain forward does: the returned
+    cache is emptied with a warning, and continuing from it prefills the whole conversation: plain generate's
+    output."""
+    left, mask = tiny.left_pad(PROMPTS[:3])
+    pads = (~mask.bool()).sum(-1)
+    ids = torch.stack([row.roll(-int(p)) for row, p in zip(left, pads)])  # each row's padding moved to its right
+    mask = torch.stack([row.roll(-int(p)) for row, p in zip(mask, pads)])
+    assert pads[1] > 0  # row 1 is right-padded now
+    kwargs = _stopped_in_a_round(dense, ids, mask, row=1)
+    first = plain(dense, ids, mask, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.continuation"):
+        out = bole(dense, ids, mask, bole_drafter=oracle(dense, ids, mask, NEW), bole_budget=64, **kwargs)
+    assert torch.equal(out.sequences, first.sequences)
+    assert "rows [1] stopped inside a verify round" in caplog.text and "left-padded" in caplog.text
+    assert out.past_key_values.get_seq_length() == 0
+    ids2, mask2 = extend(first.sequences, mask, [3, 4])
+    ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=first.past_key_values)
+    out = bole(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=out.past_key_values, bole_drafter="ngram")
     assert torch.equal(out.sequences, ref.sequences)
 
 
