@@ -36,7 +36,8 @@
 #   batch-sweep   the random 9B shape at batch 1, 4, 16, 32, 64, 128 and 256, one batch each, oracle drafter:
 #                 ar-static, chain, bole ("auto": cal-9B first, on this GPU)         benchmarks/batch_sweep.jsonl
 #   ttft        a conversation's second turn on the random 9B shape (2,000 tokens of history): the first new token
-#               from the first turn's cache against re-prefilling, hf_bole and plain generate   benchmarks/ttft_turn2.jsonl
+#               from the first turn's cache against re-prefilling, hf_bole and plain generate (and a profile of the
+#               continued call, logs/ttft_trace.json)                                   benchmarks/ttft_turn2.jsonl
 #   batch-sweep-mtp  the same with a random MTP head (what drafting costs): chain, bole, and bole at budget 0
 #                 (plain decoding through hf_bole's loop)                        benchmarks/batch_sweep_mtp.jsonl
 # On 2 or more GPUs of one host (tensor parallelism over all visible GPUs, NGPU; the 122B-A10B shape's 227 GiB of bf16
@@ -59,7 +60,7 @@
 # eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,60p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -191,7 +192,7 @@ batch-sweep)
     ;;
 ttft)
     rm -f benchmarks/ttft_turn2.jsonl
-    step ttft 240 python3 eval/ttft_turn2.py --shape 9B --out benchmarks/ttft_turn2.jsonl
+    step ttft 240 python3 eval/ttft_turn2.py --shape 9B --out benchmarks/ttft_turn2.jsonl --profile "$LOGS/ttft_trace.json"
     RENDER=1
     ;;
 batch-sweep-mtp)

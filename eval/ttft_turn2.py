@@ -16,6 +16,9 @@ One JSON line out: the machine, the settings, every pass's seconds, the medians 
 
     python eval/ttft_turn2.py --shape 9B --out runs/ttft_turn2.jsonl    # on a GPU: bf16, random weights
     python eval/ttft_turn2.py --tiny                                     # CPU smoke test: a shrunk shape, fp32
+
+`--profile TRACE.json` adds one more bole-continued call under torch.profiler (host and, on a GPU, device activity):
+its Chrome trace goes to TRACE.json and the ops taking the most host time are printed.
 """
 
 from __future__ import annotations
@@ -57,6 +60,21 @@ def timed(model, ids: torch.Tensor, new: int, **kwargs) -> tuple[float, torch.Te
     return timer.first_token_at - start, out[:, ids.shape[1] :]
 
 
+def profile(model, arm, new: int, trace: str) -> None:
+    """One call of `arm` under torch.profiler: its Chrome trace to `trace`, the top ops by host time printed."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    ids, kwargs = arm()
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * ids.is_cuda
+    with profiler(activities=activities) as prof:
+        s, _ = timed(model, ids, new, **kwargs)
+    os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+    prof.export_chrome_trace(trace)
+    print(f"profiled call: first token after {1e3 * s:.2f} ms; trace {trace}")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="9B", help="a published shape (hf_bole.shapes.SHAPES)")
@@ -68,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: a shrunk shape in fp32, short turns")
     ap.add_argument("--out", default=None, help="a JSONL file the line is appended to")
+    ap.add_argument("--profile", default=None, metavar="TRACE.json", help="profile one more bole-continued call")
     args = ap.parse_args(argv)
     if args.tiny:
         args.history, args.reply, args.turn, args.new, args.passes = 96, 16, 8, 4, 2
@@ -104,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
             if pass_ > 0:
                 seconds[arm].append(s)
             tokens[arm] = generated.tolist()
+    if args.profile:
+        profile(model, arms["bole-continued"], args.new, args.profile)
     medians = {arm: statistics.median(v) for arm, v in seconds.items()}
     reference = tokens["bole-prefill"]
     line = {
