@@ -41,6 +41,7 @@ from hf_bole.kernels.utils import (
     check_same_device,
     check_shape,
     is_interpreter,
+    next_power_of_2,
     on_device,
     use_triton,
 )
@@ -112,7 +113,7 @@ def tree_attention(
         raise ValueError(f"tree_attention takes trees of 1 to {min(MAX_TREE_NODES, C)} nodes here, got N = {N}")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"tree_attention takes head dims up to {MAX_HEAD_DIM}, got {D}")
-    BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot takes no dimension below 16
+    BLOCK_D = max(16, next_power_of_2(D))  # tl.dot takes no dimension below 16
     BLOCK_M, BLOCK_N, num_warps = _tiles(BLOCK_D)
     if split is not None and (split <= 0 or split % BLOCK_N):
         raise ValueError(f"split must be a positive multiple of {BLOCK_N} (the key tile at D = {D}), got {split}")
@@ -204,16 +205,16 @@ def masked_attention(
     scale = D**-0.5 if scale is None else scale
     if not use_triton(q):
         return naive_masked_attention(q, k, v, mask, scale, lengths).to(q.dtype).contiguous()
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_D = max(16, next_power_of_2(D))
     BLOCK_M, BLOCK_N, num_warps = _tiles(BLOCK_D)
     M = (H // Hkv) * Q
-    BLOCK_M = min(BLOCK_M, max(16, triton.next_power_of_2(M)))  # a few queries: one small block of rows
+    BLOCK_M = min(BLOCK_M, max(16, next_power_of_2(M)))  # a few queries: one small block of rows
     row_blocks = triton.cdiv(M, BLOCK_M)
     # The drafter's key length changes with every call outside CUDA graphs: the splits (compile-time constants) do
     # not follow it but the grid, and a split's length only at powers of two, so a run compiles a handful of
     # variants. A split at or past L (or the row's length) returns at once, and the merge takes the splits below.
     num_splits = max(1, TARGET_PROGRAMS // (B * Hkv * row_blocks))
-    split = BLOCK_N * triton.next_power_of_2(triton.cdiv(L, num_splits * BLOCK_N))
+    split = BLOCK_N * next_power_of_2(triton.cdiv(L, num_splits * BLOCK_N))
     q, k, v, mask = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, mask))
     out = torch.empty(B, Q, H, D, dtype=q.dtype, device=q.device)
     partial, lse = _split_outputs(out, B * Hkv, num_splits, M)
@@ -271,10 +272,10 @@ def _merge_tiles(M: int, block_d: int, num_splits: int) -> tuple[int, int]:
     with its splits merged in chunks, while larger tiles (a 9B model's head dim of 256, 32-node verify trees) ran
     slower in chunks; those keep one split a step.
     """
-    rows = max(2, min(MERGE_BLOCK_M, triton.next_power_of_2(M)))
+    rows = max(2, min(MERGE_BLOCK_M, next_power_of_2(M)))
     if rows * block_d > MERGE_SMALL_TILE:
         return MERGE_BLOCK_M, 1
-    return rows, min(triton.next_power_of_2(num_splits), MERGE_ELEMENTS // (rows * block_d))
+    return rows, min(next_power_of_2(num_splits), MERGE_ELEMENTS // (rows * block_d))
 
 
 def _dot_args(q: torch.Tensor) -> dict:

@@ -18,7 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device, check_shape, on_device, use_triton
+from hf_bole.kernels.utils import (
+    MAX_TREE_NODES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    next_power_of_2,
+    on_device,
+    use_triton,
+)
 
 
 def kv_commit_torch(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
@@ -69,8 +77,8 @@ def kv_commit(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, p
             keys, values, lengths, path,
             *keys.stride()[:4], *values.stride()[:4], lengths.stride(0), *path.stride(),
             B, H, L,
-            D=D, DV=DV, BLOCK_L=min(16, max(2, triton.next_power_of_2(L))),
-            BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
+            D=D, DV=DV, BLOCK_L=min(16, max(2, next_power_of_2(L))),
+            BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(DV),
         )  # fmt: skip
 
 

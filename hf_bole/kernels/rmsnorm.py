@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, on_device, use_triton
+from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, next_power_of_2, on_device, use_triton
 
 ROW_ELEMENTS = 4096  # a program's rows times the padded row length: 4 warps, 32 float32 a thread
 
@@ -100,8 +100,8 @@ def _launch(x, gate, weight, eps: float, round_product: bool) -> torch.Tensor:
         return out
     x, x_inner, sx_outer, sx_inner = _rows(x)
     g, g_inner, sg_outer, sg_inner = _rows(gate) if gate is not None else (x, x_inner, sx_outer, sx_inner)
-    block_d = triton.next_power_of_2(D)
-    rows = max(1, min(ROW_ELEMENTS // block_d, triton.next_power_of_2(R)))
+    block_d = next_power_of_2(D)
+    rows = max(1, min(ROW_ELEMENTS // block_d, next_power_of_2(R)))
     with on_device(x):
         rms_norm_kernel[(triton.cdiv(R, rows),)](
             x, g, weight.contiguous(), out, R, D, x_inner, sx_outer, sx_inner, g_inner, sg_outer, sg_inner, eps,

@@ -24,13 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import (
-    check_dtype,
-    check_same_device,
-    check_shape,
-    on_device,
-    use_triton,
-)
+from hf_bole.kernels.utils import check_dtype, check_same_device, check_shape, next_power_of_2, on_device, use_triton
 
 ROW_ELEMENTS = 4096  # a program's rows times the padded head dim: 4 warps, 32 elements a thread
 
@@ -103,8 +97,8 @@ def _launch(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         return q_out, k_out
     # every stride but the last is read as given (the transposed views of the projections stay in place)
     q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
-    block_d = triton.next_power_of_2(D)
-    rows = max(1, min(ROW_ELEMENTS // block_d, triton.next_power_of_2(max(rows_q, rows_k))))
+    block_d = next_power_of_2(D)
+    rows = max(1, min(ROW_ELEMENTS // block_d, next_power_of_2(max(rows_q, rows_k))))
     programs_q = triton.cdiv(rows_q, rows)
     with on_device(q):
         rotary_kernel[(programs_q + triton.cdiv(rows_k, rows),)](

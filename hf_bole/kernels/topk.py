@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, on_device, use_triton
+from hf_bole.kernels.utils import check_dtype, next_power_of_2, on_device, use_triton
 
 BLOCK = 1024  # entries a program holds in registers (4 warps: 8 a thread)
 MAX_K = 16  # the merge holds `splits * k` candidates in one block
@@ -49,7 +49,7 @@ def row_topk(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.
     R = rows.shape[0]
     values = torch.empty(R, k, dtype=torch.float32, device=x.device)
     indices = torch.empty(R, k, dtype=torch.int64, device=x.device)
-    block = max(16, min(BLOCK, triton.next_power_of_2(V)))
+    block = max(16, min(BLOCK, next_power_of_2(V)))
     splits = triton.cdiv(V, block)
     if R == 0:
         return values.view(*lead, k), indices.view(*lead, k)
@@ -70,8 +70,8 @@ def row_topk(x: torch.Tensor, k: int, log_softmax: bool = False) -> tuple[torch.
             )  # fmt: skip
             row_topk_merge_kernel[(R,)](
                 part_v, part_i, part_ms, values, indices, splits,
-                K=k, BLOCK=max(16, triton.next_power_of_2(splits * k)),
-                SPLIT_BLOCK=max(16, triton.next_power_of_2(splits)), LOG_SOFTMAX=log_softmax, num_warps=4,
+                K=k, BLOCK=max(16, next_power_of_2(splits * k)),
+                SPLIT_BLOCK=max(16, next_power_of_2(splits)), LOG_SOFTMAX=log_softmax, num_warps=4,
             )  # fmt: skip
     return values.view(*lead, k), indices.view(*lead, k)
 

@@ -22,6 +22,12 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` in plain Python (0 for 0): Triton's is a constexpr function whose host call costs
+    1.5-4 us, which the launchers paid a few times per kernel, hundreds of times a round of an eager forward."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Triton on CUDA tensors, and on CPU tensors under the interpreter; otherwise the torch path."""
     return x.is_cuda or is_interpreter()

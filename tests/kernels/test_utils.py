@@ -62,3 +62,9 @@ def test_use_pdl_only_for_nvidia_hopper(monkeypatch):
         utils._launches_dependents.cache_clear()  # asked once per device: each case is a new GPU
         assert utils.use_pdl(x) is expected, (capability, hip)
     utils._launches_dependents.cache_clear()
+
+
+def test_next_power_of_2_is_tritons():
+    import triton
+
+    assert [utils.next_power_of_2(n) for n in range(300)] == [triton.next_power_of_2(n) for n in range(300)]

@@ -33,7 +33,15 @@ import triton
 import triton.language as tl
 
 from hf_bole.kernels.tree_accept.naive import AcceptedPaths, naive_tree_greedy_accept
-from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device, check_shape, on_device, use_triton
+from hf_bole.kernels.utils import (
+    MAX_TREE_NODES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    next_power_of_2,
+    on_device,
+    use_triton,
+)
 
 _INT64_MIN = tl.constexpr(-(2**63))
 
@@ -147,7 +155,7 @@ def _accept_greedy_fwd(
     device = target.device
     path, tokens = (torch.empty(B, T, dtype=torch.long, device=device) for _ in range(2))
     accept_lengths, bonus, leaf = (torch.empty(B, dtype=torch.long, device=device) for _ in range(3))
-    BT = max(16, triton.next_power_of_2(T))
+    BT = max(16, next_power_of_2(T))
     with on_device(target):
         accept_greedy_fwd_kernel[(B,)](
             input_ids, parents, depths, node_mask, target,

@@ -42,7 +42,15 @@ import triton
 import triton.language as tl
 from transformers.utils import logging
 
-from hf_bole.kernels.utils import MAX_TREE_NODES, check_dtype, check_same_device, check_shape, on_device, use_triton
+from hf_bole.kernels.utils import (
+    MAX_TREE_NODES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    next_power_of_2,
+    on_device,
+    use_triton,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -161,7 +169,7 @@ def _tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, N = parents.shape
     ancestors = torch.empty(B, N, N, dtype=torch.bool, device=parents.device)
     depths = torch.empty(B, N, dtype=torch.int64, device=parents.device)
-    BT = max(16, triton.next_power_of_2(N))
+    BT = max(16, next_power_of_2(N))
     with on_device(parents):
         tree_masks_fwd_kernel[(B, 1)](
             parents, parents, parents, parents, ancestors.view(torch.uint8), depths, ancestors,  # unread: no masks
@@ -205,7 +213,7 @@ def _tree_masks_fwd(
     `attention_mask [B, 1, N, C]` bool; every element is written."""
     B, N = parents.shape
     C = valid.shape[1]
-    BT = max(16, triton.next_power_of_2(N))
+    BT = max(16, next_power_of_2(N))
     with on_device(parents):
         tree_masks_fwd_kernel[(B, 1 + triton.cdiv(C, BLOCK_C))](
             parents, lengths, positions, valid.view(torch.uint8),

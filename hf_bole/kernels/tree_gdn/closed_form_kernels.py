@@ -26,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import autotune_configs, dim_contiguous, is_interpreter, on_device, token_major, use_pdl
+from hf_bole.kernels.utils import (
+    autotune_configs,
+    dim_contiguous,
+    is_interpreter,
+    next_power_of_2,
+    on_device,
+    token_major,
+    use_pdl,
+)
 
 # Launch configs, from `eval/tune_kernels.py` on an H200. At
 # T = 128 both kernels hold [64, 64] float32 tiles, two programs of 4 warps per SM, and 8 warps took 1.6-2x as long;
@@ -531,4 +539,4 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
 
 def _tile(T: int) -> int:
     """BT: the tree padded to a power of two of >= 32 rows, two halves of >= 16 (the smallest tensor-core tile)."""
-    return max(32, triton.next_power_of_2(T))
+    return max(32, next_power_of_2(T))

@@ -13,7 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_dtype, check_path, check_same_device, check_shape, l2norm, on_device, use_triton
+from hf_bole.kernels.utils import (
+    check_dtype,
+    check_path,
+    check_same_device,
+    check_shape,
+    l2norm,
+    next_power_of_2,
+    on_device,
+    use_triton,
+)
 
 
 @triton.jit
@@ -88,7 +97,7 @@ def tree_gdn_commit_fwd(initial_state, k, u, decay, path, out, use_qk_l2norm, do
     NL, B, T, HK, K = k.shape
     H, V = u.shape[-2:]
     L = path.shape[1]
-    BL = max(16, triton.next_power_of_2(L))
+    BL = max(16, next_power_of_2(L))
     BV = min(32, V)  # many small programs: the commit is bound by reading and writing the states
     NV = triton.cdiv(V, BV)
     grid = (NV * NL * B * H,)  # the V-tiles of one state side by side

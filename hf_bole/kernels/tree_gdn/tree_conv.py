@@ -19,6 +19,7 @@ from hf_bole.kernels.utils import (
     check_same_device,
     check_shape,
     dim_contiguous,
+    next_power_of_2,
     on_device,
     use_triton,
 )
@@ -210,7 +211,7 @@ def tree_causal_conv1d(
     weight, parents = weight.contiguous(), parents.contiguous()
     S = conv_state.shape[-1]
     out = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
-    BT, BD = min(16, max(triton.next_power_of_2(T), 2)), 128
+    BT, BD = min(16, max(next_power_of_2(T), 2)), 128
     grid = (triton.cdiv(D, BD), triton.cdiv(T, BT), B)
     with on_device(x):
         tree_causal_conv1d_fwd_kernel[grid](
@@ -262,6 +263,6 @@ def tree_conv_state_commit(
     with on_device(x):
         tree_conv_state_commit_fwd_kernel[(triton.cdiv(D, BD), B)](
             conv_state, x, path.contiguous(), out, x.stride(0), x.stride(1), D, L,
-            S=S, BS=triton.next_power_of_2(S), BL=max(2, triton.next_power_of_2(L)), BD=BD, num_warps=4,
+            S=S, BS=next_power_of_2(S), BL=max(2, next_power_of_2(L)), BD=BD, num_warps=4,
         )  # fmt: skip
     return out

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from hf_bole.kernels.tree_select.naive import SelectedNodes, check_selection, naive_tree_select_nodes
-from hf_bole.kernels.utils import check_dtype, check_same_device, on_device, use_triton
+from hf_bole.kernels.utils import check_dtype, check_same_device, next_power_of_2, on_device, use_triton
 
 # Draft nodes of a whole round (all rows together) the one program holds in registers and sorts there: 8192 int64 keys
 # is the most we allow (register pressure at 16 warps; the sort's bit fields also need B * N <= 2**13, see the key
@@ -204,7 +204,7 @@ def _select_nodes_fwd(
     B, N_in = tokens.shape
     N, T = max(N_in, 1), M + 1  # N = 0 becomes one padding node, as in naive_tree_select_nodes
     device = tokens.device
-    BLOCK = max(16, triton.next_power_of_2(B * N))
+    BLOCK = max(16, next_power_of_2(B * N))
     WI = max(1, (N - 1).bit_length())  # depth and index < N
     WF = (BLOCK - 1).bit_length()  # a lane < BLOCK
     assert B.bit_length() + 32 + 2 * WI <= 63 and 2 + 32 + WI + WF <= 63, "sort keys must fit an int64"
