@@ -16,6 +16,7 @@ from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCr
 import hf_bole
 from hf_bole import BoleCache
 from hf_bole.cache.state import read_dynamic
+from hf_bole.generation import continuation as continuation_module
 from hf_bole.generation import graphs, plan
 from hf_bole.generation.drafters.mtp import MTPDrafter
 from tests.generation.test_loop import PROMPTS, OracleDrafter, dense, dense_with_mtp, oracle_for  # noqa: F401
@@ -271,21 +272,26 @@ def test_a_row_stopped_past_its_commit_is_prefilled_again(dense, caplog, row):
     assert torch.equal(out.sequences, ref.sequences)
 
 
-def test_a_row_stopped_past_its_commit_without_left_padding_empties_the_cache(dense, caplog):
-    """The same with right padding in the prompt, which chains cannot run as the plain forward does: the returned
-    cache is emptied with a warning, and continuing from it prefills the whole conversation: plain generate's
-    output."""
-    left, mask = tiny.left_pad(PROMPTS[:3])
-    pads = (~mask.bool()).sum(-1)
-    ids = torch.stack([row.roll(-int(p)) for row, p in zip(left, pads)])  # each row's padding moved to its right
-    mask = torch.stack([row.roll(-int(p)) for row, p in zip(mask, pads)])
-    assert pads[1] > 0  # row 1 is right-padded now
+@pytest.mark.parametrize("cause", ["right-padded", "too-large"])
+def test_a_row_stopped_past_its_commit_that_chains_cannot_prefill_empties_the_cache(dense, caplog, monkeypatch, cause):
+    """The same where chains cannot prefill that row again: right padding in its prompt (chains skip padding the plain
+    forward runs), or chains of the batch holding more than the bound on a chain round. The returned cache is emptied
+    with a warning that says why, and continuing from it prefills the whole conversation: plain generate's output."""
+    ids, mask = tiny.left_pad(PROMPTS[:3])
+    if cause == "right-padded":
+        pads = (~mask.bool()).sum(-1)
+        assert pads[1] > 0
+        ids = torch.stack([row.roll(-int(p)) for row, p in zip(ids, pads)])  # each row's padding moved to its right
+        mask = torch.stack([row.roll(-int(p)) for row, p in zip(mask, pads)])
+    else:
+        monkeypatch.setattr(continuation_module, "CHAIN_PREFILL_ROUND_BYTES", 1024)
     kwargs = _stopped_in_a_round(dense, ids, mask, row=1)
     first = plain(dense, ids, mask, **kwargs)
     with caplog.at_level(logging.WARNING, logger="hf_bole.generation.continuation"):
         out = bole(dense, ids, mask, bole_drafter=oracle(dense, ids, mask, NEW), bole_budget=64, **kwargs)
     assert torch.equal(out.sequences, first.sequences)
-    assert "rows [1] stopped inside a verify round" in caplog.text and "left-padded" in caplog.text
+    assert "rows [1] stopped inside a verify round" in caplog.text
+    assert ("left-padded" if cause == "right-padded" else "GiB") in caplog.text
     assert out.past_key_values.get_seq_length() == 0
     ids2, mask2 = extend(first.sequences, mask, [3, 4])
     ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=first.past_key_values)
