@@ -2,16 +2,18 @@
 against hf_bole with the oracle drafter (deep accepted paths) and with the n-gram drafter, a left-padded batch.
 
     python eval/check_families.py --layers 8 --new 64
-    python eval/check_families.py --families Kimi-Linear --layers 8
+    python eval/check_families.py --families Kimi-Linear Bailing-Hybrid --layers 8
 
 Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B), cut to `--layers` decoder
 layers (every layer as the shape's; the layer pattern the config makes for that count) so that every family fits one
-GPU (Kimi-Linear: the 48B-A3B shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16). Weights are random,
-made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's attention blocks normalise after their output
-projections, so their post-norms are scaled down instead. Where an output differs from plain
-decoding, the line names the first differing step and plain decoding's gap between its two best logits there: a gap
-within bf16 rounding of the logits is a near-tie (the verify forward's kernels round differently, as DESIGN.md §6
-explains), a wide one a bug.
+GPU (Kimi-Linear: the 48B-A3B shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16. Bailing-Hybrid:
+`BailingHybridConfig()`, whose docstring names inclusionAI/Ling-3.0-Flash and whose 42 layers count 124.4B parameters,
+5.1B active without the embedding, as published for Ling-3.0-flash (124B, ~5.1B active); of 8 layers one is MLA and
+six are MoE, 36 GiB in bf16). Weights are random, made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's
+attention blocks normalise after their output projections, so their post-norms are scaled down instead. Where an
+output differs from plain decoding, the line names the first differing step and plain decoding's gap between its two
+best logits there: a gap within bf16 rounding of the logits is a near-tie (the verify forward's kernels round
+differently, as DESIGN.md §6 explains), a wide one a bug.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MODELS = {
     "OLMo-Hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
     "Lara-Mini": ("LaraMiniConfig", "LaraMiniForCausalLM"),
     "Kimi-Linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    "Bailing-Hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM"),
 }
 
 

@@ -92,8 +92,9 @@ class GDNTreeState:
     snapshots: torch.Tensor | None = None
 
     def to(self, *args, **kwargs) -> GDNTreeState:
-        """Itself: Kimi-Linear's layer casts what the recurrence returns to float32 before handing it to the cache
-        (`.to(torch.float32)`), and the factors are already what the commit reads."""
+        """Itself: the KDA layers (Kimi-Linear's; Bailing-Hybrid's in transformers 5.24) cast what the recurrence
+        returns to float32 before handing it to the cache (`.to(torch.float32)`), and the factors are already what the
+        commit reads."""
         return self
 
 

@@ -5,12 +5,13 @@ Two kinds of linear-attention layer and two kinds of attention cache are told ap
     linear attention   Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid, Lara-Mini): `linear_num_key_heads` q/k heads
                        of `linear_key_head_dim`, `linear_num_value_heads` of `linear_value_head_dim`, one log-decay
                        per head; the conv runs over q, k and v concatenated, `2 Hk K + H V` channels.
-                       Kimi Delta Attention (Kimi-Linear: `linear_num_heads`, `linear_head_dim`): q, k and v heads
-                       alike, a log-decay per key channel (`g [B, T, H, K]`); the conv over `3 H K` channels.
+                       Kimi Delta Attention (Kimi-Linear, Bailing-Hybrid: `linear_num_heads`, `linear_head_dim`): q,
+                       k and v heads alike, a log-decay per key channel (`g [B, T, H, K]`); the conv over `3 H K`
+                       channels.
     attention          KV per head (`num_key_value_heads` of `head_dim`, keys and values alike), or MLA's compressed
-                       cache (`kv_lora_rank` in the config: Kimi-Linear): one "head" whose keys are the normalised
-                       latent (`kv_lora_rank` wide) and whose values are the shared rotary key (`qk_rope_head_dim`),
-                       which the layer expands to its heads after reading the cache.
+                       cache (`kv_lora_rank` in the config: Kimi-Linear, Bailing-Hybrid): one "head" whose keys are
+                       the normalised latent (`kv_lora_rank` wide) and whose values are the shared rotary key
+                       (`qk_rope_head_dim`), which the layer expands to its heads after reading the cache.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Tree mode is asked for per call: `tree_forward` passes a `bole_tree` keyword argument, which the model's
 forward hands untouched to every layer, and a dict attention mask, which the model passes through untouched.
 Without them every layer runs exactly as upstream. The seams, all module-level functions of the modeling module of
-every supported family (`hf_bole/models/family.py`: Qwen3.5, Qwen3-Next, OLMo-Hybrid, Lara-Mini), wrapped once per
-process and passing through unless asked:
+every supported family (`hf_bole/models/family.py`: Qwen3.5, Qwen3-Next, OLMo-Hybrid, Lara-Mini, Kimi-Linear,
+Bailing-Hybrid), wrapped once per process and passing through unless asked:
 
     causal_conv1d_fn                   the GDN conv (a hub-kernel seam): with `bole_tree`, the conv along each
                                        node's ancestor path (`tree_causal_conv1d`)
@@ -12,8 +12,8 @@ process and passing through unless asked:
     torch_recurrent_gated_delta_rule   verification from the committed state (`tree_gdn_verify`), or the serial
                                        walk; they return a `GDNTreeState` where a new state would go, which the
                                        layer hands to `BoleCache.update_recurrent_state`
-    chunk_kimi_delta_attention,        the KDA recurrences of Kimi-Linear (hub-kernel seams), the same way with
-    recurrent_kimi_delta_attention     `tree_kda_verify` (a log-decay per key channel)
+    chunk_kimi_delta_attention,        the KDA recurrences of Kimi-Linear and Bailing-Hybrid (hub-kernel seams), the
+    recurrent_kimi_delta_attention     same way with `tree_kda_verify` (a log-decay per key channel)
     create_recurrent_attention_mask    called once per plain forward with the 2D attention mask and the position
                                        ids: tells a BoleCache which new slots are padding and which position
                                        comes next (nothing else in a forward shows the cache those)
@@ -23,8 +23,8 @@ process and passing through unless asked:
 
 By default full-attention layers run the model's own attention: the ancestor mask arrives as the attention mask,
 the tree positions as position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask
-indexes. Kimi-Linear's MLA layers always do (`Family.tree_attention_kernel`): they cache compressed latents and
-expand them to heads of two sizes after the cache, which `kernels.tree_attention` does not take.
+indexes. The MLA layers of Kimi-Linear and Bailing-Hybrid always do (`Family.tree_attention_kernel`): they cache
+compressed latents and expand them to heads of two sizes after the cache, which `kernels.tree_attention` does not take.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def tree_forward(
         attention: how the full-attention layers attend (`ATTENTION_MODES`): "model" (the model's own
             implementation, SDPA or eager, with the tree's 4D mask), "triton" (`hf_bole.kernels.tree_attention`:
             Triton on CUDA, its torch reference on the CPU) or "auto" ("triton" on CUDA, `resolve_attention`; "model"
-            for a family whose attention the kernel cannot take, `Family.tree_attention_kernel`: Kimi-Linear's MLA).
+            for a family whose attention the kernel cannot take, `Family.tree_attention_kernel`: MLA).
         tree_round: the buffers of an earlier forward's `TreeForwardOutput.tree_round` to fill again, where they fit
             this tree's shape and `verify` (`BoleCache.round_for`); new ones otherwise.
 

@@ -4,9 +4,9 @@ hf_bole verifies trees on transformers' own modeling classes, through seams thei
 swappable (`hf_bole/models/adapter.py`). Every Gated DeltaNet (GDN) family in transformers copies the same GDN code
 (Qwen3-Next's): the module-level functions `causal_conv1d_fn`, `torch_chunk_gated_delta_rule`,
 `torch_recurrent_gated_delta_rule`, `create_recurrent_attention_mask` and `ALL_ATTENTION_FUNCTIONS`, called with the
-same arguments. Kimi-Linear's Kimi Delta Attention (KDA) layers have the same seams with `chunk_kimi_delta_attention`
-and `recurrent_kimi_delta_attention` for the recurrence (a log-decay per key channel). What differs between families
-is small and is what a `Family` says:
+same arguments. The Kimi Delta Attention (KDA) layers of Kimi-Linear and Bailing-Hybrid have the same seams with
+`chunk_kimi_delta_attention` and `recurrent_kimi_delta_attention` for the recurrence (a log-decay per key channel).
+What differs between families is small and is what a `Family` says:
 
     modules               the modeling module of each text config `model_type` (its seams are wrapped)
     classes               the classes verified: `...ForCausalLM`, and the text path of `...ForConditionalGeneration`

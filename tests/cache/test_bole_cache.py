@@ -187,10 +187,11 @@ def test_transient_bytes():
         assert s["conv_inputs"] == 4 * NG * B * N * D and s["tree_kv"] == 4 * 2 * B * N * 16
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear"]))
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe"]))
 def test_kda_and_mla_state(name):
-    """Kimi-Linear's state: MLA's compressed KV (one head: the latent as keys, the rotary key as values), KDA conv
-    windows over q, k and v, and tree factors keeping g per key channel instead of a log-decay per head."""
+    """Kimi-Linear's and Bailing-Hybrid's state (their tiny models share sizes): MLA's compressed KV (one head: the
+    latent as keys, the rotary key as values), KDA conv windows over q, k and v, and tree factors keeping g per key
+    channel instead of a log-decay per head."""
     model = tiny_families.build(name)
     B, N = 3, 5
     cache = BoleCache(model.config, batch_size=B, max_cache_len=32)

@@ -106,7 +106,9 @@ def test_greedy_matches_plain(drafter, entry):
     assert torch.equal(out.sequences, ref)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear"]))
+@pytest.mark.parametrize(
+    "name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe"])
+)
 def test_drafts_for_every_family(name):
     """A model of each family with a small drafter (`bole_drafter=<model>`), greedy."""
     target = tiny_families.build(name)
@@ -115,10 +117,10 @@ def test_drafts_for_every_family(name):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear"]))
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe"]))
 def test_a_kda_model_drafts_for_itself(name):
-    """A Kimi-Linear model as its own drafter (a chain, topk 1): the drafter's KDA states follow the accepted paths
-    through its own tree rounds, so every drafted token and the bonus are accepted every round."""
+    """A KDA model (Kimi-Linear, Bailing-Hybrid) as its own drafter (a chain, topk 1): the drafter's KDA states follow
+    the accepted paths through its own tree rounds, so every drafted token and the bonus are accepted every round."""
     target = tiny_families.build(name)
     ref = plain(target, PROMPTS[:3], max_new_tokens=4 * 6 + 1, do_sample=False)
     out = bole(

@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 import torch
 
@@ -138,12 +140,23 @@ def test_tree_kda_siblings_do_not_interact(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("family", ["kimi_linear", "glm5_next"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "kimi_linear",
+        "glm5_next",
+        pytest.param(
+            "bailing_hybrid",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("transformers.models.bailing_hybrid") is None,
+                reason="Bailing-Hybrid is in transformers 5.24 on",
+            ),
+        ),
+    ],
+)
 def test_tree_kda_chain_equals_transformers_recurrence(backend, family):
-    """A chain is ordinary decoding: the outputs equal transformers' KDA recurrence of both families, and the commit
+    """A chain is ordinary decoding: the outputs equal transformers' KDA recurrence of each family, and the commit
     of the whole chain its final state (the naive reference too)."""
-    import importlib
-
     recurrence = importlib.import_module(f"transformers.models.{family}.modeling_{family}").recurrent_kimi_delta_attention
     device = backend_device(backend)
     B, T, H, K, V = 2, 12, 3, 32, 16

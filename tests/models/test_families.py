@@ -57,17 +57,17 @@ def test_tree_forward(name, shape, attn, attention, verify):
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear"]))
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe"]))
 def test_tree_attention_kernel_refused(name):
-    """Kimi-Linear's MLA layers expand their cached latents to query-key and value heads of different sizes, which
-    hf_bole's tree attention kernel does not take: asked for by name it is refused, and "auto" runs the model's own
-    attention on every device."""
+    """Kimi-Linear's and Bailing-Hybrid's MLA layers expand their cached latents to query-key and value heads of
+    different sizes, which hf_bole's tree attention kernel does not take: asked for by name it is refused, and "auto"
+    runs the model's own attention on every device."""
     from hf_bole.config import resolve_attention
 
     model = tiny_families.build(name)
     cache = BoleCache(model.config, batch_size=3)
     roots = tiny.prefill(model, cache, PROMPTS)
-    with pytest.raises(ValueError, match="attention='triton'.*cannot use.*Kimi-Linear's MLA"):
+    with pytest.raises(ValueError, match="attention='triton'.*cannot use.*MLA layers"):
         tree_forward(model, cache, roots[:, None], torch.full((3, 1), -1), attention="triton")
     ids, mask = tiny.left_pad(PROMPTS)
     with pytest.raises(ValueError, match="attention='triton'.*cannot use"):
@@ -96,7 +96,9 @@ def test_greedy_matches_plain(name, drafter):
         assert out.mean_accepted_tokens > 3.0
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear"]))
+@pytest.mark.parametrize(
+    "name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe"])
+)
 def test_sampling_keeps_the_distribution(name):
     """Chi-square: the joint law of the first three sampled tokens equals plain sampling's (4000 samples each), with
     a wide tree of random drafts every round."""
@@ -167,7 +169,7 @@ def test_mtp_weights_from_the_hub_cache_only(tmp_path, monkeypatch):
         load_mtp_state_dict("org/tiny-next")
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear"]))
+@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe"]))
 def test_families_without_an_mtp_head(name, tmp_path):
     """The default drafter needs an MTP head: families whose checkpoints have none say which drafters they take."""
     model = tiny_families.build(name)

@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from hf_bole.cache import BoleCache
 from hf_bole.models import fused, tree_forward
+from tests.models import tiny_families
 from tests.models.tiny import VOCAB, batch_trees, build_model, prefill, random_tree
 
 pytestmark = pytest.mark.usefixtures("torch_gdn")
@@ -61,6 +62,19 @@ def test_tree_forward_runs_one_gemm_per_group(kind):
     assert len(fused.fuse_projections(model.get_decoder())) == gdn + full + mlps
     for module in model.modules():
         assert not isinstance(module, fused._Part)
+
+
+@pytest.mark.parametrize("name", tiny_families.params(["bailing_hybrid-moe"]))
+def test_kda_and_mla_layers_run_one_gemm_per_group(name):
+    """Bailing-Hybrid's KDA layer runs its q, k, v, beta and output-gate projections as one F.linear, its MLA layer
+    its query, compressed-KV and head-gate projections (the forget gate's, in a module of its own, stays apart)."""
+    model = tiny_families.build(name)
+    tokens, parents = _tree()
+    apart, apart_calls = _tree_logits(model, tokens, parents, fuse_projections=False)
+    together, calls = _tree_logits(model, tokens, parents)
+    torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-5)
+    kda, mla, mlps = 3, 1, 4  # dense MLPs and the MoE's shared experts
+    assert apart_calls - calls == 4 * kda + 2 * mla + mlps
 
 
 def test_plain_model_is_unchanged_by_fusing(tmp_path):

@@ -11,6 +11,13 @@ from tests.models import tiny
 
 # name -> (family name, config class, model class, config fields beyond tiny.TEXT's)
 _MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+# Bailing-Hybrid: Kimi-Linear's sizes with Bailing-Hybrid's MLA (rotary on its 8 rotary channels, a gate per head);
+# dense MLPs in the first and third layers, MoE (two groups of two experts) in the second and the MLA layer
+_BAILING = dict(
+    intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+    num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense", "sparse"] * 2,
+)
 MODELS = {
     "qwen3_5-dense": ("Qwen3.5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(intermediate_size=64)),
     "qwen3_next-moe": ("Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM", dict(intermediate_size=64, **_MOE)),
@@ -40,6 +47,16 @@ MODELS = {
             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2, linear_head_dim=16,
             layer_types=["linear_attention"] * 3 + ["full_attention"],
         ),
+    ),
+    # the bounded forget gate (kda_safe_gate), with a bound of -0.5 rather than the released -5 so that ancestors'
+    # decays count
+    "bailing_hybrid-moe": (
+        "Bailing-Hybrid", "BailingHybridConfig", "BailingHybridForCausalLM", dict(_BAILING, kda_lower_bound=-0.5)
+    ),
+    # dense MLPs in every layer, and the unbounded forget gate (Kimi-Linear's -A softplus)
+    "bailing_hybrid-dense": (
+        "Bailing-Hybrid", "BailingHybridConfig", "BailingHybridForCausalLM",
+        dict(_BAILING, kda_safe_gate=False, mlp_layer_types=["dense"] * 4),
     ),
 }  # fmt: skip
 

@@ -43,8 +43,8 @@ _SHAPE_FIELDS = (
     "linear_value_head_dim", "linear_conv_kernel_dim", "intermediate_size", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size",
 )  # fmt: skip
-# Fields of KDA and MLA configs (Kimi-Linear), hashed only where the config's class defines them, so that the keys of
-# the GDN families' tables stay as they were.
+# Fields of KDA and MLA configs (Kimi-Linear, Bailing-Hybrid), hashed only where the config's class defines them, so
+# that the keys of the GDN families' tables stay as they were.
 _KDA_MLA_SHAPE_FIELDS = (
     "linear_num_heads", "linear_head_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
     "v_head_dim",

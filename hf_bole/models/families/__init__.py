@@ -1,11 +1,12 @@
 """The architectures hf_bole verifies trees on, one file each (see `hf_bole.models.family`)."""
 
+from hf_bole.models.families.bailing_hybrid import BAILING_HYBRID
 from hf_bole.models.families.kimi_linear import KIMI_LINEAR
 from hf_bole.models.families.lara_mini import LARA_MINI
 from hf_bole.models.families.olmo_hybrid import OLMO_HYBRID
 from hf_bole.models.families.qwen3_5 import QWEN3_5
 from hf_bole.models.families.qwen3_next import QWEN3_NEXT
 
-FAMILIES = (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID, LARA_MINI, KIMI_LINEAR)
+FAMILIES = (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID, LARA_MINI, KIMI_LINEAR, BAILING_HYBRID)
 
-__all__ = ["FAMILIES", "KIMI_LINEAR", "LARA_MINI", "OLMO_HYBRID", "QWEN3_5", "QWEN3_NEXT"]
+__all__ = ["BAILING_HYBRID", "FAMILIES", "KIMI_LINEAR", "LARA_MINI", "OLMO_HYBRID", "QWEN3_5", "QWEN3_NEXT"]
