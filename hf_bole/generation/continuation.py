@@ -23,7 +23,7 @@ from transformers.utils import logging
 
 from hf_bole.cache import BoleCache
 from hf_bole.cache.state import CacheState, read_dynamic, write_dynamic
-from hf_bole.generation.prefill import CHAIN_PREFILL_ROUND_BYTES, chain_prefill
+from hf_bole.generation.prefill import CHAIN_PREFILL_ROUND_BYTES, chain_prefill, unchainable
 from hf_bole.kernels.utils import MAX_TREE_NODES
 
 logger = logging.get_logger(__name__)
@@ -164,8 +164,7 @@ def load(continued: Continuation, cache: BoleCache, mask: torch.Tensor) -> None:
     cache.load(continued.state, continued.starts, valid)
 
 
-def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: torch.Tensor, mask: torch.Tensor,
-           pad_token: int, node_bytes: int) -> None:  # fmt: skip
+def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: torch.Tensor, plan) -> None:
     """Brings the call's `cache` to exactly `sequences` (`[B, P + T]`, the output) minus its last column, as plain
     `generate` leaves its cache: appends what each row lacks (a row that stopped at EOS: the EOS and the padding after
     it, which plain decoding runs too) as chains through `forward`, committed by `commit` (`chain_prefill`'s), and
@@ -173,17 +172,17 @@ def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: 
 
     A row whose commits went past the output (cut inside a round by a stop string or a stopping criterion the commit
     cannot see, after the round committed its path) cannot be rolled back: it is emptied and its whole conversation
-    prefilled again as chains, which run every row of the batch (`node_bytes`: what one node of every row holds in a
-    round). Where that row's prompt is not left-padded (chains could not run it as the plain forward does), or chains
-    of `MAX_TREE_NODES` would hold more than `CHAIN_PREFILL_ROUND_BYTES` for the batch, the whole cache is emptied
+    prefilled again as chains, which run every row of the batch. Where chains could not run that row's prompt as the
+    plain forward does (`prefill.unchainable`: right padding, position ids other than `generate`'s own), or chains of
+    `MAX_TREE_NODES` would hold more than `CHAIN_PREFILL_ROUND_BYTES` for the batch, the whole cache is emptied
     instead, which a next call continues from exactly by prefilling the conversation, and a warning says so.
 
     Args:
         written: `[B, >= held]` the tokens the device generated per row after the prompt's `P` columns (the writes'
             sequences), which the rows' commits followed.
-        mask: `[B, P]` bool, True at the prompt's tokens.
-        node_bytes: `CallPlan.node_bytes`.
+        plan: the call's `CallPlan` (its prompt's mask and position ids, its pad token and `node_bytes`).
     """
+    mask, pad_token = plan.mask, plan.pad_token
     target = sequences.shape[1] - 1
     held = cache.lengths.to(sequences.device)  # [B] slots each row holds
     P = mask.shape[1]
@@ -192,21 +191,16 @@ def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: 
     unheld = torch.arange(P, width, device=held.device) >= held[:, None]  # [B, width - P]
     past = (held > target) | ~((written[:, P:width] == sequences[:, P:width]) | unheld).all(-1)  # [B]
     if bool(past.any()):
-        left_padded = (mask[:, 1:] >= mask[:, :-1]).all(-1) & mask.any(-1)  # [B]
-        why = (
-            "not all of them are left-padded, which a prefill as chains needs"
-            if not bool((left_padded | ~past).all())
-            else f"chains of the whole batch would hold {MAX_TREE_NODES * node_bytes / 2**30:.1f} GiB"
-            if MAX_TREE_NODES * node_bytes > CHAIN_PREFILL_ROUND_BYTES
-            else None
-        )  # fmt: skip
+        rows = past.nonzero()[:, 0]
+        why = unchainable(mask[rows], plan.position_ids[..., rows, :])
+        if why is None and MAX_TREE_NODES * plan.node_bytes > CHAIN_PREFILL_ROUND_BYTES:
+            why = f"chains of the whole batch would hold {MAX_TREE_NODES * plan.node_bytes / 2**30:.1f} GiB"
         if why is not None:
-            rows = past.nonzero()[:, 0].tolist()
             logger.warning(
-                f"hf_bole: rows {rows} stopped inside a verify round on a stop string or stopping criterion, after "
-                f"the round had committed past it (a GDN state cannot be rolled back), and {why}: the returned cache "
-                f"is empty, and a call continuing from it prefills the whole conversation (its output is exact, its "
-                f"first token slower)"
+                f"hf_bole: rows {rows.tolist()} stopped inside a verify round on a stop string or stopping criterion, "
+                f"after the round had committed past it (a GDN state cannot be rolled back), and chains cannot prefill "
+                f"them again ({why}): the returned cache is empty, and a call continuing from it prefills the whole "
+                f"conversation (its output is exact, its first token slower)"
             )
             cache.reset()
             return

@@ -291,7 +291,7 @@ def test_a_row_stopped_past_its_commit_that_chains_cannot_prefill_empties_the_ca
         out = bole(dense, ids, mask, bole_drafter=oracle(dense, ids, mask, NEW), bole_budget=64, **kwargs)
     assert torch.equal(out.sequences, first.sequences)
     assert "rows [1] stopped inside a verify round" in caplog.text
-    assert ("left-padded" if cause == "right-padded" else "GiB") in caplog.text
+    assert ("right padding" if cause == "right-padded" else "GiB") in caplog.text
     assert out.past_key_values.get_seq_length() == 0
     ids2, mask2 = extend(first.sequences, mask, [3, 4])
     ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=first.past_key_values)
