@@ -33,6 +33,8 @@
 #   next1       end to end on the random Qwen3-Next-80B-A3B shape cut to 40 of its 48 layers (one H200; the whole
 #               shape needs two GPUs), oracle drafter, batch 1: ar, ar-static, bole     benchmarks/e2e_next_b1.jsonl
 #   cal-next    its budget table                                        hf_bole/budgets/<key>.json
+#   kda1        end to end on the random KDA shapes cut for one H100 (Kimi-Linear-48B-A3B-16L, Ling-3.0-flash-12L),
+#               oracle drafter, batch 1: ar and bole                  benchmarks/e2e_kimi_b1.jsonl, e2e_ling_b1.jsonl
 #   batch-sweep   the random 9B shape at batch 1, 4, 16, 32, 64, 128 and 256, one batch each, oracle drafter:
 #                 ar-static, chain, bole ("auto": cal-9B first, on this GPU)         benchmarks/batch_sweep.jsonl
 #   ttft        a conversation's second turn on the random 9B shape (2,000 tokens of history): the first new token
@@ -60,7 +62,7 @@
 # eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,63p' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -183,6 +185,12 @@ next1)
         --interleave --batch-sizes 1 --num-prompts 2 --modes ${MODES_NEXT1:-ar ar-static bole}
     ;;
 cal-next) calibrate Qwen3-Next-80B-A3B-40L 400 ;;
+kda1)
+    for shape in Kimi-Linear-48B-A3B-16L:e2e_kimi_b1 Ling-3.0-flash-12L:e2e_ling_b1; do
+        harness "${shape#*:}" 280 --shape "${shape%%:*}" --max-new-tokens 128 --depth 6 --repeats 3 --interleave \
+            --batch-sizes 1 --num-prompts 2 --modes ar bole
+    done
+    ;;
 budget-9b)
     harness budget_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 8 1 --num-prompts 8 --max-new-tokens 96 \
         --budget 16 32 64 128 auto --repeats 3 --interleave

@@ -1,8 +1,9 @@
-"""The published Qwen3.5 and Qwen3-Next shapes as random-weight models, for calibration and benchmarks without
-checkpoints (`python -m hf_bole.calibrate --shape 9B`). A forward's cost depends on the shape, not on the weights, so a
-budget table measured on a shape serves the published checkpoint of that shape (`hf_bole.generation.budget.model_key`).
+"""The published Qwen3.5, Qwen3-Next, Kimi-Linear and Ling-3.0 shapes as random-weight models, for calibration and
+benchmarks without checkpoints (`python -m hf_bole.calibrate --shape 9B`). A forward's cost depends on the shape, not
+on the weights, so a budget table measured on a shape serves the published checkpoint of that shape
+(`hf_bole.generation.budget.model_key`).
 
-Every shape shares: vocab 248320, attention head_dim 256, GDN key/value head dims 128, conv kernel 4, layers
+Every Qwen3.5 shape shares: vocab 248320, attention head_dim 256, GDN key/value head dims 128, conv kernel 4, layers
 [lin, lin, lin, full] x N, partial rotary 0.25, one MTP layer (declared in the config; a random model has no MTP
 weights, so it drafts with another drafter, e.g. the harness's oracle).
 
@@ -20,6 +21,12 @@ parameters, 148 GiB in bf16: more than one H200 holds, so it runs spread over tw
 auto`). Qwen3-Next-80B-A3B-40L is the same with 40 of its 48 layers (124 GiB in bf16), every layer as the 80B-A3B's,
 for one H200: per layer the forwards cost what the 80B-A3B's do, so ratios between decoding modes carry over (the LM
 head and embedding, 1% of the weights, excepted).
+
+The KDA families' shapes are transformers' config defaults too (their docstrings name the checkpoints):
+Kimi-Linear-48B-A3B (`KimiLinearConfig()`: 27 layers, KDA and MLA 3:1, 49.1B parameters, 92 GiB in bf16: one H200)
+and Ling-3.0-flash (`BailingHybridConfig()`, transformers 5.24 on: 42 layers, KDA and MLA 5:1, 124.4B parameters, 232
+GiB). Cut to fewer layers as Qwen3-Next-80B-A3B-40L is, for one GPU: Kimi-Linear-48B-A3B-16L (53 GiB, one H100),
+Ling-3.0-flash-12L (59 GiB, one H100) and -24L (128 GiB, one H200).
 
 Example:
 
@@ -41,15 +48,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import (
-    AutoConfig,
-    Qwen3_5ForCausalLM,
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeTextConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
+import transformers
+from transformers import AutoConfig, PretrainedConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 EMBEDDING_SCALE = 10.0
 # Weights that write a layer's output into the residual stream, scaled down so that the stream stays dominated by
@@ -92,18 +92,30 @@ SHAPES: dict[str, dict] = {
         linear_num_key_heads=16, linear_num_value_heads=64, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
     ),
-    # transformers' Qwen3NextConfig defaults (see above); the MTP layer declared as in the published config
-    "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next"),
-    "Qwen3-Next-80B-A3B-40L": dict(model_type="qwen3_next", num_hidden_layers=40),
+    # transformers' config defaults (see above); Qwen3-Next's MTP layer declared as in the published config
+    "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next", mtp_num_hidden_layers=1),
+    "Qwen3-Next-80B-A3B-40L": dict(model_type="qwen3_next", mtp_num_hidden_layers=1, num_hidden_layers=40),
+    "Kimi-Linear-48B-A3B": dict(model_type="kimi_linear"),
+    "Kimi-Linear-48B-A3B-16L": dict(model_type="kimi_linear", num_hidden_layers=16),
+    "Ling-3.0-flash-12L": dict(model_type="bailing_hybrid", num_hidden_layers=12),
+    "Ling-3.0-flash-24L": dict(model_type="bailing_hybrid", num_hidden_layers=24),
 }  # fmt: skip
+# model_type -> (config class, model class), by their names in transformers (Bailing-Hybrid's from 5.24 on)
+CLASSES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM"),
+}
 
 
-def shape_config(shape: str, **overrides) -> Qwen3_5TextConfig | Qwen3_5MoeTextConfig | Qwen3NextConfig:
+def shape_config(shape: str, **overrides) -> PretrainedConfig:
     """The text config of a named shape (`SHAPES`) or of the checkpoint folder `shape` (its `config.json`);
     `overrides` replace fields (tests shrink a shape this way)."""
-    if shape in SHAPES and SHAPES[shape].get("model_type") == "qwen3_next":
+    if shape in SHAPES and "model_type" in SHAPES[shape]:
         fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
-        return Qwen3NextConfig(**{"mtp_num_hidden_layers": 1, **fields, **overrides})
+        return _transformers_class(SHAPES[shape]["model_type"], 0, shape)(**{**fields, **overrides})
     if shape in SHAPES:
         fields = {**COMMON, **SHAPES[shape], **overrides}
         moe = "num_experts" in fields
@@ -123,16 +135,20 @@ def shape_config(shape: str, **overrides) -> Qwen3_5TextConfig | Qwen3_5MoeTextC
 
 
 def model_class(config) -> type:
-    if config.model_type == "qwen3_5_moe_text":
-        return Qwen3_5MoeForCausalLM
-    if config.model_type == "qwen3_5_text":
-        return Qwen3_5ForCausalLM
-    if config.model_type == "qwen3_next":
-        return Qwen3NextForCausalLM
-    raise ValueError(
-        f"shapes are Qwen3.5 or Qwen3-Next text configs (qwen3_5_text, qwen3_5_moe_text, qwen3_next), got "
-        f"{config.model_type!r}"
-    )
+    return _transformers_class(config.model_type, 1, config.model_type)
+
+
+def _transformers_class(model_type: str, which: int, what: str) -> type:
+    """`CLASSES[model_type][which]` (0: the config class, 1: the model class) from transformers."""
+    if model_type not in CLASSES:
+        raise ValueError(f"shapes are configs of the model types {', '.join(CLASSES)}, got {model_type!r}")
+    found = getattr(transformers, CLASSES[model_type][which], None)
+    if found is None:
+        raise ValueError(
+            f"{what} needs transformers' {CLASSES[model_type][which]}, which transformers {transformers.__version__} "
+            f"lacks: install a newer transformers"
+        )
+    return found
 
 
 def parameter_bytes(config, dtype: torch.dtype) -> int:

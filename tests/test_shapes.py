@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import transformers
+
+from hf_bole import shapes
 from hf_bole.shapes import SHAPES, build_model, parameter_bytes, shape_config
+from tests.models import tiny, tiny_families
 
 # DESIGN.md §8: hidden, layers, attention heads/kv, GDN k/v heads, FFN (dense) or (experts, top-k, expert, shared).
 TABLE = {
@@ -61,8 +65,49 @@ def test_qwen3_next_shape_config(name, layers, billions):
     assert abs(parameter_bytes(c, torch.bfloat16) / 2 / 1e9 - billions) < 0.1
 
 
+KDA_SHAPES = {  # name: (model type, layers, of them MLA, billions of parameters)
+    "Kimi-Linear-48B-A3B": ("kimi_linear", 27, 6, 49.1),
+    "Kimi-Linear-48B-A3B-16L": ("kimi_linear", 16, 3, 28.7),
+    "Ling-3.0-flash-12L": ("bailing_hybrid", 12, 2, 31.9),
+    "Ling-3.0-flash-24L": ("bailing_hybrid", 24, 4, 68.9),
+}
+
+
+@pytest.mark.parametrize("name", list(KDA_SHAPES))
+def test_kda_shape_config(name):
+    """transformers' KimiLinearConfig and BailingHybridConfig defaults (Kimi-Linear-48B-A3B's, Ling-3.0-flash's), or
+    fewer of their layers; a transformers without the class says so."""
+    model_type, layers, mla, billions = KDA_SHAPES[name]
+    if not hasattr(transformers, shapes.CLASSES[model_type][0]):
+        with pytest.raises(ValueError, match="install a newer transformers"):
+            shape_config(name)
+        return
+    c = shape_config(name)
+    assert c.model_type == model_type and c.num_hidden_layers == layers
+    assert c.layer_types.count("full_attention") == mla and c.layer_types.count("linear_attention") == layers - mla
+    assert abs(parameter_bytes(c, torch.bfloat16) / 2 / 1e9 - billions) < 0.1
+
+
+@pytest.mark.parametrize("family", tiny_families.params(["kimi_linear", "bailing_hybrid-moe"]))
+def test_build_kda_shape_shrunken(family):
+    """A KDA shape shrunk to the tiny family's sizes builds, its forget gates made slow as for GDN, and decodes."""
+    name = "Kimi-Linear-48B-A3B" if family == "kimi_linear" else "Ling-3.0-flash-12L"
+    *_, fields = tiny_families.MODELS[family]
+    model = build_model(shape_config(name, **{**tiny.TEXT, **fields}), "cpu", torch.float32, seed=1)
+    gates = [m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "dt_bias")]
+    assert gates and all((m.A_log.float().exp() <= 16.1).all() for m in gates)
+    ids = torch.randint(0, tiny.TEXT["vocab_size"], (2, 7))
+    assert model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0).shape == (2, 11)
+
+
+def test_shape_of_a_class_transformers_lacks(monkeypatch):
+    monkeypatch.setitem(shapes.CLASSES, "kimi_linear", ("NoSuchConfig", "NoSuchForCausalLM"))
+    with pytest.raises(ValueError, match="Kimi-Linear-48B-A3B needs transformers' NoSuchConfig"):
+        shape_config("Kimi-Linear-48B-A3B")
+
+
 def test_shapes_listed():
-    assert set(SHAPES) == set(TABLE) | {"Qwen3-Next-80B-A3B", "Qwen3-Next-80B-A3B-40L"}
+    assert set(SHAPES) == set(TABLE) | {"Qwen3-Next-80B-A3B", "Qwen3-Next-80B-A3B-40L"} | set(KDA_SHAPES)
 
 
 @pytest.mark.parametrize("name", ["9B", "35B-A3B", "Qwen3-Next-80B-A3B"])
