@@ -440,6 +440,9 @@ def test_shipped_tables_are_current():
         assert table.key.model in known and table.key.dtype == "bfloat16", table.key.filename
         batch_sizes = sorted({e.batch_size for e in table.entries})
         assert batch_sizes == list(budget_module.DEFAULT_BATCH_SIZES[: len(batch_sizes)]), table.key.filename
+    # the 9B shape's on an H100, every default batch size (`eval/gpu.sh cal-9B`)
+    nine_b = [t for t in tables if t.key.model == model_key(shape_config("9B")) and "H100" in t.key.device]
+    assert [sorted({e.batch_size for e in t.entries}) for t in nine_b] == [list(budget_module.DEFAULT_BATCH_SIZES)]
 
 
 def test_auto_with_an_older_table_warns_and_falls_back(monkeypatch, caplog):
