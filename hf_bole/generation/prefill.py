@@ -29,8 +29,8 @@ CHAIN_PREFILL_READ_BYTES = 4 * 18 * 10**9
 
 
 # The most a chain's verify round may hold for the whole batch under "auto" (`verify.round_bytes`, summed over the
-# rows): on the 9B shape a chain of 128 nodes holds 1.4 MB a node, 47 GB at batch 256 (which ran out of memory on an
-# 80 GB GPU beside the model's 18 GB); 4 GiB lets batches of up to 23 such prompts prefill as chains.
+# rows): on the 9B shape a chain of 128 nodes holds 1.4 MB a node, 47 GB at batch 256, more than an 80 GB GPU holds
+# beside the model's 18 GB; 4 GiB lets batches of up to 23 such prompts prefill as chains.
 CHAIN_PREFILL_ROUND_BYTES = 4 * 2**30
 
 

@@ -23,8 +23,8 @@ def is_interpreter() -> bool:
 
 
 def next_power_of_2(n: int) -> int:
-    """`triton.next_power_of_2` in plain Python (0 for 0): Triton's is a constexpr function whose host call costs
-    1.5-4 us, which the launchers paid a few times per kernel, hundreds of times a round of an eager forward."""
+    """`triton.next_power_of_2` in plain Python (0 for 0): Triton's is a constexpr function, slow to call from the
+    host, and the launchers size tiles a few times per kernel, hundreds of times a round of an eager forward."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
