@@ -101,7 +101,8 @@ def timed(model, ids: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, float, 
     if ids.is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    out = model.generate(ids, **kwargs, **({"return_dict_in_generate": True} if bole else {}))
+    # dict outputs for the statistics, without a cache handed back (whose per-round cuts a plain call does not pay)
+    out = model.generate(ids, **kwargs, **({"return_dict_in_generate": True, "use_cache": False} if bole else {}))
     if ids.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

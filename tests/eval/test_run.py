@@ -564,6 +564,7 @@ def test_compile_sweep_modes():
         "bole b16", "bole bauto", "bole b16 compiled", "bole bauto compiled", "chain", "chain compiled"
     ]
     assert [m.generate_kwargs("mtp")["bole_compile"] for m in modes] == [False, False, True, True, False, True]
+    assert all(m.generate_kwargs("mtp")["use_cache"] is False for m in modes)  # no cache handed back: no per-round cuts
     assert run.parse_args(["--compile"]).compile == [True] and run.parse_args([]).compile == [False]
     one = SimpleNamespace(depth=[5], topk=4, budget=[16], epsilon=[0.1], compile=[True])
     assert [m.label for m in make_modes("bole", 1, one)] == ["bole"]
