@@ -356,11 +356,11 @@ def budgets(rows: list[dict]) -> list[str]:
 
 def shipped_tables() -> list[str]:
     from hf_bole.generation.budget import PACKAGE_TABLES, BudgetTable, entry_budget, model_key
-    from hf_bole.shapes import SHAPES, shape_config
+    from hf_bole.shapes import SHAPES, available, shape_config
 
     from eval.shapes import shape_config as eval_shape_config
 
-    names = {model_key(shape_config(name)): name for name in SHAPES}
+    names = {model_key(shape_config(name)): name for name in SHAPES if available(name)}
     names[model_key(eval_shape_config("house"))] = "house model"
     lines = [
         "| model | GPU | dtype | verify | launch | budget at ε = 0.3 by batch size | KV length | measured with |",

@@ -134,6 +134,11 @@ def shape_config(shape: str, **overrides) -> PretrainedConfig:
     return config
 
 
+def available(shape: str) -> bool:
+    """Whether this transformers has the classes of the named shape `shape` (Ling-3.0's from 5.24 on)."""
+    return hasattr(transformers, CLASSES[SHAPES[shape].get("model_type", "qwen3_5_text")][0])
+
+
 def model_class(config) -> type:
     return _transformers_class(config.model_type, 1, config.model_type)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import transformers
-
 from hf_bole import shapes
 from hf_bole.shapes import SHAPES, build_model, parameter_bytes, shape_config
 from tests.models import tiny, tiny_families
@@ -78,7 +76,7 @@ def test_kda_shape_config(name):
     """transformers' KimiLinearConfig and BailingHybridConfig defaults (Kimi-Linear-48B-A3B's, Ling-3.0-flash's), or
     fewer of their layers; a transformers without the class says so."""
     model_type, layers, mla, billions = KDA_SHAPES[name]
-    if not hasattr(transformers, shapes.CLASSES[model_type][0]):
+    if not shapes.available(name):
         with pytest.raises(ValueError, match="install a newer transformers"):
             shape_config(name)
         return
@@ -101,7 +99,9 @@ def test_build_kda_shape_shrunken(family):
 
 
 def test_shape_of_a_class_transformers_lacks(monkeypatch):
+    assert shapes.available("Kimi-Linear-48B-A3B") and shapes.available("9B")
     monkeypatch.setitem(shapes.CLASSES, "kimi_linear", ("NoSuchConfig", "NoSuchForCausalLM"))
+    assert not shapes.available("Kimi-Linear-48B-A3B")
     with pytest.raises(ValueError, match="Kimi-Linear-48B-A3B needs transformers' NoSuchConfig"):
         shape_config("Kimi-Linear-48B-A3B")
 
