@@ -19,10 +19,10 @@ from hf_bole.generation.continuation import Continuation, continuation, given_ca
 from hf_bole.generation.draft import drafter_max_depth, make_drafter, prompt_columns
 from hf_bole.generation.graphs import KEPT_CAPACITY_STEP, captures
 from hf_bole.generation.prefill import unchainable, use_chains, weight_bytes
-from hf_bole.generation.verify import round_bytes
 from hf_bole.generation.requests import assistant_drafter, check_request, spread_settings, tensor_parallel_settings
 from hf_bole.generation.select import width_bucket
 from hf_bole.generation.stopping import Stopping
+from hf_bole.generation.verify import round_bytes
 from hf_bole.kernels.utils import MAX_TREE_NODES
 from hf_bole.models import family_of, graph_unsafe_experts
 from hf_bole.placement import placement
