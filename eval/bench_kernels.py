@@ -32,7 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
 from hf_bole.kernels.tree_gdn import closed_form_kernels  # noqa: E402
-from hf_bole.kernels.tree_gdn.closed_form_kernels import solve, tree_gdn_verify_fwd, workspace_bytes  # noqa: E402
+from hf_bole.kernels.tree_gdn.closed_form_kernels import (  # noqa: E402
+    solve,
+    tree_gdn_verify_fwd,
+    tree_tile,
+    workspace_bytes,
+)
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
 from tests.kernels.trees import make_parents  # noqa: E402
 
@@ -159,13 +164,13 @@ def peak_tflops(gpu: str, given: str | None) -> tuple[float, float]:
 def verify_floor(B, T, HK, H, K, V, depth, peaks, copy_gbps, bytes_in=2, state_bytes=4) -> dict:
     """The floor of one verify (ms): the larger of its matmul FLOPs at the precision each runs and its bytes at the
     measured copy rate. FLOPs as the kernels do them, per (request, value head), on the two halves of BH = BT / 2 rows
-    (BT = tile(T)), with n_d diagonal blocks (2 when the tree spans both halves, else 1):
+    (BT = tree_tile(T), the kernels' own), with n_d diagonal blocks (2 when the tree spans both halves, else 1):
       bf16 (q/k exact in bf16)  Gram blocks: 2 (K K^T and Q K^T) x (n_d + [two halves]) x 2 BH^2 K;
                                 K S and Q S of both halves: 4 x 3 passes against the split state x 2 BH K V
       tf32, 3 passes (tf32x3)   the inverses' squarings: n_d x s x 2 x 2 BH^3, s = ceil(log2(min(depth + 1, BH))) - 1;
                                 the block products: (2 + 4 [two halves]) x 2 BH^2 V
     Bytes: q, k, v, g (fp32), beta read once, the fp32 state read, o written (the dtype of v) and u (fp32)."""
-    BH = max(32, 1 << (T - 1).bit_length()) // 2
+    BH = tree_tile(T) // 2
     halves = T > BH
     n_d = 1 + halves
     squarings = max(0, (min(depth + 1, BH) - 1).bit_length() - 1)

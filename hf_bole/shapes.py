@@ -136,7 +136,8 @@ def shape_config(shape: str, **overrides) -> PretrainedConfig:
 
 def available(shape: str) -> bool:
     """Whether this transformers has the classes of the named shape `shape` (Ling-3.0's from 5.24 on)."""
-    return hasattr(transformers, CLASSES[SHAPES[shape].get("model_type", "qwen3_5_text")][0])
+    model_type = SHAPES[shape].get("model_type")  # None: a Qwen3.5 shape, in every supported transformers
+    return model_type is None or hasattr(transformers, CLASSES[model_type][0])
 
 
 def model_class(config) -> type:

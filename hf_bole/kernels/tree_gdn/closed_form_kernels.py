@@ -73,7 +73,7 @@ def full_tile_prune(BK: int, num_warps: int):
 
 def workspace_bytes(B: int, T: int, H: int) -> int:
     """Bytes of the float32 blocks the solve kernel hands to the apply kernel (freed with the call)."""
-    half = _tile(T) // 2
+    half = tree_tile(T) // 2
     return B * H * WORKSPACE_BLOCKS * half * half * 4
 
 
@@ -510,7 +510,7 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
         tree_gdn_verify_apply_kernel[grid](
             q, k, v, beta, initial_state, ws, log_decay, rnorm, o, u, scale,
             q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), B, T, H, HK,
-            K=K, V=V, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
+            K=K, V=V, BT=tree_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
             DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl,
             **({"launch_pdl": True} if pdl else {}),  # a launch option only NVIDIA's Triton backend knows
         )  # fmt: skip
@@ -531,12 +531,12 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
         tree_gdn_verify_solve_kernel[(3, B * H)](
             q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, rnorm, q.stride(0), q.stride(1), q.stride(2),
             B, T, H, HK,
-            K=K, BT=_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
+            K=K, BT=tree_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
             USE_PDL=pdl,
         )  # fmt: skip
     return ws, log_decay, rnorm
 
 
-def _tile(T: int) -> int:
+def tree_tile(T: int) -> int:
     """BT: the tree padded to a power of two of >= 32 rows, two halves of >= 16 (the smallest tensor-core tile)."""
     return max(32, next_power_of_2(T))

@@ -32,8 +32,8 @@ from hf_bole.kernels.tree_gdn.closed_form_kernels import (
     _load_block,
     _sq_norms,
     _store_block,
-    _tile,
     _unit_lower_inverse,
+    tree_tile,
 )
 from hf_bole.kernels.utils import autotune_configs, dim_contiguous, on_device, token_major
 
@@ -58,7 +58,7 @@ WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
 def workspace_bytes(B: int, T: int, H: int, K: int) -> int:
     """Bytes the solve kernel hands to the apply kernel (freed with the call): six float32 [BT/2, BT/2] blocks per
     (request, value head), the path decays Gam `[B, T, H, K]` and the rows' inverse norms `[B, T, H, 2]`, float32."""
-    half = _tile(T) // 2
+    half = tree_tile(T) // 2
     return B * H * WORKSPACE_BLOCKS * half * half * 4 + B * T * H * (K + 2) * 4
 
 
@@ -362,7 +362,7 @@ def tree_kda_verify_fwd(q, k, v, g, beta, parents, initial_state, scale, use_qk_
     g, beta, parents = g.contiguous(), beta.contiguous(), parents.contiguous()
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
-    BT = _tile(T)
+    BT = tree_tile(T)
     half = BT // 2
     ws = torch.empty(B * H * WORKSPACE_BLOCKS * half * half, dtype=torch.float32, device=v.device)
     gam = torch.empty(B, T, H, K, dtype=torch.float32, device=v.device)
