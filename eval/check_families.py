@@ -30,37 +30,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_bole  # noqa: E402, F401  (registers custom_generate="hf_bole")
 from eval.oracle import OracleDrafter  # noqa: E402
 from hf_bole.models import all_families  # noqa: E402
-from hf_bole.shapes import LAYER_OUTPUT_SCALE, shape_config, trained_like  # noqa: E402
+from hf_bole.shapes import CLASSES, LAYER_OUTPUT_SCALE, build_model, shape_config  # noqa: E402
 
-# family name -> (config class, model class); Qwen3.5's config is hf_bole.shapes' 9B
+# family name -> model type (`hf_bole.shapes.CLASSES`); Qwen3.5's config is hf_bole.shapes' 9B
 MODELS = {
-    "Qwen3.5": (None, "Qwen3_5ForCausalLM"),
-    "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
-    "OLMo-Hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
-    "Lara-Mini": ("LaraMiniConfig", "LaraMiniForCausalLM"),
-    "Kimi-Linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
-    "Bailing-Hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM"),
+    "Qwen3.5": "qwen3_5_text",
+    "Qwen3-Next": "qwen3_next",
+    "OLMo-Hybrid": "olmo_hybrid",
+    "Lara-Mini": "lara_mini",
+    "Kimi-Linear": "kimi_linear",
+    "Bailing-Hybrid": "bailing_hybrid",
 }
 
 
 def build(family: str, layers: int, device: torch.device, dtype: torch.dtype, overrides: dict, seed: int = 0):
-    config_name, model_name = MODELS[family]
+    model_type = MODELS[family]
     fields = dict(num_hidden_layers=layers, **overrides)
-    if config_name is None:
+    if model_type == "qwen3_5_text":
         config = shape_config("9B", **fields)
     else:
-        config = getattr(transformers, config_name)(**fields)
-    config.tie_word_embeddings = False
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = getattr(transformers, model_name)._from_config(config, dtype=dtype, attn_implementation="sdpa")
+        config = getattr(transformers, CLASSES[model_type][0])(**fields)
+    model = build_model(config, device, dtype, seed)
     with torch.no_grad():
-        trained_like(model)
         for layer in model.model.layers:
             if hasattr(layer, "post_feedforward_layernorm"):  # OLMo-Hybrid's post-norm attention blocks
                 for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
                     norm.weight.mul_(LAYER_OUTPUT_SCALE)
-    return model.eval()
+    return model
 
 
 def first_difference(ours: torch.Tensor, ref: torch.Tensor) -> int | None:

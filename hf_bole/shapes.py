@@ -100,11 +100,14 @@ SHAPES: dict[str, dict] = {
     "Ling-3.0-flash-12L": dict(model_type="bailing_hybrid", num_hidden_layers=12),
     "Ling-3.0-flash-24L": dict(model_type="bailing_hybrid", num_hidden_layers=24),
 }  # fmt: skip
-# model_type -> (config class, model class), by their names in transformers (Bailing-Hybrid's from 5.24 on)
+# model_type -> (config class, model class), by their names in transformers (Lara-Mini's and Bailing-Hybrid's from 5.24
+# on); eval/check_families.py builds every family's from its config defaults through them
 CLASSES = {
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM"),
 }
