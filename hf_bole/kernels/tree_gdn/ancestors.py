@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from transformers.utils import logging
 
+from hf_bole.kernels.launch import CachedLaunch
 from hf_bole.kernels.utils import (
     MAX_TREE_NODES,
     check_dtype,
@@ -165,15 +166,22 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     return _tree_ancestors(parents)[1]
 
 
+_ANCESTORS = CachedLaunch(tree_masks_fwd_kernel)
+
+
 def _tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, N = parents.shape
     ancestors = torch.empty(B, N, N, dtype=torch.bool, device=parents.device)
     depths = torch.empty(B, N, dtype=torch.int64, device=parents.device)
     BT = max(16, next_power_of_2(N))
+    stride_pb, stride_pt = parents.stride()
+    # What the kernel is specialized on (`CachedLaunch`): the parents' dtype, shape, strides and alignment, the device.
+    key = (parents.device, parents.dtype, B, N, stride_pb, stride_pt, parents.data_ptr() % 16)
     with on_device(parents):
-        tree_masks_fwd_kernel[(B, 1)](
-            parents, parents, parents, parents, ancestors.view(torch.uint8), depths, ancestors,  # unread: no masks
-            *parents.stride(), 0, 0, 0, 0, N, 0,
+        _ANCESTORS(
+            key, (B, 1),
+            (parents, parents, parents, parents, ancestors.view(torch.uint8), depths, ancestors,  # unread: no masks
+             stride_pb, stride_pt, 0, 0, 0, 0, N, 0),
             BT=BT, LOG_BT=(BT - 1).bit_length(), BLOCK_C=BLOCK_C, MASKS=False, num_warps=4 if BT <= 64 else 8,
         )  # fmt: skip
     return ancestors, depths

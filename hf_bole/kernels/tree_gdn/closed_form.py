@@ -34,9 +34,46 @@ MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second and third axes
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_INPUT_DTYPES = frozenset(FLOAT_DTYPES + (torch.float64,))
+_STATE_DTYPES = frozenset((torch.float32, torch.float64))
+
+
 def check_verify_inputs(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay=False) -> None:
     """The checks every tree verification function makes: shapes, dtypes, the tree, one device, the precision. g is
     `[B, T, H]` (a decay per head, GDN) or with `per_key_decay` `[B, T, H, K]` (per key channel, KDA)."""
+    if _well_formed(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay):
+        check_parents(parents, *parents.shape)  # the values (read once per tensor)
+        return
+    _explain_inputs(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay)
+
+
+def _well_formed(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay) -> bool:
+    """All of `_explain_inputs`'s conditions but the parents' values, read in one pass: an eager forward calls the
+    verify once per GDN layer, and the separate checks cost several microseconds of host time each call."""
+    ks, vs = k.shape, v.shape
+    if len(ks) != 4 or len(vs) != 4 or q.shape != ks:
+        return False
+    B, T, HK, K = ks
+    H = vs[2]
+    device = v.device
+    return (
+        vs[0] == B and vs[1] == T and H % HK == 0
+        and g.shape == ((B, T, H, K) if per_key_decay else (B, T, H)) and beta.shape == (B, T, H)
+        and parents.shape == (B, T) and parents.dtype == torch.int64
+        and q.dtype == k.dtype and q.dtype in _INPUT_DTYPES and v.dtype in _INPUT_DTYPES
+        and g.dtype in _INPUT_DTYPES and beta.dtype in _INPUT_DTYPES
+        and q.device == device and k.device == device and g.device == device
+        and beta.device == device and parents.device == device
+        and (initial_state is None or (
+            initial_state.shape == (B, H, K, vs[3]) and initial_state.dtype in _STATE_DTYPES
+            and initial_state.device == device
+        ))
+        and dot_precision in DOT_PRECISIONS
+    )  # fmt: skip
+
+
+def _explain_inputs(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay) -> None:
+    """`check_verify_inputs` one condition at a time, raising a ValueError that names the first one broken."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q and k must be [B, T, Hk, K] and v [B, T, H, V], got q {tuple(q.shape)}, k {tuple(k.shape)}, "
@@ -168,7 +205,7 @@ def tree_gdn_verify(
     B, T = parents.shape
     if ancestors is None:
         ancestors = tree_ancestor_mask(parents)
-    else:
+    elif not (ancestors.shape == (B, T, T) and ancestors.dtype == torch.bool and ancestors.device == v.device):
         check_shape("ancestors", ancestors, (B, T, T), "[B, T, T]")
         check_dtype("ancestors", ancestors, (torch.bool,))
         check_same_device(v=v, ancestors=ancestors)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_bole.kernels.launch import CachedLaunch
 from hf_bole.kernels.utils import (
     autotune_configs,
     dim_contiguous,
@@ -485,6 +486,22 @@ def tree_gdn_verify_apply_kernel(
         tl.store(p_o + o_r1[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
 
 
+_SOLVE = CachedLaunch(tree_gdn_verify_solve_kernel)
+_APPLY = CachedLaunch(tree_gdn_verify_apply_kernel)
+
+
+def _launch_key(q, k, g, beta, anc, h0, H, V, use_qk_l2norm, dot_precision, pdl) -> tuple:
+    """What the two kernels are specialized on (`CachedLaunch`), as the launchers pass them: dtypes, the shapes and
+    q/k strides whose values are passed, which addresses are 16-byte aligned, the constexprs and the device; g, beta,
+    the ancestors and the state are contiguous, their strides follow from the shapes."""
+    return (
+        k.device, k.shape, k.stride(), H, V, q.dtype, g.dtype, beta.dtype, None if h0 is None else h0.dtype,
+        use_qk_l2norm, dot_precision, pdl,
+        q.data_ptr() % 16, k.data_ptr() % 16, g.data_ptr() % 16, beta.data_ptr() % 16, anc.data_ptr() % 16,
+        0 if h0 is None else h0.data_ptr() % 16,
+    )  # fmt: skip
+
+
 def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision, pdl=None):
     """Launches the solve kernel (one program per request, value head and block), then the apply kernel (one per
     request, value head and V-tile). Inputs as `tree_gdn_verify` after its checks. With `pdl` (default: where the
@@ -496,20 +513,25 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
     q, k, v = dim_contiguous(q), dim_contiguous(k), token_major(v)
     if q.stride() != k.stride():
         q, k = q.contiguous(), k.contiguous()
-    beta = beta.contiguous()
-    ws, log_decay, rnorm = solve(q, k, v.shape[2], g, beta, ancestors, use_qk_l2norm, dot_precision, pdl)
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
+    g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous().view(torch.uint8)
+    key = _launch_key(q, k, g, beta, anc, initial_state, H, V, use_qk_l2norm, dot_precision, pdl) + (
+        v.dtype, v.stride(), v.data_ptr() % 16,
+    )  # fmt: skip
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
+    log_decay = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
+    ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
     with on_device(v):
-        tree_gdn_verify_apply_kernel[grid](
-            q, k, v, beta, initial_state, ws, log_decay, rnorm, o, u, scale,
-            q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), B, T, H, HK,
+        _APPLY(
+            key, grid,
+            (q, k, v, beta, initial_state, ws, log_decay, rnorm, o, u, scale,
+             q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), B, T, H, HK),
             K=K, V=V, BT=tree_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
             DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl,
             **({"launch_pdl": True} if pdl else {}),  # a launch option only NVIDIA's Triton backend knows
@@ -522,19 +544,27 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
     `workspace_bytes`, log_decay `[B, T, H]` and the rows' inverse key and query norms `[B, T, HK, 2]` (unwritten
     without `use_qk_l2norm`). `pdl`: let the next kernel (the apply kernel, launched with programmatic dependent
     launch) start at once."""
+    B, T = k.shape[:2]
+    g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous().view(torch.uint8)
+    log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
+    key = _launch_key(q, k, g, beta, anc, None, H, None, use_qk_l2norm, dot_precision, pdl)
+    ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key)
+    return ws, log_decay, rnorm
+
+
+def _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key):
+    """Launches the solve kernel into `log_decay`; returns the workspace and the norms."""
     B, T, HK, K = k.shape
     ws = torch.empty(workspace_bytes(B, T, H) // 4, dtype=torch.float32, device=k.device)
-    log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
     rnorm = torch.empty(B, T, HK, 2, dtype=torch.float32, device=k.device)
-    anc = ancestors.contiguous().view(torch.uint8)
     with on_device(k):
-        tree_gdn_verify_solve_kernel[(3, B * H)](
-            q, k, g.contiguous(), beta.contiguous(), anc, ws, log_decay, rnorm, q.stride(0), q.stride(1), q.stride(2),
-            B, T, H, HK,
+        _SOLVE(
+            key, (3, B * H),
+            (q, k, g, beta, anc, ws, log_decay, rnorm, q.stride(0), q.stride(1), q.stride(2), B, T, H, HK),
             K=K, BT=tree_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
             USE_PDL=pdl,
         )  # fmt: skip
-    return ws, log_decay, rnorm
+    return ws, rnorm
 
 
 def tree_tile(T: int) -> int:

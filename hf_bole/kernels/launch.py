@@ -1,0 +1,62 @@
+"""Launching a compiled Triton kernel again without Triton's per-call host work.
+
+`kernel[grid](*args)` binds and specializes every argument, reads Triton's settings, builds its cache key and, for an
+autotuned kernel, looks the config up before it launches: with the verify kernels' ~25 arguments that is tens of
+microseconds of host time per call, paid by every GDN layer of an eager forward (under `device_map` CUDA graphs are
+off). A `CachedLaunch` launches through Triton the first time it sees a key, keeps the compiled kernel that ran with
+its grid and constexpr arguments, and launches that compiled kernel directly (`CompiledKernel[grid]`, Triton's own
+launcher) on every later call with the same key.
+
+The caller's key must pin everything Triton specializes on, or a later call would run a kernel compiled for other
+arguments: every tensor's dtype and whether its address is a multiple of 16 bytes, the value of every integer that is
+not in `do_not_specialize` (Triton specializes on == 1 and on multiples of 16), every constexpr, the autotuner's key
+and the device. Under the interpreter (`TRITON_INTERPRET=1`) every call goes through Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from hf_bole.kernels.utils import is_interpreter
+
+
+class CachedLaunch:
+    """`launch(key, grid, args, **constexprs)` runs `kernel[grid](*args, **constexprs)`; `args` are the kernel's
+    leading (non-constexpr) arguments in order, the constexprs and the autotuner's choices follow them."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel  # a JITFunction, or an autotuner / heuristics around one
+        self.runners: dict[Hashable, tuple[Callable, tuple]] = {}
+
+    def __call__(self, key: Hashable, grid, args: tuple, **constexprs) -> None:
+        hit = self.runners.get(key)
+        if hit is not None:
+            runner, tail = hit
+            runner(*args, *tail)
+            return
+        if is_interpreter():
+            self.kernel[grid](*args, **constexprs)
+            return
+        grids = []
+
+        def record(meta):
+            # The autotuner calls the grid for every config it times; the last call is the launch that stays.
+            grids.append(tuple(grid(meta) if callable(grid) else grid) + (1, 1))
+            return grids[-1][:3]
+
+        compiled = self.kernel[record](*args, **constexprs)
+        self.runners[key] = (compiled[grids[-1][:3]], self._constexpr_tail(compiled, len(args)))
+
+    @staticmethod
+    def _constexpr_tail(compiled, n_args: int) -> tuple:
+        """The values of the kernel's arguments after the first `n_args`, as compiled (Triton's launcher takes every
+        argument in signature order and skips the constexprs)."""
+        names = compiled.src.fn.arg_names
+        constants = compiled.src.constants  # {(argument index,): value}
+        missing = [names[i] for i in range(n_args, len(names)) if (i,) not in constants]
+        if missing:
+            raise RuntimeError(
+                f"{compiled.name}: the arguments {missing} follow the {n_args} passed positionally but were not "
+                f"compiled as constexprs; pass them in `args`"
+            )
+        return tuple(constants[(i,)] for i in range(n_args, len(names)))
