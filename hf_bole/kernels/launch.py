@@ -21,21 +21,22 @@ from hf_bole.kernels.utils import is_interpreter
 
 
 class CachedLaunch:
-    """`launch(key, grid, args, **constexprs)` runs `kernel[grid](*args, **constexprs)`; `args` are the kernel's
-    leading (non-constexpr) arguments in order, the constexprs and the autotuner's choices follow them."""
+    """`launch(key, grid, args, constexprs)` runs `kernel[grid](*args, **constexprs())`: `args` are the kernel's
+    leading (non-constexpr) arguments in order, the constexprs and the autotuner's choices follow them;
+    `constexprs` (a function, called only when Triton launches) returns the keyword arguments."""
 
     def __init__(self, kernel):
         self.kernel = kernel  # a JITFunction, or an autotuner / heuristics around one
         self.runners: dict[Hashable, tuple[Callable, tuple]] = {}
 
-    def __call__(self, key: Hashable, grid, args: tuple, **constexprs) -> None:
+    def __call__(self, key: Hashable, grid, args: tuple, constexprs: Callable[[], dict]) -> None:
         hit = self.runners.get(key)
         if hit is not None:
             runner, tail = hit
             runner(*args, *tail)
             return
         if is_interpreter():
-            self.kernel[grid](*args, **constexprs)
+            self.kernel[grid](*args, **constexprs())
             return
         grids = []
 
@@ -44,7 +45,7 @@ class CachedLaunch:
             grids.append(tuple(grid(meta) if callable(grid) else grid) + (1, 1))
             return grids[-1][:3]
 
-        compiled = self.kernel[record](*args, **constexprs)
+        compiled = self.kernel[record](*args, **constexprs())
         self.runners[key] = (compiled[grids[-1][:3]], self._constexpr_tail(compiled, len(args)))
 
     @staticmethod
@@ -60,3 +61,13 @@ class CachedLaunch:
                 f"compiled as constexprs; pass them in `args`"
             )
         return tuple(constants[(i,)] for i in range(n_args, len(names)))
+
+
+def alignment(*addresses: int) -> int | tuple[int, ...]:
+    """The key part for tensors' addresses (`Tensor.data_ptr()`): 0 when all are multiples of 16 bytes (the usual
+    case), else every address's remainder."""
+    bits = 0
+    for a in addresses:
+        bits |= a
+    return 0 if bits % 16 == 0 else tuple(a % 16 for a in addresses)
+

@@ -127,9 +127,14 @@ def check_parents(parents: torch.Tensor, batch: int, num_nodes: int) -> None:
     read (one host synchronisation) once per tensor and again only after it is modified in place."""
     check_dtype("parents", parents, (torch.int64,))
     check_shape("parents", parents, (batch, num_nodes), "[B, T]")
-    if is_capturing(parents) or parents.numel() == 0 or _checked_before(parents):
+    check_parent_values(parents)
+
+
+def check_parent_values(parents: torch.Tensor) -> None:
+    """`check_parents` for a tensor whose dtype and shape were checked."""
+    if _checked_before(parents) or parents.numel() == 0 or is_capturing(parents):
         return
-    node = torch.arange(num_nodes, device=parents.device)
+    node = torch.arange(parents.shape[1], device=parents.device)
     bad = (parents < -1) | (parents >= node)
     if bool(bad.any()):
         b, i = (int(x) for x in bad.nonzero()[0])

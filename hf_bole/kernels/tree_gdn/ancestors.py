@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from transformers.utils import logging
 
-from hf_bole.kernels.launch import CachedLaunch
+from hf_bole.kernels.launch import CachedLaunch, alignment
 from hf_bole.kernels.utils import (
     MAX_TREE_NODES,
     check_dtype,
@@ -176,13 +176,13 @@ def _tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     BT = max(16, next_power_of_2(N))
     stride_pb, stride_pt = parents.stride()
     # What the kernel is specialized on (`CachedLaunch`): the parents' dtype, shape, strides and alignment, the device.
-    key = (parents.device, parents.dtype, B, N, stride_pb, stride_pt, parents.data_ptr() % 16)
+    key = (parents.device, parents.dtype, B, N, stride_pb, stride_pt, alignment(parents.data_ptr()))
     with on_device(parents):
         _ANCESTORS(
             key, (B, 1),
             (parents, parents, parents, parents, ancestors.view(torch.uint8), depths, ancestors,  # unread: no masks
              stride_pb, stride_pt, 0, 0, 0, 0, N, 0),
-            BT=BT, LOG_BT=(BT - 1).bit_length(), BLOCK_C=BLOCK_C, MASKS=False, num_warps=4 if BT <= 64 else 8,
+            lambda: dict(BT=BT, LOG_BT=(BT - 1).bit_length(), BLOCK_C=BLOCK_C, MASKS=False, num_warps=4 if BT <= 64 else 8),
         )  # fmt: skip
     return ancestors, depths
 

@@ -20,6 +20,7 @@ from hf_bole.kernels.tree_gdn.closed_form_kernels import tree_gdn_verify_fwd
 from hf_bole.kernels.utils import (
     MAX_TREE_NODES,
     check_dtype,
+    check_parent_values,
     check_parents,
     check_same_device,
     check_shape,
@@ -42,7 +43,7 @@ def check_verify_inputs(q, k, v, g, beta, parents, initial_state, dot_precision,
     """The checks every tree verification function makes: shapes, dtypes, the tree, one device, the precision. g is
     `[B, T, H]` (a decay per head, GDN) or with `per_key_decay` `[B, T, H, K]` (per key channel, KDA)."""
     if _well_formed(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay):
-        check_parents(parents, *parents.shape)  # the values (read once per tensor)
+        check_parent_values(parents)  # read once per tensor
         return
     _explain_inputs(q, k, v, g, beta, parents, initial_state, dot_precision, per_key_decay)
 

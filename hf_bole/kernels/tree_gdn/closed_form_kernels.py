@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.launch import CachedLaunch
+from hf_bole.kernels.launch import CachedLaunch, alignment
 from hf_bole.kernels.utils import (
     autotune_configs,
     dim_contiguous,
@@ -490,51 +490,48 @@ _SOLVE = CachedLaunch(tree_gdn_verify_solve_kernel)
 _APPLY = CachedLaunch(tree_gdn_verify_apply_kernel)
 
 
-def _launch_key(q, k, g, beta, anc, h0, H, V, use_qk_l2norm, dot_precision, pdl) -> tuple:
-    """What the two kernels are specialized on (`CachedLaunch`), as the launchers pass them: dtypes, the shapes and
-    q/k strides whose values are passed, which addresses are 16-byte aligned, the constexprs and the device; g, beta,
-    the ancestors and the state are contiguous, their strides follow from the shapes."""
-    return (
-        k.device, k.shape, k.stride(), H, V, q.dtype, g.dtype, beta.dtype, None if h0 is None else h0.dtype,
-        use_qk_l2norm, dot_precision, pdl,
-        q.data_ptr() % 16, k.data_ptr() % 16, g.data_ptr() % 16, beta.data_ptr() % 16, anc.data_ptr() % 16,
-        0 if h0 is None else h0.data_ptr() % 16,
-    )  # fmt: skip
-
-
 def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_qk_l2norm, dot_precision, pdl=None):
     """Launches the solve kernel (one program per request, value head and block), then the apply kernel (one per
     request, value head and V-tile). Inputs as `tree_gdn_verify` after its checks. With `pdl` (default: where the
     GPU has it, `use_pdl`) the apply kernel launches while the solve kernel runs and forms its state products
     meanwhile, which matters when a small batch leaves most of the GPU idle during the solve."""
-    pdl = use_pdl(v) if pdl is None else pdl
     # q and k are read through all their strides but the last: the key heads transformers 5.17 repeats to the value
     # heads (every group-th head kept, `_tree_gated_delta_rule`) are read in place, not copied.
     q, k, v = dim_contiguous(q), dim_contiguous(k), token_major(v)
-    if q.stride() != k.stride():
+    stride_q, stride_v = q.stride(), v.stride()
+    if stride_q != k.stride():
         q, k = q.contiguous(), k.contiguous()
+        stride_q = q.stride()
     B, T, HK, K = k.shape
     H, V = v.shape[-2:]
+    BT = tree_tile(T)
     g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous().view(torch.uint8)
-    key = _launch_key(q, k, g, beta, anc, initial_state, H, V, use_qk_l2norm, dot_precision, pdl) + (
-        v.dtype, v.stride(), v.data_ptr() % 16,
+    # What both kernels are specialized on (`CachedLaunch`): the shapes, dtypes and strides passed, which addresses
+    # are 16-byte aligned (outputs are fresh allocations), the constexprs and the device; g, beta, the ancestors and
+    # the state are contiguous, their strides follow from the shapes.
+    key = (
+        v.device, k.shape, H, V, stride_q, stride_v, q.dtype, v.dtype, g.dtype, beta.dtype,
+        initial_state is None, use_qk_l2norm, dot_precision, pdl,  # pdl None: `use_pdl(v)`, given by v's device
+        alignment(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), anc.data_ptr(),
+                  0 if initial_state is None else initial_state.data_ptr()),
     )  # fmt: skip
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
-    ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
     with on_device(v):
+        ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key, BT)
         _APPLY(
             key, grid,
             (q, k, v, beta, initial_state, ws, log_decay, rnorm, o, u, scale,
-             q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), B, T, H, HK),
-            K=K, V=V, BT=tree_tile(T), USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
-            DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), USE_PDL=pdl,
-            **({"launch_pdl": True} if pdl else {}),  # a launch option only NVIDIA's Triton backend knows
+             *stride_q[:3], *stride_v[:2], B, T, H, HK),
+            lambda: dict(
+                K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
+                DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), **_pdl_options(pdl, v),
+            ),
         )  # fmt: skip
     return o, u, log_decay
 
@@ -547,23 +544,38 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
     B, T = k.shape[:2]
     g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous().view(torch.uint8)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
-    key = _launch_key(q, k, g, beta, anc, None, H, None, use_qk_l2norm, dot_precision, pdl)
-    ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key)
+    # as `tree_gdn_verify_fwd`'s key, for the solve kernel's arguments
+    key = (
+        k.device, k.shape, H, q.stride(), q.dtype, g.dtype, beta.dtype, use_qk_l2norm, dot_precision, pdl,
+        alignment(q.data_ptr(), k.data_ptr(), g.data_ptr(), beta.data_ptr(), anc.data_ptr()),
+    )  # fmt: skip
+    with on_device(k):
+        ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key, tree_tile(T))
     return ws, log_decay, rnorm
 
 
-def _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key):
+def _pdl_options(pdl: bool | None, x: torch.Tensor, launch: bool = True) -> dict:
+    """The constexpr `USE_PDL` and, for the kernel launched while the other runs, Triton's launch option (which only
+    NVIDIA's Triton backend knows); `pdl` None: where the GPU has it (`use_pdl`). Resolved at Triton's launches only:
+    the compiled kernels keep it."""
+    pdl = use_pdl(x) if pdl is None else pdl
+    return {"USE_PDL": pdl, **({"launch_pdl": True} if pdl and launch else {})}
+
+
+def _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key, BT):
     """Launches the solve kernel into `log_decay`; returns the workspace and the norms."""
     B, T, HK, K = k.shape
     ws = torch.empty(workspace_bytes(B, T, H) // 4, dtype=torch.float32, device=k.device)
     rnorm = torch.empty(B, T, HK, 2, dtype=torch.float32, device=k.device)
-    with on_device(k):
-        _SOLVE(
-            key, (3, B * H),
-            (q, k, g, beta, anc, ws, log_decay, rnorm, q.stride(0), q.stride(1), q.stride(2), B, T, H, HK),
-            K=K, BT=tree_tile(T), USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
-            USE_PDL=pdl,
-        )  # fmt: skip
+    stride_q = q.stride()
+    _SOLVE(
+        key, (3, B * H),
+        (q, k, g, beta, anc, ws, log_decay, rnorm, *stride_q[:3], B, T, H, HK),
+        lambda: dict(
+            K=K, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
+            **_pdl_options(pdl, k, launch=False),
+        ),
+    )  # fmt: skip
     return ws, rnorm
 
 
