@@ -23,6 +23,8 @@
 #   9b816       the same at batch 8 and 16, without ar-static (MODES_9B816)   benchmarks/e2e_9b_b8_b16.jsonl
 #   kernels     one GDN layer's tree verify (serial walk, fla chain, closed form) and the commit
 #                                                                                     benchmarks/kernels.jsonl
+#   host        the host time of an eager tree_gdn_verify and of the ancestor build, GPU idle, the 9B layer's sizes
+#               at (B, T) = (1, 16), (8, 64), (16, 64)                                 benchmarks/host.jsonl
 #   kda         one KDA layer's tree verify (serial walk, fla chunk_kda chain, closed form) and the commit,
 #               Kimi-Linear-48B-A3B's sizes                                              benchmarks/kda.jsonl
 #   budget-house  "auto" against fixed budgets, house model, GSM8K, batch 8 and 1  benchmarks/budget_house.jsonl
@@ -168,6 +170,9 @@ kernels)
     step kernels 240 python3 eval/bench_kernels.py --out benchmarks/kernels.jsonl --providers serial fla bole \
         --shapes 32,1,16 48,1,128 32,8,64 32,16,128
     RENDER=1
+    ;;
+host)
+    step host 120 python3 eval/bench_host.py --out benchmarks/host.jsonl
     ;;
 kda)
     step kda 240 python3 eval/bench_kda.py --out benchmarks/kda.jsonl
