@@ -111,7 +111,8 @@ def main(argv=None):
             rows.append(bench_shape(B, T, device=args.device, calls=args.calls, passes=args.passes))
             f.write(json.dumps(rows[-1]) + "\n")
     print(f"{header['gpu']}  torch {header['torch']}  triton {header['triton']}  commit {header['commit']}")
-    print("host us per call, GPU idle; Hk=16 H=32 K=V=128 bf16; verify given the ancestors; *_triton: Triton's launcher")
+    print("host us per call, GPU idle; Hk=16 H=32 K=V=128 bf16; verify given the ancestors; "
+          "*_triton: Triton's launcher")
     print(f"{'B':>3} {'T':>4} | {'verify':>7} {'v_triton':>8} {'checks':>7} | {'ancestors':>9} {'a_triton':>8}")
     for r in rows:
         print(

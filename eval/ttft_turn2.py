@@ -17,8 +17,8 @@ One JSON line out: the machine, the settings, every pass's seconds, the medians 
     python eval/ttft_turn2.py --shape 9B --out runs/ttft_turn2.jsonl    # on a GPU: bf16, random weights
     python eval/ttft_turn2.py --tiny                                     # CPU smoke test: a shrunk shape, fp32
 
-`--profile TRACE.json` adds one more bole-continued call under torch.profiler (host and, on a GPU, device activity):
-its Chrome trace goes to TRACE.json and the ops taking the most host time are printed.
+`--profile TRACE.json` adds one more bole-continued call under torch.profiler (host with Python frames and, on a GPU,
+device activity): its Chrome trace goes to TRACE.json and the ops taking the most host time are printed.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def profile(model, arm, new: int, trace: str) -> None:
 
     ids, kwargs = arm()
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * ids.is_cuda
-    with profiler(activities=activities) as prof:
+    with profiler(activities=activities, with_stack=True) as prof:  # Python frames: where the host time goes
         s, _ = timed(model, ids, new, **kwargs)
     os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
     prof.export_chrome_trace(trace)

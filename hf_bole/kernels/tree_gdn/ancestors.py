@@ -182,7 +182,8 @@ def _tree_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             key, (B, 1),
             (parents, parents, parents, parents, ancestors.view(torch.uint8), depths, ancestors,  # unread: no masks
              stride_pb, stride_pt, 0, 0, 0, 0, N, 0),
-            lambda: dict(BT=BT, LOG_BT=(BT - 1).bit_length(), BLOCK_C=BLOCK_C, MASKS=False, num_warps=4 if BT <= 64 else 8),
+            lambda: dict(BT=BT, LOG_BT=(BT - 1).bit_length(), BLOCK_C=BLOCK_C, MASKS=False,
+                         num_warps=4 if BT <= 64 else 8),
         )  # fmt: skip
     return ancestors, depths
 
