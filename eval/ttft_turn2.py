@@ -18,13 +18,15 @@ One JSON line out: the machine, the settings, every pass's seconds, the medians 
     python eval/ttft_turn2.py --tiny                                     # CPU smoke test: a shrunk shape, fp32
 
 `--profile TRACE.json` adds one more bole-continued call under torch.profiler (host with Python frames and, on a GPU,
-device activity): its Chrome trace goes to TRACE.json and the ops taking the most host time are printed.
+device activity): its Chrome trace goes to TRACE.json; the ops taking the most host time and the garbage collector's
+passes inside the call are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -66,9 +68,25 @@ def profile(model, arm, new: int, trace: str) -> None:
     from torch.profiler import profile as profiler
 
     ids, kwargs = arm()
+    gc.collect()
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * ids.is_cuda
-    with profiler(activities=activities, with_stack=True) as prof:  # Python frames: where the host time goes
-        s, _ = timed(model, ids, new, **kwargs)
+    pauses = []  # the garbage collector's passes inside the call: (generation, start, seconds)
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            pauses.append([info["generation"], time.perf_counter(), None])
+        elif pauses:
+            pauses[-1][2] = time.perf_counter() - pauses[-1][1]
+
+    gc.callbacks.append(on_gc)
+    try:
+        with profiler(activities=activities, with_stack=True) as prof:  # Python frames: where the host time goes
+            start = time.perf_counter()
+            s, _ = timed(model, ids, new, **kwargs)
+    finally:
+        gc.callbacks.remove(on_gc)
+    for generation, at, took in pauses:
+        print(f"garbage collection (generation {generation}) at +{1e3 * (at - start):.2f} ms: {1e3 * (took or 0):.2f} ms")
     os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
     prof.export_chrome_trace(trace)
     print(f"profiled call: first token after {1e3 * s:.2f} ms; trace {trace}")
@@ -119,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     for pass_ in range(args.passes + 1):  # the first pass warms up, untimed
         for arm in ARMS:
             ids, kwargs = arms[arm]()  # the copy is made here, outside the timed call
+            # Copying a cache leaves garbage enough to start a full collection inside the call: collected here,
+            # outside the timed span, for every arm alike.
+            gc.collect()
             s, generated = timed(model, ids, args.new, **kwargs)
             if pass_ > 0:
                 seconds[arm].append(s)
