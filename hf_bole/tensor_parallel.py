@@ -48,6 +48,10 @@ def tensor_parallel(model: nn.Module) -> TensorParallel:
     parallelism: `generation.requests.tensor_parallel_settings`). Raises a `ValueError` for a plan that splits a GDN
     layer's heads (its projections not gathered), or a mesh of more than one dimension (data or pipeline parallelism
     besides TP)."""
+    if not dist.is_available() or not dist.is_initialized():
+        # DTensor weights need a process group: without one, no parameter scan (a walk of every module, paid on the
+        # host in every call)
+        return TensorParallel(1, None, None)
     config = model.config.get_text_config(decoder=True)
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if not meshes:
