@@ -1035,21 +1035,45 @@ class BoleCache(Cache):
         self._gdn_started = dict.fromkeys(self._gdn_started, False)
         self._advance()
 
-    def empty_rows(self, rows: torch.Tensor, starts: torch.Tensor) -> None:
-        """Empties the rows where `rows` (`[B]` bool) is True, each to `starts[b]` slots of padding (`[B]`: its left
-        padding, so that its next tokens go where transformers' forward over the padded batch puts them); the other
-        rows keep what they hold. Their GDN and conv states become zero, as before any token."""
-        index = rows.to(self.device).nonzero()[:, 0]
-        for group in self._groups:
-            for t in (group.conv, group.recurrent):
-                t[:, index.to(t.device)] = 0
-        starts = starts.to(self.device)
-        slots = torch.arange(self.capacity, device=self.device)
-        emptied = rows.to(self.device)[:, None]
-        self._valid.copy_(torch.where(emptied, slots >= starts[:, None], self._valid))
-        self.lengths.copy_(torch.where(emptied[:, 0], starts, self.lengths))
-        self.positions.masked_fill_(emptied[:, 0], 0)
+    def load_rows(self, rows: torch.Tensor, state: CacheState, positions: torch.Tensor) -> None:
+        """Makes the rows `rows` hold `state` and nothing else, copied into the storage (whose addresses stay put where
+        it holds the state's slots); the other rows keep what they hold.
+
+        Args:
+            rows (`torch.LongTensor` of shape `(n,)`): the rows to write, each once.
+            state (`CacheState`): of `n` rows and `L > 0` slots each, from a cache of this model; the rows' slots
+                hold tokens where its `valid` says so (all of them where it has none).
+            positions (`torch.LongTensor` of shape `(n,)`): the position id each row's next token gets.
+        """
+        if state.length == 0 or state.batch_size != len(rows):
+            raise ValueError(
+                f"load_rows writes {len(rows)} rows, so it needs a state of {len(rows)} rows and at least one slot; "
+                f"got {state.batch_size if state.length else 0} rows of {state.length} slots"
+            )
+        self._check_state(state)
+        L = state.length
+        self._ensure_capacity(L, f"a state of {L} slots")
+        index = rows.to(self.device)
+        for layer, (group, a) in self._attn_index.items():
+            stored = self._groups[group]
+            on = index.to(stored.device)
+            for t, given in ((stored.keys, state.keys), (stored.values, state.values)):
+                t[a, :, :, :L].index_copy_(0, on, given[layer].to(t.device))  # [n, Hkv, L, Dh] into [B, Hkv, L, Dh]
+        for layer, (group, g) in self._gdn_place.items():
+            stored = self._groups[group]
+            on = index.to(stored.device)
+            stored.conv[g].index_copy_(0, on, state.conv[layer].to(stored.device))
+            stored.recurrent[g].index_copy_(0, on, state.recurrent[layer].to(stored.device))
+        # [n, C]: the state's padding in its slots; the slots after it free, as in a fresh row
+        valid = torch.ones(len(rows), self.capacity, dtype=torch.bool, device=self.device)
+        if state.valid is not None:
+            valid[:, :L] = state.valid.to(self.device)
+        self._valid.index_copy_(0, index, valid)
+        self.lengths.index_fill_(0, index, L)
+        self.positions.index_copy_(0, index, positions.to(self.device))
         self._aligned_length = None
+        self._length_bound = max(self._length_bound, L)
+        self._gdn_started = dict.fromkeys(self._gdn_started, True)
         self._advance()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

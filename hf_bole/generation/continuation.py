@@ -9,8 +9,10 @@ row's first L tokens after its left padding are the cached ones, and each row st
 At the end the call's cache is brought to exactly `out.sequences` minus its last token, as plain `generate` leaves its
 own (`settle`): rows that stopped early hold their EOS and the padding after it too. The commits keep every row at or
 before that point during decoding (`commit.RowEnds` cuts paths at a row's EOS and at the length limit), so settling
-appends the tokens a row still lacks and never rolls back, which a GDN state cannot. The caller's cache is then updated
-in place (`hand_back`), as transformers updates a cache it is given; a shared prefix is left as it was.
+appends the tokens a row still lacks and never rolls back, which a GDN state cannot; a row a stop string or a stopping
+criterion cut inside a round, after the round committed past it, is prefilled again (those rows only). The caller's
+cache is then updated in place (`hand_back`), as transformers updates a cache it is given; a shared prefix is left as
+it was.
 """
 
 from __future__ import annotations
@@ -19,14 +21,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Cache
-from transformers.utils import logging
 
 from hf_bole.cache import BoleCache
 from hf_bole.cache.state import CacheState, read_dynamic, write_dynamic
-from hf_bole.generation.prefill import CHAIN_PREFILL_ROUND_BYTES, chain_prefill, unchainable
-from hf_bole.kernels.utils import MAX_TREE_NODES
-
-logger = logging.get_logger(__name__)
+from hf_bole.generation.prefill import chain_prefill, plain_prefill
 
 # The names `generate` takes a cache by (5.17-5.25): `cache` from 5.24, which renames the other two to it.
 CACHE_ARGS = ("cache", "past_key_values", "cache_params")
@@ -164,23 +162,24 @@ def load(continued: Continuation, cache: BoleCache, mask: torch.Tensor) -> None:
     cache.load(continued.state, continued.starts, valid)
 
 
-def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: torch.Tensor, plan) -> None:
+def settle(model, cache: BoleCache, forward, commit, written: torch.Tensor, sequences: torch.Tensor, plan) -> None:
     """Brings the call's `cache` to exactly `sequences` (`[B, P + T]`, the output) minus its last column, as plain
     `generate` leaves its cache: appends what each row lacks (a row that stopped at EOS: the EOS and the padding after
     it, which plain decoding runs too) as chains through `forward`, committed by `commit` (`chain_prefill`'s), and
     records the token ids. One host read of the rows' lengths.
 
     A row whose commits went past the output (cut inside a round by a stop string or a stopping criterion the commit
-    cannot see, after the round committed its path) cannot be rolled back: it is emptied and its whole conversation
-    prefilled again as chains, which run every row of the batch. Where chains could not run that row's prompt as the
-    plain forward does (`prefill.unchainable`: right padding, position ids other than `generate`'s own), or chains of
-    `MAX_TREE_NODES` would hold more than `CHAIN_PREFILL_ROUND_BYTES` for the batch, the whole cache is emptied
-    instead, which a next call continues from exactly by prefilling the conversation, and a warning says so.
+    cannot see, after the round committed its path) cannot be rolled back: its conversation is prefilled again, those
+    rows alone, by transformers' forward of `model` into a cache of their own (with the prompt's mask and position ids,
+    each generated token counted on from the prompt's last position, as plain `generate` runs them), whose state then
+    replaces theirs (`BoleCache.load_rows`); the other rows keep theirs. They run in one forward, as plain `generate`
+    would prefill that conversation: it computes no logits, so it holds no more than the prefill of a next call
+    continuing without a cache.
 
     Args:
         written: `[B, >= held]` the tokens the device generated per row after the prompt's `P` columns (the writes'
             sequences), which the rows' commits followed.
-        plan: the call's `CallPlan` (its prompt's mask and position ids, its pad token and `node_bytes`).
+        plan: the call's `CallPlan` (its prompt's mask and position ids, its pad token, where the prompt goes in).
     """
     mask, pad_token = plan.mask, plan.pad_token
     target = sequences.shape[1] - 1
@@ -192,19 +191,17 @@ def settle(cache: BoleCache, forward, commit, written: torch.Tensor, sequences: 
     past = (held > target) | ~((written[:, P:width] == sequences[:, P:width]) | unheld).all(-1)  # [B]
     if bool(past.any()):
         rows = past.nonzero()[:, 0]
-        why = unchainable(mask[rows], plan.position_ids[..., rows, :])
-        if why is None and MAX_TREE_NODES * plan.node_bytes > CHAIN_PREFILL_ROUND_BYTES:
-            why = f"chains of the whole batch would hold {MAX_TREE_NODES * plan.node_bytes / 2**30:.1f} GiB"
-        if why is not None:
-            logger.warning(
-                f"hf_bole: rows {rows.tolist()} stopped inside a verify round on a stop string or stopping criterion, "
-                f"after the round had committed past it (a GDN state cannot be rolled back), and chains cannot prefill "
-                f"them again ({why}): the returned cache is empty, and a call continuing from it prefills the whole "
-                f"conversation (its output is exact, its first token slower)"
-            )
-            cache.reset()
-            return
-        cache.empty_rows(past, (~mask).sum(-1))
+        # The generated tokens are tokens (plain decoding runs the padding after a stop too), numbered on from the
+        # prompt's last position in every rotary row, as `generate` extends the position ids it is given.
+        generated = target - P
+        attention_mask = torch.cat([mask[rows], mask.new_ones(len(rows), generated)], dim=1).long()  # [n, target]
+        prompt_positions = plan.position_ids[..., rows, :]  # [n, P] (or [4, n, P], mRoPE)
+        steps = torch.arange(1, generated + 1, device=prompt_positions.device)
+        position_ids = torch.cat([prompt_positions, prompt_positions[..., -1:] + steps], dim=-1)  # [..., n, target]
+        refilled = BoleCache.for_model(model, len(rows))
+        refilled.reserve(target)
+        plain_prefill(model, refilled, sequences[rows, :target], attention_mask, position_ids, plan.in_device)
+        cache.load_rows(rows, refilled.state(), refilled.positions)
         held = cache.lengths.to(sequences.device)
     lowest = int(held.min())
     if lowest < target:

@@ -163,7 +163,7 @@ def decode(
     sequences = state.sequences(T_out)
     returned = None
     if plan.returns_cache:
-        settle(cache, chain_forward, chain_commit, writes.seq, sequences, plan)
+        settle(model, cache, chain_forward, chain_commit, writes.seq, sequences, plan)
         returned = hand_back(plan.cached, cache, model.config.get_text_config(decoder=True))
     if not generation_config.return_dict_in_generate:
         return sequences

@@ -142,6 +142,23 @@ def chain_prefill(
     return hidden[:, :P]
 
 
+def plain_prefill(
+    model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, in_device
+) -> torch.Tensor:
+    """Appends `input_ids` (`[B, Q]`) to `cache` through transformers' forward of `model`'s decoder, as plain
+    `generate`'s prefill runs it, with the attention mask `[B, past + Q]` (or None) and position ids `[B, Q]` (or
+    `[4, B, Q]`, mRoPE), all put on `in_device` (the embedding's). Returns `[B, Q, hidden]` the final hidden states."""
+    decoder = model.get_decoder()
+    out = decoder(
+        input_ids=input_ids.to(in_device),
+        attention_mask=None if attention_mask is None else attention_mask.to(in_device),
+        position_ids=position_ids.to(in_device),
+        use_cache=True,
+        **{cache_argument(type(decoder).forward): cache},
+    )
+    return out.last_hidden_state
+
+
 def prefill_prompt(model, plan, cache, verify_forward, commit=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Puts the prompts of `plan` (`CallPlan`) into `cache`, empty or holding their first `plan.tail` columns (a call
     continuing from a cache): as chains through `verify_forward` (committed by `commit`, see `chain_prefill`) where
@@ -158,15 +175,9 @@ def prefill_prompt(model, plan, cache, verify_forward, commit=None) -> tuple[tor
         hidden = chain_prefill(verify_forward, cache, input_ids[:, tail:], plan.run, plan.pad_token, commit)
         hidden = hidden.to(device)
     else:
-        decoder = model.get_decoder()
-        prefill = decoder(
-            input_ids=input_ids[:, tail:].to(plan.in_device),
-            attention_mask=plan.attention_mask,  # all columns: those of the cached tokens too
-            position_ids=plan.position_ids[..., tail:].to(plan.in_device),
-            use_cache=True,
-            **{cache_argument(type(decoder).forward): cache},
-        )
-        hidden = prefill.last_hidden_state.to(device)  # [B, P - tail, hidden]
+        # the attention mask of all columns: those of the cached tokens too
+        hidden = plain_prefill(model, cache, input_ids[:, tail:], plan.attention_mask, plan.position_ids[..., tail:],
+                               plan.in_device).to(device)  # fmt: skip
     logits = model.get_output_embeddings()(hidden[:, -1]).float()  # [B, V]
     scores = plan.logits_processor(input_ids, logits) if plan.logits_processor else logits
     first = sample_tokens(scores) if plan.do_sample else scores.argmax(-1)  # [B]

@@ -78,6 +78,43 @@ def test_a_shared_prefix_lands_after_each_rows_padding(model):
         cache.state()
 
 
+def test_load_rows_rewrites_those_rows_alone(model):
+    """A state of two rows loaded into rows 2 and 0 of a cache of three: those rows hold it exactly (slots, padding,
+    lengths, next positions), longer than the rows the cache held; every tensor of row 1 is as it was, bit for bit."""
+    config = text_config()
+    dynamic, _, mask = filled(model)
+    cache = BoleCache.for_model(model, 3)
+    cache.load(read_dynamic(dynamic, config), valid=mask.bool())
+    longer = [[4, 4, 90, 2, 8, 8, 31, 7, 7], [66, 1]]
+    dynamic, _, mask = filled(model, longer)
+    state = read_dynamic(dynamic, config)
+    assert state.length > cache.get_seq_length()
+    state.valid = mask.bool()
+    kept = copy.deepcopy(cache)
+    rows = torch.tensor([2, 0])
+    cache.load_rows(rows, state, torch.tensor([11, 12]))
+    L = state.length
+    assert cache.lengths.tolist() == [L, kept.lengths[1], L] and cache.positions.tolist() == [12, kept.positions[1], 11]
+    for i, b in enumerate(rows.tolist()):
+        assert torch.equal(cache.valid[b, :L], state.valid[i]) and cache.valid[b, L:].all()
+        for layer in state.keys:
+            assert torch.equal(cache.layers[layer].keys[b, :, :L], state.keys[layer][i])
+            assert torch.equal(cache.layers[layer].values[b, :, :L], state.values[layer][i])
+        for layer in state.conv:
+            assert torch.equal(cache.layers[layer].conv_states[0][b], state.conv[layer][i])
+            assert torch.equal(cache.layers[layer].recurrent_states[0][b], state.recurrent[layer][i])
+    C = kept.capacity
+    assert torch.equal(cache.valid[1, :C], kept.valid[1])
+    for layer in state.keys:
+        assert torch.equal(cache.layers[layer].keys[1, :, :C], kept.layers[layer].keys[1])
+        assert torch.equal(cache.layers[layer].values[1, :, :C], kept.layers[layer].values[1])
+    for layer in state.conv:
+        assert torch.equal(cache.layers[layer].conv_states[0][1], kept.layers[layer].conv_states[0][1])
+        assert torch.equal(cache.layers[layer].recurrent_states[0][1], kept.layers[layer].recurrent_states[0][1])
+    with pytest.raises(ValueError, match="load_rows writes 3 rows, so it needs a state of 3 rows"):
+        cache.load_rows(torch.arange(3), state, torch.zeros(3, dtype=torch.long))
+
+
 def test_pad(model):
     """Padding slots go after each row's slots, never attended, taking no position."""
     cache = BoleCache.for_model(model, 2)

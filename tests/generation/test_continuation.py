@@ -15,11 +15,20 @@ from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCr
 
 import hf_bole
 from hf_bole import BoleCache
+from hf_bole.cache.bole_cache import BoleAttentionLayer
 from hf_bole.cache.state import read_dynamic
-from hf_bole.generation import continuation as continuation_module
 from hf_bole.generation import graphs, plan
 from hf_bole.generation.drafters.mtp import MTPDrafter
-from tests.generation.test_loop import PROMPTS, OracleDrafter, dense, dense_with_mtp, oracle_for  # noqa: F401
+from hf_bole.generation.prefill import unchainable
+from tests.generation.test_loop import (  # noqa: F401
+    PROMPTS,
+    OracleDrafter,
+    _char,
+    _tokenizer,
+    dense,
+    dense_with_mtp,
+    oracle_for,
+)
 from tests.models import tiny
 
 # Compared with plain decoding in transformers' torch GDN path, also where fla-core would take over (see the fixture).
@@ -242,61 +251,112 @@ class StopAfter(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-def _stopped_in_a_round(dense, ids, mask, row: int = 0):
-    """Settings under which `row` stops inside an accepted path, after the round committed it: a criterion on its
-    3rd token (the oracle's rounds accept 5 tokens after the prefill's), and row 2 at an EOS."""
-    probe = plain(dense, ids, mask, max_new_tokens=NEW).sequences[:, ids.shape[1] :]
-    stop = StoppingCriteriaList([StopAfter(int(probe[row, 2]))])
-    return dict(max_new_tokens=NEW, eos_token_id=int(probe[2, 8]), stopping_criteria=stop)
+def _stopped_in_a_round(dense, ids, mask, row: int = 0, stop: str = "criterion", **kwargs):
+    """Settings under which `row` stops inside an accepted path, after the round committed it: a criterion on its 3rd
+    token, or a stop string of its 2nd and 3rd (the oracle's rounds accept 5 tokens after the prefill's), and row 2 at
+    an EOS; `kwargs` (position ids) go to every call."""
+    probe = plain(dense, ids, mask, max_new_tokens=NEW, **kwargs).sequences[:, ids.shape[1] :]
+    if stop == "criterion":
+        stops = dict(stopping_criteria=StoppingCriteriaList([StopAfter(int(probe[row, 2]))]))
+    else:
+        stops = dict(stop_strings=["".join(_char(int(t)) for t in probe[row, 1:3])], tokenizer=_tokenizer())
+    return dict(max_new_tokens=NEW, eos_token_id=int(probe[2, 8]), **stops, **kwargs)
 
 
-@pytest.mark.parametrize("row", [0, 1], ids=["unpadded", "left-padded"])
-def test_a_row_stopped_past_its_commit_is_prefilled_again(dense, caplog, row):
-    """A stopping criterion that ends a row inside an accepted path, after the round committed it: that row is emptied
-    and its conversation prefilled again, so the returned cache (and a DynamicCache passed in) holds what plain
-    generate's does, without a warning, and continues as plain generate does."""
-    ids, mask = tiny.left_pad(PROMPTS[:3])
-    kwargs = _stopped_in_a_round(dense, ids, mask, row)
-    first = plain(dense, ids, mask, **kwargs)
-    given = DynamicCache(config=dense.config)
-    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.continuation"):
-        out = bole(dense, ids, mask, past_key_values=given, bole_drafter=oracle(dense, ids, mask, NEW), bole_budget=64,
-                   **kwargs)  # fmt: skip
-    assert torch.equal(out.sequences, first.sequences)
-    assert "stopped inside a verify round" not in caplog.text
-    assert out.past_key_values is given
-    assert_holds_plain_state(given, first.past_key_values)
-    ids2, mask2 = extend(first.sequences, mask, [3, 4])
-    ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=first.past_key_values)
-    out = bole(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=given, bole_drafter="ngram")
+def _rows_of(cache: BoleCache, rows: list[int], capacity: int) -> list[torch.Tensor]:
+    """Copies of everything `cache` holds for `rows` in its first `capacity` slots."""
+    index = torch.tensor(rows, dtype=torch.long, device=cache.device)
+    held = [cache.lengths[index], cache.positions[index], cache.valid[index, :capacity]]
+    for layer in cache.layers:
+        if isinstance(layer, BoleAttentionLayer):
+            held += [layer.keys[index, :, :capacity], layer.values[index, :, :capacity]]
+        else:
+            held += [layer.conv_states[0][index], layer.recurrent_states[0][index]]
+    return held
+
+
+@pytest.fixture
+def refilled(monkeypatch) -> list[list[int]]:
+    """The rows each `BoleCache.load_rows` rewrote (settle's prefill of stopped rows), each call checked to leave every
+    other row bit for bit as it was."""
+    calls = []
+    load_rows = BoleCache.load_rows
+
+    def checked(cache, rows, state, positions):
+        others = [b for b in range(cache.batch_size) if b not in rows.tolist()]
+        capacity = cache.capacity
+        before = _rows_of(cache, others, capacity)
+        load_rows(cache, rows, state, positions)
+        for x, y in zip(before, _rows_of(cache, others, capacity)):
+            assert torch.equal(x, y)
+        calls.append(rows.tolist())
+
+    monkeypatch.setattr(BoleCache, "load_rows", checked)
+    return calls
+
+
+def _continues_as_plain(dense, sequences, mask, cache, ref_cache, **kwargs) -> None:
+    """Plain generate and hf_bole continuing the conversation `sequences` from `cache` (hf_bole's returned one) give
+    plain generate's tokens from its own returned `ref_cache`."""
+    ids2, mask2 = extend(sequences, mask, [3, 4])
+    if "position_ids" in kwargs:  # the prompt's, numbered on over the tokens after it, as generate extends them
+        given = kwargs["position_ids"]
+        more = given[:, -1:] + 1 + torch.arange(ids2.shape[1] - given.shape[1])
+        kwargs["position_ids"] = torch.cat([given, more], dim=1)
+    ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=ref_cache, **kwargs)
+    again = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=copy.deepcopy(cache), **kwargs)
+    assert torch.equal(again.sequences, ref.sequences)
+    out = bole(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=cache, bole_drafter="ngram", **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
 
 
-@pytest.mark.parametrize("cause", ["right-padded", "too-large"])
-def test_a_row_stopped_past_its_commit_that_chains_cannot_prefill_empties_the_cache(dense, caplog, monkeypatch, cause):
-    """The same where chains cannot prefill that row again: right padding in its prompt (chains skip padding the plain
-    forward runs), or chains of the batch holding more than the bound on a chain round. The returned cache is emptied
-    with a warning that says why, and continuing from it prefills the whole conversation: plain generate's output."""
+@pytest.mark.parametrize("stop", ["criterion", "stop_string"])
+@pytest.mark.parametrize("row", [0, 1], ids=["unpadded", "left-padded"])
+def test_a_row_stopped_past_its_commit_is_prefilled_again(dense, caplog, refilled, row, stop):
+    """A stopping criterion or a stop string that ends a row inside an accepted path, after the round committed it:
+    that row alone is prefilled again, so the returned cache (and a DynamicCache passed in) holds what plain
+    generate's does, without a warning, and plain generate and hf_bole continue it as plain generate continues its
+    own."""
     ids, mask = tiny.left_pad(PROMPTS[:3])
+    kwargs = _stopped_in_a_round(dense, ids, mask, row, stop)
+    first = plain(dense, ids, mask, **kwargs)
+    given = DynamicCache(config=dense.config)
+    with caplog.at_level(logging.WARNING):
+        out = bole(dense, ids, mask, past_key_values=given, bole_drafter=oracle(dense, ids, mask, NEW), bole_budget=64,
+                   **kwargs)  # fmt: skip
+    assert torch.equal(out.sequences, first.sequences)
+    assert refilled == [[row]]
+    assert not [r for r in caplog.records if r.name.startswith("hf_bole")]
+    assert out.past_key_values is given
+    assert_holds_plain_state(given, first.past_key_values)
+    _continues_as_plain(dense, first.sequences, mask, given, first.past_key_values)
+
+
+@pytest.mark.parametrize("cause", ["right-padded", "position-ids"])
+def test_a_row_stopped_past_its_commit_whose_prompt_chains_cannot_run(dense, caplog, refilled, cause):
+    """The same where the row's prompt is one chains through the verify forward cannot prefill as transformers'
+    forward does: right padding (the forward runs it through the GDN layers, chains skip it), or position ids other
+    than generate's own. The returned BoleCache holds every row, exactly as plain generate's, without a warning."""
+    ids, mask = tiny.left_pad(PROMPTS[:3])
+    settings = {}
     if cause == "right-padded":
         pads = (~mask.bool()).sum(-1)
         assert pads[1] > 0
         ids = torch.stack([row.roll(-int(p)) for row, p in zip(ids, pads)])  # each row's padding moved to its right
         mask = torch.stack([row.roll(-int(p)) for row, p in zip(mask, pads)])
     else:
-        monkeypatch.setattr(continuation_module, "CHAIN_PREFILL_ROUND_BYTES", 1024)
-    kwargs = _stopped_in_a_round(dense, ids, mask, row=1)
+        settings["position_ids"] = tiny.generate_positions(mask) + torch.tensor([[3], [7], [0]])
+    assert unchainable(mask.bool(), settings.get("position_ids", tiny.generate_positions(mask))) is not None
+    kwargs = _stopped_in_a_round(dense, ids, mask, row=1, **settings)
     first = plain(dense, ids, mask, **kwargs)
-    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.continuation"):
-        out = bole(dense, ids, mask, bole_drafter=oracle(dense, ids, mask, NEW), bole_budget=64, **kwargs)
+    with caplog.at_level(logging.WARNING):
+        out = bole(dense, ids, mask, bole_drafter=oracle(dense, ids, mask, NEW, **settings), bole_budget=64, **kwargs)
     assert torch.equal(out.sequences, first.sequences)
-    assert "rows [1] stopped inside a verify round" in caplog.text
-    assert ("right padding" if cause == "right-padded" else "GiB") in caplog.text
-    assert out.past_key_values.get_seq_length() == 0
-    ids2, mask2 = extend(first.sequences, mask, [3, 4])
-    ref = plain(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=first.past_key_values)
-    out = bole(dense, ids2, mask2, max_new_tokens=NEW, past_key_values=out.past_key_values, bole_drafter="ngram")
-    assert torch.equal(out.sequences, ref.sequences)
+    assert refilled == [[1]]
+    assert not [r for r in caplog.records if r.name.startswith("hf_bole")]
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+    assert_holds_plain_state(out.past_key_values, first.past_key_values)
+    _continues_as_plain(dense, first.sequences, mask, out.past_key_values, first.past_key_values, **settings)
 
 
 def test_use_cache_false_returns_none(dense):
