@@ -173,6 +173,7 @@ kernels)
     ;;
 host)
     step host 120 python3 eval/bench_host.py --out benchmarks/host.jsonl
+    RENDER=1
     ;;
 kda)
     step kda 240 python3 eval/bench_kda.py --out benchmarks/kda.jsonl

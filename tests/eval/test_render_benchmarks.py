@@ -31,7 +31,7 @@ def test_render(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
     monkeypatch.setattr(render, "README", readme)
-    sections = [*render.E2E, "layouts", "kernels", "kda", *render.BUDGETS, "batch_sweep", "ttft_turn2", "tables"]
+    sections = [*render.E2E, "layouts", "kernels", "host", "kda", *render.BUDGETS, "batch_sweep", "ttft_turn2", "tables"]
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
         _row("ar", 1, 100.0), _row("ar-static", 1, 500.0, exact=0.75), _row("chain", 1, 2000.0, acc=6.5, exact=1.0),
@@ -90,7 +90,12 @@ def test_render(tmp_path, monkeypatch):
     _write(data / "ttft_turn2.jsonl", [{
         "machine": MACHINE, "shape": "9B", "dtype": "bfloat16", "history": 2000, "turn": 32, "new": 16, "passes": 5,
         "median_s": dict(zip(arms, (0.01, 0.08, 0.05, 0.075))),
+        "seconds": dict(zip(arms, ([0.009, 0.01], [0.072, 0.08], [0.05, 0.06], [0.075, 0.08]))),
         "same_tokens_as_bole_prefill": dict(zip(arms, (True, True, False, True))),
+    }])  # fmt: skip
+    _write(data / "host.jsonl", [{"header": MACHINE}, {
+        "op": "host", "B": 16, "T": 64, "H": 32, "HK": 16, "K": 128, "V": 128, "device": "cuda", "verify_us": 90.0,
+        "verify_triton_us": 260.0, "checks_us": 6.0, "ancestors_us": 30.0, "ancestors_triton_us": 55.0,
     }])  # fmt: skip
     _write(data / "e2e_122b_tp_b1.jsonl", [
         {**_row("ar", 1, 10.0), "settings": tp}, {**_row("bole", 1, 35.0, acc=4.0, exact=1.0), "settings": tp}
@@ -111,7 +116,9 @@ def test_render(tmp_path, monkeypatch):
     assert "| 256 | 2000.0 | 1500.0 | 2600.0 | 1.30× | 1.73× | 2.90 / 1.80 | 1 | 40.0 / 50.0 / 45.0 | 1.00 |" in text
     assert "| 256 | 900.0 | 1900.0 | 1900.0 | 2000.0 | 0.95× | 0.95× | 0 | 44.0 |" in text
     assert "budget from table t.json" in text
-    assert "| hf_bole | 10.0 | 80.0 | 8.00× | yes |" in text and "| plain `generate` | 50.0 | 75.0 | 1.50× | no |" in text
+    assert "| hf_bole | 10.0 (9.0) | 80.0 (72.0) | 8.00× (8.00×) | yes |" in text
+    assert "| plain `generate` | 50.0 (50.0) | 75.0 (75.0) | 1.50× (1.50×) | no |" in text
+    assert "| 16 | 64 | 90.0 | 260.0 | 6.0 | 30.0 | 55.0 |" in text and "H = 32, K = V = 128" in text
     assert "| house model | NVIDIA H200 | bfloat16 | closed_form | graphs | 1: 3 | 1024 |" in text
     assert "| `old.json` | | | | | not read: budget table format 4 is not 5: calibrate again |" in text
     assert (data / "speedup.png").stat().st_size > 0
