@@ -51,8 +51,9 @@ def currency(commit: str | None) -> str:
     if count.returncode != 0:
         return "a commit this clone's history lacks: not known to be the current code"
     n = int(count.stdout.strip())
-    return "hf_bole/ unchanged since: the current code" if n == 0 else f"hf_bole/ changed in {n} commits since: " \
-        "**not the current code**"
+    if n == 0:
+        return "hf_bole/ unchanged since: the current code"
+    return f"hf_bole/ changed in {n} commit{'s' * (n > 1)} since: **not the current code**"
 
 
 def machine_line(m: dict, what: str = "") -> str:
