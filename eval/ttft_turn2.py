@@ -86,7 +86,8 @@ def profile(model, arm, new: int, trace: str) -> None:
     finally:
         gc.callbacks.remove(on_gc)
     for generation, at, took in pauses:
-        print(f"garbage collection (generation {generation}) at +{1e3 * (at - start):.2f} ms: {1e3 * (took or 0):.2f} ms")
+        took_ms = 1e3 * (took or 0)
+        print(f"garbage collection (generation {generation}) at +{1e3 * (at - start):.2f} ms: {took_ms:.2f} ms")
     os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
     prof.export_chrome_trace(trace)
     print(f"profiled call: first token after {1e3 * s:.2f} ms; trace {trace}")

@@ -26,7 +26,7 @@ from hf_bole.generation.accept import make_accept
 from hf_bole.generation.commit import Commit, GreedyTail, RowEnds
 from hf_bole.generation.continuation import hand_back, load, settle
 from hf_bole.generation.draft import CheckedDraft, Draft, Unseen
-from hf_bole.generation.output import BoleGenerateOutput
+from hf_bole.generation.output import CACHE_FIELD, BoleGenerateOutput
 from hf_bole.generation.phases import PhaseTimer
 from hf_bole.generation.plan import CallPlan
 from hf_bole.generation.prefill import prefill_prompt
@@ -172,7 +172,7 @@ def decode(
     mean = float(accept_lengths.sum() / played) if played > 0 else 0.0
     return BoleGenerateOutput(
         sequences=sequences,
-        past_key_values=returned,
+        **{CACHE_FIELD: returned},
         accept_lengths=accept_lengths,
         mean_accepted_tokens=mean,
         peak_transient_bytes=peak_transient,

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+# The output's cache field: `cache` from transformers 5.25 (which still reads `past_key_values`, with a deprecation
+# warning: given by that name, the output would warn in every call), `past_key_values` before.
+CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
 
 @dataclass
 class BoleGenerateOutput(GenerateDecoderOnlyOutput):

@@ -373,6 +373,19 @@ def test_use_cache_false_returns_none(dense):
     assert given.get_seq_length() == sequences.shape[1] - 1
 
 
+@pytest.mark.skipif(version.parse(transformers.__version__) < version.parse("5.25"), reason="output.cache from 5.25")
+def test_the_output_holds_its_cache_by_its_new_name(dense, monkeypatch):
+    """From transformers 5.25 the output's field is `cache`: built by the old name, every call returning a dict would
+    log transformers' deprecation warning, which the caller never asked for."""
+    from transformers.utils import generic
+
+    said = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda message, *args, **kwargs: said.append(message))
+    ids, mask = tiny.left_pad(PROMPTS[:2])
+    out = bole(dense, ids, mask, max_new_tokens=3, bole_drafter="ngram")
+    assert not said and isinstance(out.cache, BoleCache)
+
+
 @pytest.mark.skipif(version.parse(transformers.__version__) < version.parse("5.24"), reason="cache= from 5.24")
 def test_cache_by_its_new_name(dense):
     """transformers 5.24's `cache=` is taken like `past_key_values=`."""
