@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -398,12 +400,19 @@ def test_auto_finds_stored_table(monkeypatch, caplog):
     _table(key).save(_table(key).default_path())
     with caplog.at_level(logging.INFO, logger="hf_bole.generation.budget"):
         resolver = BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
-        BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)
+        assert BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4) is resolver  # built once
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, f"hf_bole: budget='auto' reads the verification budget table {_table(key).default_path()}")
     ]  # once
     assert resolver(4, 512) == 12 and resolver(4, 4096) == 12  # chosen again at epsilon 0.3 (at 0.1: 0 at KV 4096)
     assert resolver(1, 512) == 3  # one row left of four: the 3 nodes a row gets at the batch of 4
+    assert BudgetResolver.for_model(model, BoleConfig(epsilon=0.1), batch_size=4)(4, 4096) == 0  # another epsilon
+    # a table measured again (another file version) is read again, and so are its budgets
+    again = _table(key)
+    again.entries = [replace(e, t_ver=[1.0, 1.0, 1.0, 1.0, 1.0]) for e in again.entries]
+    path = again.save(again.default_path())
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert BudgetResolver.for_model(model, BoleConfig(epsilon=0.3), batch_size=4)(4, 512) == 60  # width 16: flat times
 
 
 def test_auto_finds_a_shipped_table_after_the_users(monkeypatch, caplog):

@@ -232,7 +232,17 @@ class BudgetResolver:
                 f"Measure one with {_calibrate_command(model, key, config)}."
             )
             return cls.fallback(batch_size)
-        return cls.from_table(table, config.epsilon, batch_size)
+        # Built once per table version, epsilon and batch size: the interpolation costs host time in every call's
+        # set-up. A table is read once per file version (`tables.find_table`).
+        memo = (id(table), config.epsilon, batch_size)
+        if memo not in _RESOLVERS:
+            _RESOLVERS[memo] = (table, cls.from_table(table, config.epsilon, batch_size))
+        return _RESOLVERS[memo][1]
+
+
+# (id of a table, epsilon, batch size) -> (the table, its resolver, which no call changes); the table is held so that
+# its id names no other while the entry lives
+_RESOLVERS: dict[tuple[int, float, int], tuple[BudgetTable, BudgetResolver]] = {}
 
 
 def _calibrate_command(model, key: TableKey, config: BoleConfig) -> str:
