@@ -10,6 +10,10 @@ Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses 
                                          pre-conv inputs, oldest first), D = 2 Hk K + H V
     recurrent      [NG, B, H, K, V]      recurrent states, float32, stacked so that one `tree_gdn_commit` (or
                                          `tree_kda_commit`) launch updates every linear layer
+    index_keys     [NI, B, C, Dx]        the QSA indexer's raw key per slot of the NI "indexed_attention" layers
+                                         (Qwen4-Exp; NI = 0 elsewhere)
+    slot_positions [B, C]                the position id of every slot, which the indexer rotates its pooled blocks'
+                                         keys by (None without indexed layers)
     lengths        [B]                   committed slots per row (left padding included)
     positions      [B]                   position id of each row's next token
     valid          [B, C]                False on padding slots
@@ -24,9 +28,9 @@ A tree round (`tree_mode(parents, tree_round)`) writes the tree's KV into the fr
 committed ones (slot `lengths[b] + i` for node i), and keeps in `tree_round` the per-node GDN factors (k, u,
 log-decay) or, for the serial baseline, per-node state snapshots, together with every node's pre-conv input. The
 round is a value: the verify forward fills it and hands it on, and `commit(tree_round, path)` then moves the accepted
-nodes' KV into place, applies Eq. 10 to all GDN layers at once (its per-key-channel form to KDA layers, whose factors
-keep the layer's g in place of the log-decay) and rebuilds the conv windows. The cache holds no
-round outside the forward, and the committed state is never touched before `commit`.
+nodes' KV (and indexer keys and slot positions) into place, applies Eq. 10 to all GDN layers at once (its
+per-key-channel form to KDA layers, whose factors keep the layer's g in place of the log-decay) and rebuilds the conv
+windows. The cache holds no round outside the forward, and the committed state is never touched before `commit`.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 from hf_bole.placement import placement
 from hf_bole.tensor_parallel import tensor_parallel
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # layers with KV (a sliding window's is kept whole)
+# layers with KV (a sliding window's is kept whole; an indexed layer's with its indexer's keys)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention")
+INDEXED_LAYER = "indexed_attention"  # Qwen4-Exp's attention with a QSA indexer
 KV_GROWTH_STEP = 64  # a growing cache's KV capacity is a multiple of this many slots
 
 
@@ -107,6 +113,7 @@ class _DeviceGroup:
     values: torch.Tensor  # [NA, B, Hkv, C, Dv]
     conv: torch.Tensor  # [NG, B, D, W]
     recurrent: torch.Tensor  # [NG, B, H, K, V] float32
+    index_keys: torch.Tensor  # [NI, B, C, Dx] the indexed layers' indexer keys
 
 
 @dataclass
@@ -198,6 +205,19 @@ class BoleAttentionLayer(CacheLayerMixin):
         return self.cache.get_max_length()
 
 
+class BoleIndexedAttentionLayer(BoleAttentionLayer):
+    """An "indexed_attention" layer of a `BoleCache` (Qwen4-Exp): KV, and the QSA indexer's keys and the slots'
+    positions, which transformers' `DynamicIndexedLayer` keeps as `indexer_keys` and `indexer_position_ids`."""
+
+    @property
+    def indexer_position_ids(self) -> torch.Tensor | None:
+        return self.cache.indexer_position_ids()
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, position_ids: torch.Tensor) -> None:
+        self.cache.record_indexer_positions(position_ids)
+
+
 def _write_tree_kv_eager(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -225,6 +245,17 @@ def _write_tree_kv_eager(
 _write_tree_kv = torch.library.custom_op("hf_bole::write_tree_kv", mutates_args=("keys", "values"))(
     _write_tree_kv_eager
 )
+
+
+def _commit_slots(stored: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
+    """`kv_commit_torch` for one stack `stored [NX, B, C, D]` (indexer keys, or the slots' positions as `[1, B, C, 1]`):
+    slot `lengths[b] + j` takes slot `lengths[b] + path[b, j]` where `path[b, j] >= 0`, in place."""
+    NX, B, _, D = stored.shape
+    steps = torch.arange(path.shape[1], device=path.device)
+    dst = lengths[:, None] + steps  # [B, L]
+    src = lengths[:, None] + torch.where(path >= 0, path, steps)  # padding entries move their own slot
+    dst, src = (x[None, :, :, None].expand(NX, B, -1, D) for x in (dst, src))
+    stored.scatter_(2, dst, stored.gather(2, src))
 
 
 class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
@@ -335,6 +366,7 @@ class BoleCache(Cache):
         config = config.get_text_config(decoder=True)
         layer_types = list(getattr(config, "layer_types", None) or [])
         attn_layers = [i for i, t in enumerate(layer_types) if t in ATTENTION_LAYER_TYPES]
+        indexed_layers = [i for i, t in enumerate(layer_types) if t == INDEXED_LAYER]
         gdn_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
         if not attn_layers or not gdn_layers or len(attn_layers) + len(gdn_layers) != len(layer_types):
             raise ValueError(
@@ -360,10 +392,8 @@ class BoleCache(Cache):
         else:
             layer_devices = [torch.device(d) for d in layer_devices]
 
-        layers = [
-            BoleAttentionLayer(self, i) if t in ATTENTION_LAYER_TYPES else BoleLinearAttentionLayer(self, i)
-            for i, t in enumerate(layer_types)
-        ]
+        kinds = dict.fromkeys(ATTENTION_LAYER_TYPES, BoleAttentionLayer) | {INDEXED_LAYER: BoleIndexedAttentionLayer}
+        layers = [kinds.get(t, BoleLinearAttentionLayer)(self, i) for i, t in enumerate(layer_types)]
         super().__init__(layers=layers)
         self._max_cache_len = max_cache_len
         self.dtype, self.device = dtype, device
@@ -371,8 +401,9 @@ class BoleCache(Cache):
         # Layers grouped by device, in the order the forward meets the devices: layer -> (group, index in group).
         devices = list(dict.fromkeys(layer_devices))
         grouped = lambda layers: [[i for i in layers if layer_devices[i] == d] for d in devices]  # noqa: E731
-        attn_groups, gdn_groups = grouped(attn_layers), grouped(gdn_layers)
+        attn_groups, gdn_groups, index_groups = grouped(attn_layers), grouped(gdn_layers), grouped(indexed_layers)
         self._attn_index = {layer: (d, a) for d, group in enumerate(attn_groups) for a, layer in enumerate(group)}
+        self._index_place = {layer: (d, i) for d, group in enumerate(index_groups) for i, layer in enumerate(group)}
         self._gdn_place = {layer: (d, g) for d, group in enumerate(gdn_groups) for g, layer in enumerate(group)}
         self._last_attn_layer = attn_layers[-1]
 
@@ -385,7 +416,7 @@ class BoleCache(Cache):
         capacity, B = max_cache_len or 0, batch_size
         Hkv, hv, k, v = layout.kv_heads, layout.linear_value_heads, layout.linear_key_dim, layout.linear_value_dim
         self._groups = []
-        for d, attn, gdn in zip(devices, attn_groups, gdn_groups):
+        for d, attn, gdn, indexed in zip(devices, attn_groups, gdn_groups, index_groups):
             kv = dict(dtype=dtype, device=d)
             self._groups.append(
                 _DeviceGroup(
@@ -394,11 +425,13 @@ class BoleCache(Cache):
                     values=torch.zeros(len(attn), B, Hkv, capacity, layout.value_dim, **kv),
                     conv=torch.zeros(len(gdn), B, layout.conv_dim, layout.conv_width, **kv),
                     recurrent=torch.zeros(len(gdn), B, hv, k, v, dtype=torch.float32, device=d),
+                    index_keys=torch.zeros(len(indexed), B, capacity, layout.index_key_dim, **kv),
                 )
             )
         self.lengths = torch.zeros(B, dtype=torch.int64, device=device)
         self.positions = torch.zeros(B, dtype=torch.int64, device=device)
         self._valid = torch.ones(B, capacity, dtype=torch.bool, device=device)
+        self._slot_positions = torch.zeros(B, capacity, dtype=torch.int64, device=device) if indexed_layers else None
         self.device = self.lengths.device  # with its index: "cuda" becomes "cuda:0"
 
         # Host-side bookkeeping, so that the hot path never reads a length back from the device.
@@ -489,6 +522,47 @@ class BoleCache(Cache):
             self._finish_plain_forward(start + q, q)
         return keys[a, :, :, : start + q], values[a, :, :, : start + q]
 
+    def update_indexer(self, index_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Writes the new QSA indexer keys `[B, q, Dx]` of indexed layer `layer_idx` and returns the layer's, slot by
+        slot as `update` returns its KV: `[B, lengths + q, Dx]` after a plain forward's, the whole storage `[B, C, Dx]`
+        in tree mode (node i of row b at slot `lengths[b] + i`), read where the layer's mask says."""
+        if layer_idx not in self._index_place:
+            raise ValueError(f"layer {layer_idx} is not an indexed attention layer of this BoleCache")
+        group, i = self._index_place[layer_idx]
+        self._check_input(index_keys, "index_keys", layer_idx, group)
+        stored = self._groups[group].index_keys
+        r = self._tree
+        if r is not None:
+            slots = r.groups[group].slots[..., None].expand(index_keys.shape)  # [B, N, Dx]
+            stored[i].scatter_(1, slots, index_keys.to(stored.dtype))
+            return stored[i]
+        start, q = self._plain_length(), index_keys.shape[1]
+        self._ensure_capacity(start + q)
+        stored = self._groups[group].index_keys  # growth replaces the storage
+        stored[i, :, start : start + q].copy_(index_keys)
+        return stored[i, :, : start + q]
+
+    def indexer_position_ids(self) -> torch.Tensor | None:
+        """`[3, B, S]` the position ids of the slots (in the three rotary rows Qwen4-Exp's indexer rotates by; text
+        positions in all three), which the model puts before the forward's own so that slot s's is at index s: the
+        committed slots in a plain forward (None before the first), the whole storage in tree mode, where `tree_mode`
+        has written the nodes' at their slots and the forward's own are the nodes' again, at the end."""
+        if self._tree_active():
+            return self._slot_positions[None].expand(3, -1, -1)
+        length = self._plain_length()
+        return self._slot_positions[None, :, :length].expand(3, -1, -1) if length else None
+
+    def record_indexer_positions(self, position_ids: torch.Tensor) -> None:
+        """Takes what the model keeps as the indexer's positions after `indexer_position_ids`: `[3, B, S + q]`, the
+        slots' and then a plain forward's q new ones, which go to the q slots after the committed ones (a tree's were
+        written by `tree_mode`)."""
+        if self._tree_active():
+            return
+        start = self._plain_length()
+        end = position_ids.shape[-1]
+        self._ensure_capacity(end)
+        self._slot_positions[:, start:end].copy_(position_ids[0, :, start:])
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The common length of all rows (left padding included). Rows that accepted different numbers of
         tokens have no common length: their maximum is returned then (one read from the device)."""
@@ -511,7 +585,7 @@ class BoleCache(Cache):
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[B, D, W]` the committed conv window of GDN layer `layer_idx`, or None before its first forward.
         In tree mode always the window (zeros on a fresh cache): the tree conv falls back to it above the root."""
-        group, g = self._gdn(layer_idx)
+        group, g = self._gdn(layer_idx, state_idx)
         if self._gdn_started[layer_idx] or self._tree_active():
             return self._groups[group].conv[g]
         return None
@@ -547,7 +621,7 @@ class BoleCache(Cache):
         Plain forward: the window becomes the last W inputs. Tree mode: the inputs are kept for `commit` and
         the window is left as it is.
         """
-        group, g = self._gdn(layer_idx)
+        group, g = self._gdn(layer_idx, state_idx)
         conv = self._groups[group].conv
         self._check_input(conv_states, "conv_states", layer_idx, group)
         r = self._tree
@@ -699,6 +773,8 @@ class BoleCache(Cache):
         for group, rg in zip(self._groups, tree_round.groups):
             rg.slots = slots.to(group.device)  # one copy per device group and round (none on the cache's device)
         ancestors, position_ids, attention_mask = tree_masks(parents, self.lengths, self.positions, self._valid)
+        if self._slot_positions is not None:  # the indexer rotates a block's pooled key by its first slot's position
+            self._slot_positions.scatter_(1, slots, position_ids)
 
         self._tree = tree_round
         try:
@@ -763,6 +839,8 @@ class BoleCache(Cache):
         for group, rg in zip(self._groups, r.groups):
             # One copy of the path and lengths per device group (none on the cache's own device).
             self._commit_group(group, rg, r, *(x.to(group.device) for x in (path, self.lengths)), check_values)
+        if self._slot_positions is not None:
+            _commit_slots(self._slot_positions[None, :, :, None], self.lengths, path)
 
         num_accepted = accepted.sum(1)
         self.lengths.add_(num_accepted)
@@ -797,6 +875,8 @@ class BoleCache(Cache):
         B = path.shape[0]
         N = r.parents.shape[1]
         kv_commit(group.keys, group.values, lengths, path)
+        if group.index_keys.shape[0] > 0:
+            _commit_slots(group.index_keys, lengths, path)
 
         if r.verify == "serial":
             for g, snapshots in enumerate(rg.snapshots):
@@ -893,7 +973,12 @@ class BoleCache(Cache):
             values[layer] = self._groups[group].values[a, :, :, :L]
         for layer, (group, g) in self._gdn_place.items():
             conv[layer], recurrent[layer] = self._groups[group].conv[g], self._groups[group].recurrent[g]
-        return CacheState(keys, values, conv, recurrent, L, valid=self._valid[:, :L], token_ids=self.token_ids)
+        index_keys = {layer: self._groups[g].index_keys[i, :, :L] for layer, (g, i) in self._index_place.items()}
+        slot_positions = None if self._slot_positions is None else self._slot_positions[:, :L]
+        return CacheState(
+            keys, values, conv, recurrent, L, valid=self._valid[:, :L], token_ids=self.token_ids,
+            index_keys=index_keys, slot_positions=slot_positions,
+        )  # fmt: skip
 
     def load(self, state: CacheState, starts: Sequence[int] | None = None, valid: torch.Tensor | None = None) -> None:
         """Makes the cache hold `state` and nothing else, copied into the storage (whose addresses stay put): each row
@@ -937,6 +1022,14 @@ class BoleCache(Cache):
                     else:
                         index = torch.tensor(rows, device=stored.device)
                         stored[a, index, :, start : start + L] = source[index]
+        indexed = [(self._groups[g].index_keys[i], state.index_keys[n]) for n, (g, i) in self._index_place.items()]
+        if self._slot_positions is not None:
+            indexed.append((self._slot_positions[..., None], state.slot_positions[..., None]))
+        for stored, given in indexed:  # [B, C, Dx] the slots of a layer's indexer keys, or of the positions
+            source = given.to(stored.device).expand(B, -1, -1)  # [B, L, Dx]
+            for start, rows in rows_from.items():
+                index = torch.tensor(rows, device=stored.device)
+                stored[index, start : start + L] = source[index]
         for layer, (group, g) in self._gdn_place.items():
             self._groups[group].conv[g].copy_(state.conv[layer].expand(B, -1, -1))
             self._groups[group].recurrent[g].copy_(state.recurrent[layer].expand(B, -1, -1, -1))
@@ -955,6 +1048,11 @@ class BoleCache(Cache):
         """Raises a ValueError naming the first layer where `state` does not fit this cache's model."""
         if state.length == 0:
             return
+        if set(state.index_keys) != set(self._index_place) or (state.slot_positions is None) != (not self._index_place):
+            raise ValueError(
+                f"the cache holds QSA indexer keys of layers {sorted(state.index_keys)}, but this model's indexed "
+                f"attention layers are {sorted(self._index_place)}: a cache of another model"
+            )
         if set(state.keys) != set(self._attn_index) or set(state.conv) != set(self._gdn_place):
             raise ValueError(
                 f"the cache holds attention layers {sorted(state.keys)} and GDN layers {sorted(state.conv)}, but this "
@@ -965,7 +1063,8 @@ class BoleCache(Cache):
         width = self._groups[0].conv.shape[-1]
         keys, values = ((layout.kv_heads, state.length, dim) for dim in (layout.key_dim, layout.value_dim))
         expected = [(state.keys, keys, self.dtype), (state.values, values, self.dtype),
-                    (state.conv, (self._conv_dim, width), self.dtype), (state.recurrent, (hv, k, v), None)]  # fmt: skip
+                    (state.conv, (self._conv_dim, width), self.dtype), (state.recurrent, (hv, k, v), None),
+                    (state.index_keys, (state.length, layout.index_key_dim), self.dtype)]  # fmt: skip
         for tensors, shape, dtype in expected:
             for layer, t in tensors.items():
                 if tuple(t.shape[1:]) != shape:
@@ -992,17 +1091,25 @@ class BoleCache(Cache):
         for group in self._groups:
             group.keys = _extend(group.keys, 3, extra, 0)
             group.values = _extend(group.values, 3, extra, 0)
+            group.index_keys = _extend(group.index_keys, 2, extra, 0)
         self._valid = _extend(self._valid, 1, extra, True)
+        if self._slot_positions is not None:
+            self._slot_positions = _extend(self._slot_positions, 1, extra, 0)
 
     def _attention_index(self, layer_idx: int) -> tuple[int, int]:
         if layer_idx not in self._attn_index:
             raise ValueError(f"layer {layer_idx} is not a full-attention layer of this BoleCache")
         return self._attn_index[layer_idx]
 
-    def _gdn(self, layer_idx: int) -> tuple[int, int]:
-        """(device group, index in the group) of GDN layer `layer_idx`."""
+    def _gdn(self, layer_idx: int, state_idx: int = 0) -> tuple[int, int]:
+        """(device group, index in the group) of GDN layer `layer_idx`, whose one conv window is `state_idx` 0."""
         if layer_idx not in self._gdn_place:
             raise ValueError(f"layer {layer_idx} is not a GDN (linear_attention) layer of this BoleCache")
+        if state_idx != 0:  # Qwen4-Exp's per-layer embeddings keep two more, which tree mode does not branch
+            raise ValueError(
+                f"BoleCache keeps one conv window per linear layer, but layer {layer_idx} asks for conv state "
+                f"{state_idx}: a model with per-layer embeddings (Qwen4-Exp's ple_layer_ids), which hf_bole refuses"
+            )
         return self._gdn_place[layer_idx]
 
     def _check_input(self, x: torch.Tensor, name: str, layer_idx: int, group: int) -> None:
@@ -1026,10 +1133,11 @@ class BoleCache(Cache):
     def reset(self) -> None:
         """Empties every row (storage is kept)."""
         for group in self._groups:
-            for t in (group.keys, group.values, group.conv, group.recurrent):
+            for t in (group.keys, group.values, group.conv, group.recurrent, group.index_keys):
                 t.zero_()
-        for t in (self.lengths, self.positions):
-            t.zero_()
+        for t in (self.lengths, self.positions, self._slot_positions):
+            if t is not None:
+                t.zero_()
         self._valid.fill_(True)
         self._aligned_length, self._length_bound, self._observed = 0, 0, False
         self._gdn_started = dict.fromkeys(self._gdn_started, False)
@@ -1059,6 +1167,11 @@ class BoleCache(Cache):
             on = index.to(stored.device)
             for t, given in ((stored.keys, state.keys), (stored.values, state.values)):
                 t[a, :, :, :L].index_copy_(0, on, given[layer].to(t.device))  # [n, Hkv, L, Dh] into [B, Hkv, L, Dh]
+        for layer, (group, i) in self._index_place.items():
+            stored = self._groups[group].index_keys
+            stored[i, :, :L].index_copy_(0, index.to(stored.device), state.index_keys[layer].to(stored.device))
+        if self._slot_positions is not None:
+            self._slot_positions[:, :L].index_copy_(0, index, state.slot_positions.to(self.device))
         for layer, (group, g) in self._gdn_place.items():
             stored = self._groups[group]
             on = index.to(stored.device)
@@ -1085,10 +1198,11 @@ class BoleCache(Cache):
         indices = indices.to(self.device)
         for group in self._groups:
             on = indices.to(group.device)
-            for name in ("keys", "values", "conv", "recurrent"):  # [layers, B, ...]
+            for name in ("keys", "values", "conv", "recurrent", "index_keys"):  # [layers, B, ...]
                 setattr(group, name, getattr(group, name).index_select(1, on))
-        for name in ("lengths", "positions", "_valid"):  # [B, ...]
-            setattr(self, name, getattr(self, name).index_select(0, indices))
+        for name in ("lengths", "positions", "_valid", "_slot_positions"):  # [B, ...]
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, indices))
         self._batch_size = len(indices)
         self._advance()
 

@@ -12,6 +12,8 @@ Two kinds of linear-attention layer and two kinds of attention cache are told ap
                        cache (`kv_lora_rank` in the config: Kimi-Linear, Bailing-Hybrid): one "head" whose keys are
                        the normalised latent (`kv_lora_rank` wide) and whose values are the shared rotary key
                        (`qk_rope_head_dim`), which the layer expands to its heads after reading the cache.
+                       Qwen4-Exp's "indexed_attention" layers also keep their QSA indexer's raw key per token
+                       (`indexer_head_dim` wide, one head), which the indexer pools into blocks of the visible slots.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class StateLayout:
     conv_dim: int  # channels of the linear layers' short convolution
     conv_width: int
     per_key_decay: bool  # KDA: a log-decay per key channel; GDN: one per head
+    index_key_dim: int = 0  # the width of a QSA indexer's cached key (Qwen4-Exp), 0 without an indexer
 
 
 def state_layout(config) -> StateLayout:
@@ -60,4 +63,5 @@ def state_layout(config) -> StateLayout:
         conv_dim=2 * hk * k + hv * v,
         conv_width=config.linear_conv_kernel_dim,
         per_key_decay=per_key_decay,
+        index_key_dim=getattr(config, "indexer_head_dim", None) or 0,
     )

@@ -5,12 +5,14 @@ copies nothing; `BoleCache.load` and `write_dynamic` copy it into a cache.
 transformers 5.17-5.25 keep Qwen3.5's state in a `DynamicCache` of one layer object per decoder layer: a `DynamicLayer`
 for a full-attention layer (`keys`, `values` `[B, Hkv, L, Dh]`, the L tokens it has seen) and a `LinearAttentionLayer`
 for a GDN layer (`conv_states[0]` `[B, D, W]`, the last W pre-conv inputs; `recurrent_states[0]` `[B, H, K, V]`,
-float32). Neither says which of the L slots were padding: the attention mask of the next forward does.
+float32). Neither says which of the L slots were padding: the attention mask of the next forward does. Qwen4-Exp's
+"indexed_attention" layers are `DynamicIndexedLayer`s, whose `indexer_keys` `[B, L, Dx]` are the QSA indexer's keys;
+the first of them keeps the slots' position ids for all (`indexer_position_ids`, `[3, B, L]`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
@@ -28,6 +30,8 @@ class CacheState:
         valid: `[B, L]` bool, False at padding slots; None where the cache does not know (a transformers cache).
         token_ids: `[B, L]` the tokens the slots hold, where the cache knows them (a `BoleCache` that an hf_bole call
             returned); else None.
+        index_keys: indexed attention layer index -> `[B, L, Dx]` its QSA indexer's keys (Qwen4-Exp; else empty).
+        slot_positions: `[B, L]` the slots' position ids, which the indexer rotates by (None without indexed layers).
     """
 
     keys: dict[int, torch.Tensor]
@@ -37,6 +41,8 @@ class CacheState:
     length: int
     valid: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
+    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    slot_positions: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -60,7 +66,7 @@ def read_dynamic(cache: Cache, config) -> CacheState:
         raise ValueError(
             f"the cache has {len(cache.layers)} layers but the model {len(layer_types)}: it belongs to another model"
         )
-    keys, values, conv, recurrent = {}, {}, {}, {}
+    keys, values, conv, recurrent, index_keys, slot_positions = {}, {}, {}, {}, {}, None
     for i, (layer, kind) in enumerate(zip(cache.layers, layer_types)):
         if kind == "linear_attention":
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -76,18 +82,22 @@ def read_dynamic(cache: Cache, config) -> CacheState:
                 conv[i], recurrent[i] = layer.conv_states[0], layer.recurrent_states[0]
         elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0:
             keys[i], values[i] = layer.keys, layer.values
+            if kind == "indexed_attention":
+                index_keys[i] = layer.indexer_keys
+                if slot_positions is None:  # kept on the first indexed layer for all
+                    slot_positions = layer.indexer_position_ids[0]
     lengths = {i: k.shape[-2] for i, k in keys.items()}
     length = max(lengths.values(), default=0)
     if any(n != length for n in lengths.values()):
         raise ValueError(f"the cache's attention layers hold different numbers of tokens: {lengths}")
-    attention = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    attention = [i for i, kind in enumerate(layer_types) if kind in ("full_attention", "indexed_attention")]
     gdn = [i for i, kind in enumerate(layer_types) if kind == "linear_attention"]
     if length == 0 and not conv:
         return CacheState({}, {}, {}, {}, 0)
     missing = [i for i in attention if i not in keys] + [i for i in gdn if i not in conv]
     if missing:
         raise ValueError(f"the cache holds {length} tokens but no state in layers {missing}")
-    return CacheState(keys, values, conv, recurrent, length)
+    return CacheState(keys, values, conv, recurrent, length, index_keys=index_keys, slot_positions=slot_positions)
 
 
 def write_dynamic(state: CacheState, cache: DynamicCache, config) -> None:
@@ -96,6 +106,10 @@ def write_dynamic(state: CacheState, cache: DynamicCache, config) -> None:
     fresh = DynamicCache(config=config)
     for i in state.keys:
         fresh.layers[i].update(state.keys[i].clone(), state.values[i].clone())
+    for n, i in enumerate(state.index_keys):
+        fresh.layers[i].update_indexer(state.index_keys[i].clone())
+        if n == 0:  # the model keeps the slots' positions on the first indexed layer, in its three rotary rows
+            fresh.layers[i].indexer_position_ids = state.slot_positions[None].expand(3, -1, -1).clone()
     for i in state.conv:
         layer = fresh.layers[i]
         # A first update takes the window as a prefill's inputs; the recurrent state as it is.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_bole.models import graph_unsafe_experts
+from hf_bole.models import family_of, graph_unsafe_experts
 from hf_bole.placement import placement
 from hf_bole.tensor_parallel import tensor_parallel
 
@@ -21,10 +21,10 @@ KEPT_CAPACITY_STEP = 512
 def captures(model, cuda_graphs: bool) -> bool:
     """Whether verify forwards of `model` replay from CUDA graphs: asked for (`bole_cuda_graphs`), on one CUDA
     device (not spread over several by a device_map: a graph is captured on one device's stream), not sharded by
-    tensor parallelism (its collectives are not captured yet, issue 60), and no mixture-of-experts layers whose
-    experts implementation routes tokens with data-dependent shapes (`graph_unsafe_experts`: transformers' "eager";
-    its default "grouped_mm" is captured)."""
-    if not cuda_graphs:
+    tensor parallelism (its collectives are not captured yet, issue 60), of a family whose forward a graph can hold
+    (`Family.cuda_graphs`), and no mixture-of-experts layers whose experts implementation routes tokens with
+    data-dependent shapes (`graph_unsafe_experts`: transformers' "eager"; its default "grouped_mm" is captured)."""
+    if not cuda_graphs or not family_of(model.config).cuda_graphs:
         return False
     place = placement(model)
     if place.spans_devices or place.input_device.type != "cuda" or tensor_parallel(model).size > 1:

@@ -198,7 +198,7 @@ class CallPlan:
             )
         if chains:
             capacity += MAX_TREE_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens
-        if bole.cuda_graphs and device.type == "cuda" and not graphed:  # captures() refuses some experts
+        if bole.cuda_graphs and device.type == "cuda" and not graphed and graph_unsafe_experts(model):
             logger.warning_once(
                 f"hf_bole: CUDA graphs cannot capture the model's mixture-of-experts layers "
                 f"({graph_unsafe_experts(model)[0]}, ...): eager experts route tokens on the host, and torch's "

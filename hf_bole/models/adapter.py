@@ -4,7 +4,7 @@ Tree mode is asked for per call: `tree_forward` passes a `bole_tree` keyword arg
 forward hands untouched to every layer, and a dict attention mask, which the model passes through untouched.
 Without them every layer runs exactly as upstream. The seams, all module-level functions of the modeling module of
 every supported family (`hf_bole/models/family.py`: Qwen3.5, Qwen3-Next, OLMo-Hybrid, Lara-Mini, Kimi-Linear,
-Bailing-Hybrid), wrapped once per process and passing through unless asked:
+Bailing-Hybrid, Qwen4-Exp), wrapped once per process and passing through unless asked:
 
     causal_conv1d_fn                   the GDN conv (a hub-kernel seam): with `bole_tree`, the conv along each
                                        node's ancestor path (`tree_causal_conv1d`)
@@ -25,6 +25,7 @@ By default full-attention layers run the model's own attention: the ancestor mas
 the tree positions as position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask
 indexes. The MLA layers of Kimi-Linear and Bailing-Hybrid always do (`Family.tree_attention_kernel`): they cache
 compressed latents and expand them to heads of two sizes after the cache, which `kernels.tree_attention` does not take.
+So do Qwen4-Exp's indexed layers, whose QSA indexer narrows the mask to the blocks it selects.
 """
 
 from __future__ import annotations
@@ -190,8 +191,9 @@ def graph_unsafe_experts(module: torch.nn.Module) -> list[str]:
 
 def check_supported_model(model: torch.nn.Module) -> Family:
     """Raises a `ValueError` unless `model` is a model hf_bole can verify trees with: one of the classes of a
-    supported family (`hf_bole.models.family`), with GDN and KV-caching attention layers and an attention
-    implementation that takes an arbitrary 4D mask ("sdpa" or "eager"). Returns its family."""
+    supported family (`hf_bole.models.family`), with GDN and KV-caching attention layers, none of the family's
+    `unsupported` features, and an attention implementation that takes an arbitrary 4D mask ("sdpa" or "eager").
+    Returns its family."""
     config = model.config.get_text_config(decoder=True)
     family = family_of(config)
     if not isinstance(model, family.model_classes()):
@@ -204,6 +206,12 @@ def check_supported_model(model: torch.nn.Module) -> Family:
             f"hf_bole needs a hybrid model of GDN ('{GDN_LAYER}') and attention ({', '.join(family.attention_layers)}) "
             f"layers, at least one of each; {type(model).__name__} has layer types {sorted(layer_types)}"
         )
+    for name, why in family.unsupported:
+        if getattr(config, name, None):
+            raise ValueError(
+                f"hf_bole cannot verify trees exactly on {type(model).__name__} with {name}={getattr(config, name)!r}: "
+                f"{why}; tree mode runs the {family.name} models that leave {name} unset"
+            )
     if config._attn_implementation not in TREE_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"tree verification passes an ancestor mask, which attn_implementation="

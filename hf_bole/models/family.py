@@ -28,6 +28,12 @@ What differs between families is small and is what a `Family` says:
                           (a lone root gets a padding node, whose output is dropped)
     tree_attention_kernel whether `kernels.tree_attention` takes the attention layers' heads ("auto" attention picks
                           it on CUDA); without it the layers always run the model's own attention with the tree mask
+    cuda_graphs           whether a verify forward can replay from a CUDA graph: not where the model's own code reads
+                          the device back mid-forward (Qwen4-Exp's indexer, `torch.nonzero` per query)
+    unsupported           (config field, why) of features tree mode cannot run exactly: a config that sets one is
+                          refused (`check_supported_model`) with the field and the reason
+    shipped_in            the first transformers release whose modeling code of the family hf_bole drives: older ones
+                          are treated as lacking it
 
 Adding a family is a file in `families/` and its tests; the sizes of its cached state come from its config
 (`hf_bole/cache/layout.py`).
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import transformers
+from packaging import version
 
 GDN_LAYER = "linear_attention"
 
@@ -52,7 +59,7 @@ class Family:
     name: str
     modules: dict[str, str]  # text config model_type -> modeling module (import path)
     classes: tuple[str, ...]
-    shipped_in: str  # a transformers release that ships it, for the message where this one lacks it
+    shipped_in: str  # the first transformers release hf_bole drives it in, for the message where this one lacks it
     mrope: bool = False
     attention_layers: tuple[str, ...] = ("full_attention",)
     projection_groups: tuple[tuple[str, ...], ...] = ()
@@ -63,11 +70,13 @@ class Family:
     kda: bool = False
     min_tree_nodes: int = 1
     tree_attention_kernel: bool = True
+    cuda_graphs: bool = True
+    unsupported: tuple[tuple[str, str], ...] = ()
 
     @property
     def available(self) -> bool:
-        """Whether this transformers version ships the family's modeling modules."""
-        return all(_module(path) is not None for path in self.modules.values())
+        """Whether this transformers version ships the family's modeling modules, from `shipped_in` on."""
+        return _at_least(self.shipped_in) and all(_module(path) is not None for path in self.modules.values())
 
     def module(self, model_type: str) -> ModuleType:
         """The modeling module of text config model type `model_type`."""
@@ -90,6 +99,12 @@ class Family:
     def rotary_position_ids(self, position_ids):
         """What the decoder's rotary embedding takes for text positions `position_ids [B, N]`."""
         return position_ids[None].expand(3, -1, -1) if self.mrope else position_ids
+
+
+@functools.cache
+def _at_least(release: str) -> bool:
+    # the installed version's release numbers, so that a dev build of `release` counts as it
+    return version.parse(transformers.__version__).release >= version.parse(release).release
 
 
 @functools.cache

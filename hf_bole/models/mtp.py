@@ -274,7 +274,7 @@ def _check_family(text_config) -> None:
     if not family_of(text_config).mtp:
         with_mtp = ", ".join(f.name for f in all_families() if f.mtp)
         raise ValueError(
-            f"The MTP head is defined for the families whose checkpoints ship one ({with_mtp}), not "
+            f"The MTP head is defined for the families whose checkpoints ship one hf_bole reads ({with_mtp}), not "
             f"'{text_config.model_type}': draft with bole_drafter='ngram' or a small model (assistant_model=)."
         )
 

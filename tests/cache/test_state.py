@@ -11,6 +11,7 @@ from transformers import DynamicCache, StaticCache
 
 from hf_bole.cache import BoleCache
 from hf_bole.cache.state import CacheState, read_dynamic, write_dynamic
+from tests.models import tiny_families
 from tests.models.tiny import build_model, generate_positions, left_pad, text_config
 
 PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [71, 3, 28, 44], [13]]
@@ -148,3 +149,41 @@ def test_caches_of_another_model_are_refused(model):
     dynamic.layers[0].record_past = True
     with pytest.raises(ValueError, match="records past states for transformers' assisted decoding"):
         read_dynamic(dynamic, config)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not tiny_families.available("qwen4_exp"), reason="Qwen4-Exp needs transformers 5.24 on")
+def test_qwen4_exp_indexer_state_round_trip():
+    """Qwen4-Exp's QSA indexer keys and the slots' positions go DynamicCache -> BoleCache -> DynamicCache unchanged,
+    into rows of their own with `load_rows`, and the next token's logits from every cache are the same."""
+    model = tiny_families.build("qwen4_exp")
+    config = model.config
+    dynamic, ids, mask = filled(model)
+    state = read_dynamic(dynamic, config)
+    L = state.length
+    assert set(state.index_keys) == {3} and state.index_keys[3].shape == (3, L, 16)
+    assert torch.equal(state.slot_positions, generate_positions(mask))
+    cache = BoleCache.for_model(model, 3)
+    cache.load(state, valid=mask.bool())
+    held = cache.state()
+    back = DynamicCache(config=model.config)
+    write_dynamic(held, back, config)
+    for other in (held, read_dynamic(back, config)):
+        assert_states_equal(other, state)
+        assert torch.equal(other.index_keys[3], state.index_keys[3])
+        assert torch.equal(other.slot_positions, state.slot_positions)
+    rows = BoleCache.for_model(model, 3)
+    rows.load(read_dynamic(filled(model, [[4, 4, 90], [66, 1, 2], [8]])[0], config))
+    rows.load_rows(torch.tensor([2, 0, 1]), CacheState(**{**vars(state), "valid": mask.bool()}), mask.sum(-1))
+    for i, b in enumerate([2, 0, 1]):
+        assert torch.equal(rows.state().index_keys[3][b], state.index_keys[3][i])
+        assert torch.equal(rows.state().slot_positions[b], state.slot_positions[i])
+    nxt = torch.tensor([[7], [8], [9]])
+    mask2 = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+    positions = generate_positions(mask2)[:, -1:]
+    logits = [
+        model(nxt, attention_mask=mask2, position_ids=positions, past_key_values=c).logits
+        for c in (dynamic, cache, back)
+    ]
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0], rtol=1e-6, atol=1e-6)

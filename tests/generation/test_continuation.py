@@ -29,7 +29,7 @@ from tests.generation.test_loop import (  # noqa: F401
     dense_with_mtp,
     oracle_for,
 )
-from tests.models import tiny
+from tests.models import tiny, tiny_families
 
 # Compared with plain decoding in transformers' torch GDN path, also where fla-core would take over (see the fixture).
 pytestmark = pytest.mark.usefixtures("torch_gdn")
@@ -453,3 +453,26 @@ def test_caches_that_cannot_be_continued_are_refused(dense, entry):
             run(shared_ids, shared_mask, past_key_values=prefix, **settings)
     # nothing ran: the model decodes as before
     assert torch.equal(run(), dense.generate(ids, attention_mask=mask, max_new_tokens=3, **SETTINGS))
+
+
+@pytest.mark.skipif(not tiny_families.available("qwen4_exp"), reason="Qwen4-Exp needs transformers 5.24 on")
+def test_qwen4_exp_continues_as_plain_generate():
+    """Qwen4-Exp's cache holds its QSA indexer's keys and the slots' positions too: hf_bole continues plain
+    `generate`'s cache (three left-padded rows) exactly as plain `generate` does, updates it in place, and plain
+    `generate` then continues the updated cache as its own."""
+    model = tiny_families.build("qwen4_exp")
+    ids, mask = tiny.left_pad(PROMPTS[:3])
+    first = plain(model, ids, mask, max_new_tokens=NEW)
+    ids2, mask2 = extend(first.sequences, mask, [3, 4])
+    ref = plain(model, ids2, mask2, max_new_tokens=NEW, past_key_values=copy.deepcopy(first.past_key_values))
+    cache = copy.deepcopy(first.past_key_values)
+    drafter = oracle(model, ids2, mask2, NEW)
+    out = bole(model, ids2, mask2, max_new_tokens=NEW, past_key_values=cache, bole_drafter=drafter)
+    assert torch.equal(out.sequences, ref.sequences) and out.past_key_values is cache
+    state, want = (read_dynamic(c, model.config) for c in (cache, ref.past_key_values))
+    torch.testing.assert_close(state.index_keys[3], want.index_keys[3], **TOL)
+    assert torch.equal(state.slot_positions, want.slot_positions)
+    ids3, mask3 = extend(ref.sequences, mask2, [5])
+    again = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=cache)
+    expected = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=ref.past_key_values)
+    assert torch.equal(again.sequences, expected.sequences)

@@ -107,7 +107,10 @@ def test_greedy_matches_plain(drafter, entry):
 
 
 @pytest.mark.parametrize(
-    "name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe"])
+    "name",
+    tiny_families.params(
+        ["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp"]
+    ),
 )
 def test_drafts_for_every_family(name):
     """A model of each family with a small drafter (`bole_drafter=<model>`), greedy."""

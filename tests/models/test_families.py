@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 
 import pytest
 import torch
@@ -57,11 +58,11 @@ def test_tree_forward(name, shape, attn, attention, verify):
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe"]))
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe", "qwen4_exp"]))
 def test_tree_attention_kernel_refused(name):
     """Kimi-Linear's and Bailing-Hybrid's MLA layers expand their cached latents to query-key and value heads of
-    different sizes, which hf_bole's tree attention kernel does not take: asked for by name it is refused, and "auto"
-    runs the model's own attention on every device."""
+    different sizes, and Qwen4-Exp's QSA indexer narrows each query's mask, neither of which hf_bole's tree attention
+    kernel takes: asked for by name it is refused, and "auto" runs the model's own attention on every device."""
     from hf_bole.config import resolve_attention
 
     model = tiny_families.build(name)
@@ -97,7 +98,10 @@ def test_greedy_matches_plain(name, drafter):
 
 
 @pytest.mark.parametrize(
-    "name", tiny_families.params(["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe"])
+    "name",
+    tiny_families.params(
+        ["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp"]
+    ),
 )
 def test_sampling_keeps_the_distribution(name):
     """Chi-square: the joint law of the first three sampled tokens equals plain sampling's (4000 samples each), with
@@ -169,9 +173,12 @@ def test_mtp_weights_from_the_hub_cache_only(tmp_path, monkeypatch):
         load_mtp_state_dict("org/tiny-next")
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe"]))
+@pytest.mark.parametrize(
+    "name", tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp"])
+)
 def test_families_without_an_mtp_head(name, tmp_path):
-    """The default drafter needs an MTP head: families whose checkpoints have none say which drafters they take."""
+    """The default drafter needs an MTP head: families whose checkpoints have none (or one hf_bole does not read:
+    Qwen4-Exp's) say which drafters they take."""
     model = tiny_families.build(name)
     ids, mask = tiny.left_pad(PROMPTS[:1])
     with pytest.raises(ValueError, match="defined for the families whose checkpoints ship one.*assistant_model="):
@@ -179,21 +186,56 @@ def test_families_without_an_mtp_head(name, tmp_path):
 
 
 def test_unsupported_models_are_named_with_what_is_supported():
-    """Another architecture (a transformer; Qwen4-Exp, whose attention and per-layer embeddings keep caches of their
-    own) or a family's layout without GDN layers gets a ValueError that lists the supported families and classes."""
+    """Another architecture (a transformer; Falcon-H1, a Mamba-2 hybrid) or a family's layout without GDN layers gets
+    a ValueError that lists the supported families and classes."""
     llama = LlamaForCausalLM(
         LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=32, num_hidden_layers=1, intermediate_size=32)
     )
     with pytest.raises(ValueError, match=r"Qwen3-Next \(Qwen3NextForCausalLM\).*OLMo-Hybrid.*model type 'llama'"):
         check_supported_model(llama)
-    with pytest.raises(ValueError, match="Qwen3.5.*model type 'qwen4_exp_text'"):
-        family_of(type("Config", (), {"get_text_config": lambda self, decoder: self, "model_type": "qwen4_exp_text"})())
+    with pytest.raises(ValueError, match="Qwen3.5.*Qwen4-Exp.*model type 'falcon_h1'"):
+        family_of(type("Config", (), {"get_text_config": lambda self, decoder: self, "model_type": "falcon_h1"})())
     all_attention = Qwen3NextForCausalLM(tiny_families.build("qwen3_next-dense").config.__class__(
         **{**tiny.TEXT, "intermediate_size": 64, "num_experts": 0, "layer_types": ["full_attention"] * 4}
     ))  # fmt: skip
     with pytest.raises(ValueError, match="at least one of each"):
         check_supported_model(all_attention)
-    assert {f.name for f in all_families()} >= {"Qwen3.5", "Qwen3-Next", "OLMo-Hybrid", "Lara-Mini"}
+    assert {f.name for f in all_families()} >= {"Qwen3.5", "Qwen3-Next", "OLMo-Hybrid", "Lara-Mini", "Qwen4-Exp"}
+
+
+@pytest.mark.parametrize("name", tiny_families.params(["qwen4_exp"]))
+def test_qwen4_exp_per_layer_embeddings_refused(name):
+    """Qwen4-Exp's per-layer embeddings (PLE: hashed n-grams of each token's predecessors, a dilated conv over past
+    tokens) keep per-token states that tree mode does not branch: a model with `ple_layer_ids` is refused by name,
+    before any forward, by `generate` and `tree_forward`, and a BoleCache refuses their extra conv states."""
+    ple = dict(ple_layer_ids=[1, 3], eos_token_id=1, ngram_vocab_size_base=101, heads_per_ngram=2)
+    model = tiny_families.build(name, **ple)
+    with pytest.raises(ValueError, match=r"Qwen4ExpForCausalLM with ple_layer_ids=\[1, 3\]: per-layer embeddings"):
+        check_supported_model(model)
+    ids, mask = tiny.left_pad(PROMPTS[:2])
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(args))
+    with pytest.raises(ValueError, match="ple_layer_ids"):
+        model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, custom_generate="hf_bole",
+                       bole_drafter="ngram")  # fmt: skip
+    assert calls == []
+    cache = BoleCache(model.config, batch_size=2)
+    with pytest.raises(ValueError, match="ple_layer_ids"):
+        tree_forward(model, cache, ids[:, -1:], torch.full((2, 1), -1))
+    with pytest.raises(ValueError, match="asks for conv state 2.*ple_layer_ids"):
+        model(ids, attention_mask=mask, past_key_values=cache)
+
+
+@pytest.mark.parametrize("name", tiny_families.params(["qwen4_exp"]))
+def test_qwen4_exp_verifies_without_cuda_graphs(name, monkeypatch):
+    """Qwen4-Exp's indexer reads each query's visible slots back to the host (`torch.nonzero`), which a CUDA graph
+    cannot hold: its verify forwards never replay from graphs, where a Qwen3.5 model's on one CUDA device do."""
+    from hf_bole.generation import graphs
+
+    on_cuda = types.SimpleNamespace(spans_devices=False, input_device=torch.device("cuda"))
+    monkeypatch.setattr(graphs, "placement", lambda model: on_cuda)
+    assert graphs.captures(tiny_families.build("qwen3_5-dense"), True)
+    assert not graphs.captures(tiny_families.build(name), True)
 
 
 def test_sliding_window_mask():

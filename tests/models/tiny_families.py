@@ -58,6 +58,18 @@ MODELS = {
         "Bailing-Hybrid", "BailingHybridConfig", "BailingHybridForCausalLM",
         dict(_BAILING, kda_safe_gate=False, mlp_layer_types=["dense"] * 4),
     ),
+    # two hyper-connection streams, gated attention with a QSA indexer keeping the 2 best blocks of 2 slots (and the
+    # last incomplete block): prompts and paths are longer, so its choice of blocks counts; partial mRoPE
+    "qwen4_exp": (
+        "Qwen4-Exp", "Qwen4ExpTextConfig", "Qwen4ExpForCausalLM",
+        dict(
+            _MOE, hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+            indexer_budget=4, indexer_compress_ratio=2,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]
+            },
+        ),
+    ),
 }  # fmt: skip
 
 

@@ -6,7 +6,10 @@ from hf_bole.models.families.lara_mini import LARA_MINI
 from hf_bole.models.families.olmo_hybrid import OLMO_HYBRID
 from hf_bole.models.families.qwen3_5 import QWEN3_5
 from hf_bole.models.families.qwen3_next import QWEN3_NEXT
+from hf_bole.models.families.qwen4_exp import QWEN4_EXP
 
-FAMILIES = (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID, LARA_MINI, KIMI_LINEAR, BAILING_HYBRID)
+FAMILIES = (QWEN3_5, QWEN3_NEXT, OLMO_HYBRID, LARA_MINI, KIMI_LINEAR, BAILING_HYBRID, QWEN4_EXP)
 
-__all__ = ["BAILING_HYBRID", "FAMILIES", "KIMI_LINEAR", "LARA_MINI", "OLMO_HYBRID", "QWEN3_5", "QWEN3_NEXT"]
+__all__ = [
+    "BAILING_HYBRID", "FAMILIES", "KIMI_LINEAR", "LARA_MINI", "OLMO_HYBRID", "QWEN3_5", "QWEN3_NEXT", "QWEN4_EXP"
+]  # fmt: skip
