@@ -275,8 +275,9 @@ def resolve_attention(attention: str, device, kernel: bool = True) -> str:
     if attention == "triton" and not kernel:
         raise ValueError(
             "attention='triton' runs hf_bole's tree attention kernel, which this model's attention layers cannot use "
-            "(the MLA layers of Kimi-Linear and Bailing-Hybrid: query-key and value heads of different sizes; "
-            "Qwen4-Exp's indexed layers, whose QSA indexer narrows each query's mask); pass attention='model' or 'auto'"
+            "(the MLA layers of Kimi-Linear, Bailing-Hybrid and GLM-5-Next: query-key and value heads of different "
+            "sizes; the indexed layers of Qwen4-Exp and GLM-5-Next, whose indexers narrow each query's mask); pass "
+            "attention='model' or 'auto'"
         )
     if attention != "auto":
         return attention

@@ -10,10 +10,11 @@ Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses 
                                          pre-conv inputs, oldest first), D = 2 Hk K + H V
     recurrent      [NG, B, H, K, V]      recurrent states, float32, stacked so that one `tree_gdn_commit` (or
                                          `tree_kda_commit`) launch updates every linear layer
-    index_keys     [NI, B, C, Dx]        the QSA indexer's raw key per slot of the NI "indexed_attention" layers
-                                         (Qwen4-Exp; NI = 0 elsewhere)
-    slot_positions [B, C]                the position id of every slot, which the indexer rotates its pooled blocks'
-                                         keys by (None without indexed layers)
+    index_keys     [NI, B, C, Dx]        the indexer's state per slot of the NI "indexed_attention" layers with an
+                                         indexer of their own: Qwen4-Exp's raw QSA key, GLM-5-Next's packed DSA token
+                                         state (`layout.py`; NI = 0 elsewhere)
+    slot_positions [B, C]                the position id of every slot, which Qwen4-Exp's indexer rotates its pooled
+                                         blocks' keys by (None without such an indexer)
     lengths        [B]                   committed slots per row (left padding included)
     positions      [B]                   position id of each row's next token
     valid          [B, C]                False on padding slots
@@ -59,7 +60,7 @@ from hf_bole.tensor_parallel import tensor_parallel
 
 # layers with KV (a sliding window's is kept whole; an indexed layer's with its indexer's keys)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention")
-INDEXED_LAYER = "indexed_attention"  # Qwen4-Exp's attention with a QSA indexer
+INDEXED_LAYER = "indexed_attention"  # attention with an indexer: Qwen4-Exp's QSA, GLM-5-Next's DSA
 KV_GROWTH_STEP = 64  # a growing cache's KV capacity is a multiple of this many slots
 
 
@@ -366,7 +367,9 @@ class BoleCache(Cache):
         config = config.get_text_config(decoder=True)
         layer_types = list(getattr(config, "layer_types", None) or [])
         attn_layers = [i for i, t in enumerate(layer_types) if t in ATTENTION_LAYER_TYPES]
-        indexed_layers = [i for i, t in enumerate(layer_types) if t == INDEXED_LAYER]
+        # GLM-5-Next's "shared" indexed layers reuse the previous layer's choice of keys: no indexer state of their own
+        own_indexer = [kind != "shared" for kind in getattr(config, "indexer_types", None) or [None] * len(layer_types)]
+        indexed_layers = [i for i, t in enumerate(layer_types) if t == INDEXED_LAYER and own_indexer[i]]
         gdn_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
         if not attn_layers or not gdn_layers or len(attn_layers) + len(gdn_layers) != len(layer_types):
             raise ValueError(
@@ -431,7 +434,11 @@ class BoleCache(Cache):
         self.lengths = torch.zeros(B, dtype=torch.int64, device=device)
         self.positions = torch.zeros(B, dtype=torch.int64, device=device)
         self._valid = torch.ones(B, capacity, dtype=torch.bool, device=device)
-        self._slot_positions = torch.zeros(B, capacity, dtype=torch.int64, device=device) if indexed_layers else None
+        self._slot_positions = (
+            torch.zeros(B, capacity, dtype=torch.int64, device=device)
+            if indexed_layers and layout.index_positions
+            else None
+        )
         self.device = self.lengths.device  # with its index: "cuda" becomes "cuda:0"
 
         # Host-side bookkeeping, so that the hot path never reads a length back from the device.
@@ -1048,10 +1055,12 @@ class BoleCache(Cache):
         """Raises a ValueError naming the first layer where `state` does not fit this cache's model."""
         if state.length == 0:
             return
-        if set(state.index_keys) != set(self._index_place) or (state.slot_positions is None) != (not self._index_place):
+        if set(state.index_keys) != set(self._index_place) or (state.slot_positions is None) != (
+            self._slot_positions is None
+        ):
             raise ValueError(
-                f"the cache holds QSA indexer keys of layers {sorted(state.index_keys)}, but this model's indexed "
-                f"attention layers are {sorted(self._index_place)}: a cache of another model"
+                f"the cache holds indexer states of layers {sorted(state.index_keys)}, but this model's indexed "
+                f"attention layers with an indexer are {sorted(self._index_place)}: a cache of another model"
             )
         if set(state.keys) != set(self._attn_index) or set(state.conv) != set(self._gdn_place):
             raise ValueError(

@@ -13,7 +13,10 @@ Two kinds of linear-attention layer and two kinds of attention cache are told ap
                        the normalised latent (`kv_lora_rank` wide) and whose values are the shared rotary key
                        (`qk_rope_head_dim`), which the layer expands to its heads after reading the cache.
                        Qwen4-Exp's "indexed_attention" layers also keep their QSA indexer's raw key per token
-                       (`indexer_head_dim` wide, one head), which the indexer pools into blocks of the visible slots.
+                       (`indexer_head_dim` wide, one head), which the indexer pools into blocks of the visible slots;
+                       GLM-5-Next's (`index_kpool` in the config) its DSA indexer's per token state packed as
+                       `[key, pooling gate logits, valid]` (`2 index_head_dim + 1` wide), which it pools into groups
+                       of `index_kpool` tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class StateLayout:
     conv_dim: int  # channels of the linear layers' short convolution
     conv_width: int
     per_key_decay: bool  # KDA: a log-decay per key channel; GDN: one per head
-    index_key_dim: int = 0  # the width of a QSA indexer's cached key (Qwen4-Exp), 0 without an indexer
+    index_key_dim: int = 0  # the width of an indexer's cached state per slot, 0 without an indexer
+    index_positions: bool = False  # whether the indexer rotates by the slots' positions (Qwen4-Exp's), then cached
 
 
 def state_layout(config) -> StateLayout:
@@ -63,5 +67,13 @@ def state_layout(config) -> StateLayout:
         conv_dim=2 * hk * k + hv * v,
         conv_width=config.linear_conv_kernel_dim,
         per_key_decay=per_key_decay,
-        index_key_dim=getattr(config, "indexer_head_dim", None) or 0,
+        index_key_dim=_index_key_dim(config),
+        index_positions=getattr(config, "indexer_head_dim", None) is not None,
     )
+
+
+def _index_key_dim(config) -> int:
+    if getattr(config, "index_kpool", None) is not None:
+        # GLM-5-Next's DSA indexer caches each token packed as [key, pooling gate logits, valid]
+        return 2 * config.index_head_dim + 1
+    return getattr(config, "indexer_head_dim", None) or 0

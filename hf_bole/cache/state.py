@@ -7,7 +7,9 @@ for a full-attention layer (`keys`, `values` `[B, Hkv, L, Dh]`, the L tokens it 
 for a GDN layer (`conv_states[0]` `[B, D, W]`, the last W pre-conv inputs; `recurrent_states[0]` `[B, H, K, V]`,
 float32). Neither says which of the L slots were padding: the attention mask of the next forward does. Qwen4-Exp's
 "indexed_attention" layers are `DynamicIndexedLayer`s, whose `indexer_keys` `[B, L, Dx]` are the QSA indexer's keys;
-the first of them keeps the slots' position ids for all (`indexer_position_ids`, `[3, B, L]`).
+the first of them keeps the slots' position ids for all (`indexer_position_ids`, `[3, B, L]`). GLM-5-Next's keep their
+DSA indexer's packed token states there (`[key, pooling gate logits, valid]`), no positions, and its "shared" layers,
+which reuse the previous layer's choice, none.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class CacheState:
         valid: `[B, L]` bool, False at padding slots; None where the cache does not know (a transformers cache).
         token_ids: `[B, L]` the tokens the slots hold, where the cache knows them (a `BoleCache` that an hf_bole call
             returned); else None.
-        index_keys: indexed attention layer index -> `[B, L, Dx]` its QSA indexer's keys (Qwen4-Exp; else empty).
-        slot_positions: `[B, L]` the slots' position ids, which the indexer rotates by (None without indexed layers).
+        index_keys: indexed attention layer index -> `[B, L, Dx]` its indexer's state per slot (Qwen4-Exp's QSA keys,
+            GLM-5-Next's packed DSA token states; else empty).
+        slot_positions: `[B, L]` the slots' position ids, which Qwen4-Exp's indexer rotates by (None without it).
     """
 
     keys: dict[int, torch.Tensor]
@@ -82,9 +85,11 @@ def read_dynamic(cache: Cache, config) -> CacheState:
                 conv[i], recurrent[i] = layer.conv_states[0], layer.recurrent_states[0]
         elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0:
             keys[i], values[i] = layer.keys, layer.values
-            if kind == "indexed_attention":
+            # GLM-5-Next's "shared" indexed layers run no indexer and keep no indexer state
+            if kind == "indexed_attention" and layer.indexer_keys is not None:
                 index_keys[i] = layer.indexer_keys
-                if slot_positions is None:  # kept on the first indexed layer for all
+                # kept on the first indexed layer for all, by an indexer that rotates by them (Qwen4-Exp's)
+                if slot_positions is None and layer.indexer_position_ids is not None:
                     slot_positions = layer.indexer_position_ids[0]
     lengths = {i: k.shape[-2] for i, k in keys.items()}
     length = max(lengths.values(), default=0)
@@ -108,7 +113,8 @@ def write_dynamic(state: CacheState, cache: DynamicCache, config) -> None:
         fresh.layers[i].update(state.keys[i].clone(), state.values[i].clone())
     for n, i in enumerate(state.index_keys):
         fresh.layers[i].update_indexer(state.index_keys[i].clone())
-        if n == 0:  # the model keeps the slots' positions on the first indexed layer, in its three rotary rows
+        if n == 0 and state.slot_positions is not None:
+            # Qwen4-Exp keeps the slots' positions on the first indexed layer, in its three rotary rows
             fresh.layers[i].indexer_position_ids = state.slot_positions[None].expand(3, -1, -1).clone()
     for i in state.conv:
         layer = fresh.layers[i]

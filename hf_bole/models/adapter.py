@@ -4,7 +4,7 @@ Tree mode is asked for per call: `tree_forward` passes a `bole_tree` keyword arg
 forward hands untouched to every layer, and a dict attention mask, which the model passes through untouched.
 Without them every layer runs exactly as upstream. The seams, all module-level functions of the modeling module of
 every supported family (`hf_bole/models/family.py`: Qwen3.5, Qwen3-Next, OLMo-Hybrid, Lara-Mini, Kimi-Linear,
-Bailing-Hybrid, Qwen4-Exp), wrapped once per process and passing through unless asked:
+Bailing-Hybrid, Qwen4-Exp, GLM-5-Next), wrapped once per process and passing through unless asked:
 
     causal_conv1d_fn                   the GDN conv (a hub-kernel seam): with `bole_tree`, the conv along each
                                        node's ancestor path (`tree_causal_conv1d`)
@@ -12,8 +12,8 @@ Bailing-Hybrid, Qwen4-Exp), wrapped once per process and passing through unless 
     torch_recurrent_gated_delta_rule   verification from the committed state (`tree_gdn_verify`), or the serial
                                        walk; they return a `GDNTreeState` where a new state would go, which the
                                        layer hands to `BoleCache.update_recurrent_state`
-    chunk_kimi_delta_attention,        the KDA recurrences of Kimi-Linear and Bailing-Hybrid (hub-kernel seams), the
-    recurrent_kimi_delta_attention     same way with `tree_kda_verify` (a log-decay per key channel)
+    chunk_kimi_delta_attention,        the KDA recurrences of Kimi-Linear, Bailing-Hybrid and GLM-5-Next (hub-kernel
+    recurrent_kimi_delta_attention     seams), the same way with `tree_kda_verify` (a log-decay per key channel)
     create_recurrent_attention_mask    called once per plain forward with the 2D attention mask and the position
                                        ids: tells a BoleCache which new slots are padding and which position
                                        comes next (nothing else in a forward shows the cache those)
@@ -21,11 +21,14 @@ Bailing-Hybrid, Qwen4-Exp), wrapped once per process and passing through unless 
                                        `attention="triton"`, hf_bole's tree attention kernel
                                        (`kernels/attention.py`) in place of the model's own
 
+and the forward of a pooled indexer's class (`Family.pooled_indexer`, GLM-5-Next's DSA indexer): given a BoleCache,
+it reads the cache through `_IndexerView`, which in a tree forward hands it each node's own sequence.
+
 By default full-attention layers run the model's own attention: the ancestor mask arrives as the attention mask,
 the tree positions as position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask
 indexes. The MLA layers of Kimi-Linear and Bailing-Hybrid always do (`Family.tree_attention_kernel`): they cache
 compressed latents and expand them to heads of two sizes after the cache, which `kernels.tree_attention` does not take.
-So do Qwen4-Exp's indexed layers, whose QSA indexer narrows the mask to the blocks it selects.
+So do Qwen4-Exp's and GLM-5-Next's indexed layers, whose indexers narrow the mask to the tokens they keep.
 """
 
 from __future__ import annotations
@@ -250,6 +253,8 @@ def _install(module: ModuleType, family: Family) -> None:
         _wrap(module, "torch_recurrent_gated_delta_rule", _tree_gated_delta_rule)
     _wrap(module, "create_recurrent_attention_mask", _observed_recurrent_attention_mask)
     _wrap(module, "ALL_ATTENTION_FUNCTIONS", _TreeAttentionFunctions)
+    if family.pooled_indexer is not None:
+        _wrap(getattr(module, family.pooled_indexer), "forward", _tree_pooled_indexer)
 
 
 @torch.no_grad()
@@ -517,6 +522,78 @@ def _observed_recurrent_attention_mask(original):
         return original(config, inputs_embeds, attention_mask, *args, **kwargs)
 
     return create_recurrent_attention_mask
+
+
+def _tree_pooled_indexer(original):
+    @functools.wraps(original)
+    def forward(indexer, hidden_states, q_resid, attention_mask, *args, **kwargs):
+        cache = args[0] if args else kwargs.get("cache")
+        if not isinstance(cache, BoleCache):
+            return original(indexer, hidden_states, q_resid, attention_mask, *args, **kwargs)
+        # A plain forward hands the indexed layers the 2D padding mask, a tree forward the tree's 4D mask.
+        if attention_mask.dim() == 2:
+            return original(
+                indexer, hidden_states, q_resid, attention_mask, cache=_IndexerView(cache, indexer.layer_idx)
+            )
+        B, N = hidden_states.shape[:2]
+        view = _IndexerView(cache, indexer.layer_idx, attention_mask)
+        # Each node is one query of a batch of B x N, over its own sequence: upstream's forward, unchanged.
+        topk = original(
+            indexer,
+            hidden_states.reshape(B * N, 1, -1),
+            q_resid.reshape(B * N, 1, -1),
+            attention_mask.new_ones((B * N, 1), dtype=torch.bool),
+            cache=view,
+        )  # [B x N, 1, width] positions in the node's sequence, -1 for none
+        slots = view.slots.gather(1, topk[:, 0].long().clamp(min=0))  # [B x N, width]
+        return torch.where(topk[:, 0] >= 0, slots, -1).view(B, N, -1).to(topk.dtype)
+
+    return forward
+
+
+class _IndexerView:
+    """What a pooled indexer (`Family.pooled_indexer`) reads of a BoleCache, as it reads a `DynamicIndexedLayer`: the
+    cached tokens of its layer after its update, `layers[i].keys [B, L, Dx]` and `layers[i].get_seq_length()` L (a
+    BoleCache's own length moves only at the end of a forward).
+
+    In a tree forward (`mask [B, 1, N, C]` given), each node's own sequence: the committed slots (padding included)
+    and its root-to-node path in slot order, as decoding the path token by token would hold them, for the nodes as a
+    batch of B x N one-token queries. The sequences are left-padded to one length W with tokens flagged invalid,
+    which the indexer skips as it skips a left-padded row's padding: it pools from the first valid token, and a query
+    at the end of W tokens sees all of them."""
+
+    def __init__(self, cache: BoleCache, layer_idx: int, mask: torch.Tensor | None = None):
+        self.cache = cache
+        self.layers = {layer_idx: self}
+        # mask: bool (SDPA) or additive (eager); node i sees the committed non-padding slots and its path
+        self.visible = None if mask is None else mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+        self.keys: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None  # [B x N, W] the slot of each position, -1 for the padding in front
+
+    def update_indexer(self, packed_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Writes the new tokens' packed states (`[B, q, Dx]`; `[B x N, 1, Dx]` in a tree forward) and returns what
+        the indexer pools: `[B, L + q, Dx]`, or each node's sequence `[B x N, W, Dx]`."""
+        if self.visible is None:
+            self.keys = self.cache.update_indexer(packed_states, layer_idx)
+            return self.keys
+        B, N, C = self.visible.shape
+        stored = self.cache.update_indexer(packed_states.view(B, N, -1), layer_idx)  # [B, C, Dx]
+        slot = torch.arange(C, device=stored.device)
+        kept = (slot < self.cache.lengths[:, None].to(stored.device))[:, None] | self.visible  # [B, N, C]
+        # the kept slots last, in slot order (a stable sort of the flags), then the last W of them
+        order = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices  # [B, N, C]
+        width = int(kept.sum(-1).max())
+        order = order[..., C - width :]  # [B, N, W]
+        kept = kept.gather(-1, order)
+        dim = stored.shape[-1]
+        sequences = stored[:, None].expand(B, N, C, dim).gather(2, order[..., None].expand(B, N, width, dim))
+        sequences[..., -1] *= kept  # the padding in front is invalid, whatever its slot holds
+        self.keys = sequences.view(B * N, width, dim)
+        self.slots = torch.where(kept, order, -1).view(B * N, width)
+        return self.keys
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
 
 
 class _TreeAttentionFunctions:

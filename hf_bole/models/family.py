@@ -4,8 +4,9 @@ hf_bole verifies trees on transformers' own modeling classes, through seams thei
 swappable (`hf_bole/models/adapter.py`). Every Gated DeltaNet (GDN) family in transformers copies the same GDN code
 (Qwen3-Next's): the module-level functions `causal_conv1d_fn`, `torch_chunk_gated_delta_rule`,
 `torch_recurrent_gated_delta_rule`, `create_recurrent_attention_mask` and `ALL_ATTENTION_FUNCTIONS`, called with the
-same arguments. The Kimi Delta Attention (KDA) layers of Kimi-Linear and Bailing-Hybrid have the same seams with
-`chunk_kimi_delta_attention` and `recurrent_kimi_delta_attention` for the recurrence (a log-decay per key channel).
+same arguments. The Kimi Delta Attention (KDA) layers of Kimi-Linear, Bailing-Hybrid and GLM-5-Next have the same
+seams with `chunk_kimi_delta_attention` and `recurrent_kimi_delta_attention` for the recurrence (a log-decay per key
+channel).
 What differs between families is small and is what a `Family` says:
 
     modules               the modeling module of each text config `model_type` (its seams are wrapped)
@@ -23,13 +24,17 @@ What differs between families is small and is what a `Family` says:
                           rotary included, bit for bit), run as one kernel in an eager verify forward
     mtp                   whether checkpoints ship Qwen3.5's `mtp.*` head (`models/mtp.py`), which transformers drops
     kda                   whether the linear layers are KDA (`tree_kda_verify`, g per key channel) rather than GDN
+    pooled_indexer        the class of a DSA indexer that pools groups of consecutive cached tokens (GLM-5-Next's): in
+                          tree mode its forward runs on each node's own sequence, the committed slots and its path
+                          (`adapter._tree_pooled_indexer`)
     min_tree_nodes        the fewest nodes a verify forward runs: a layer whose one-token path writes its conv window
                           in place, with no way for the cache to turn it off, is never given one token in tree mode
                           (a lone root gets a padding node, whose output is dropped)
     tree_attention_kernel whether `kernels.tree_attention` takes the attention layers' heads ("auto" attention picks
                           it on CUDA); without it the layers always run the model's own attention with the tree mask
     cuda_graphs           whether a verify forward can replay from a CUDA graph: not where the model's own code reads
-                          the device back mid-forward (Qwen4-Exp's indexer, `torch.nonzero` per query)
+                          the device back mid-forward (Qwen4-Exp's indexer, `torch.nonzero` per query; GLM-5-Next's,
+                          a boolean index over its pools)
     unsupported           (config field, why) of features tree mode cannot run exactly: a config that sets one is
                           refused (`check_supported_model`) with the field and the reason
     shipped_in            the first transformers release whose modeling code of the family hf_bole drives: older ones
@@ -68,6 +73,7 @@ class Family:
     rotary: bool = False
     mtp: bool = False
     kda: bool = False
+    pooled_indexer: str | None = None
     min_tree_nodes: int = 1
     tree_attention_kernel: bool = True
     cuda_graphs: bool = True

@@ -207,6 +207,31 @@ def test_kda_and_mla_state(name):
     assert sizes["tree_kv"] == 4 * B * N * (16 + 8)
 
 
+@pytest.mark.parametrize("name", tiny_families.params(["glm5_next"]))
+def test_glm5_next_indexer_state(name):
+    """GLM-5-Next's NoPE MLA caches its latent and a zero-wide rotary key; its DSA indexer's packed token states
+    (`[key, pooling gate logits, valid]`, 2 x 16 + 1 wide, valid where the prompt is) are kept for the layer with an
+    indexer of its own, none for the "shared" layer after it; a tree round commits its path's as decoding it does."""
+    model = tiny_families.build(name)
+    cache = BoleCache(model.config, batch_size=3, max_cache_len=32)
+    assert cache.layers[2].keys.shape == (3, 1, 32, 16) and cache.layers[2].values.shape == (3, 1, 32, 0)
+    tokens = torch.randint(1, VOCAB, (3, 3))
+    tokens[:, 0] = prefill(model, cache, PROMPTS)
+    state = cache.state()
+    assert set(state.index_keys) == {2} and state.index_keys[2].shape == (3, 7, 33)
+    valid = torch.tensor([[0] * (7 - len(p)) + [1] * len(p) for p in PROMPTS], dtype=state.index_keys[2].dtype)
+    assert torch.equal(state.index_keys[2][..., -1], valid)
+    out = tree_forward(model, cache, tokens, torch.tensor([[-1, 0, 0]] * 3))
+    cache.commit(out.tree_round, torch.tensor([[0, 2]] * 3))
+    after = cache.state().index_keys[2]
+    assert after.shape == (3, 9, 33) and torch.equal(after[:, :7], state.index_keys[2])
+    plain = BoleCache(model.config, batch_size=3, max_cache_len=32)
+    prefill(model, plain, PROMPTS)
+    for token in (tokens[:, :1], tokens[:, 2:]):  # the accepted path decoded token by token
+        model(token, past_key_values=plain)
+    torch.testing.assert_close(after, plain.state().index_keys[2], atol=1e-5, rtol=1e-5)
+
+
 def test_reset():
     model = build_model()
     cache = BoleCache(model.config, batch_size=3)

@@ -109,7 +109,7 @@ def test_greedy_matches_plain(drafter, entry):
 @pytest.mark.parametrize(
     "name",
     tiny_families.params(
-        ["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp"]
+        ["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp", "glm5_next"]
     ),
 )
 def test_drafts_for_every_family(name):
@@ -120,10 +120,11 @@ def test_drafts_for_every_family(name):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe"]))
+@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe", "glm5_next"]))
 def test_a_kda_model_drafts_for_itself(name):
-    """A KDA model (Kimi-Linear, Bailing-Hybrid) as its own drafter (a chain, topk 1): the drafter's KDA states follow
-    the accepted paths through its own tree rounds, so every drafted token and the bonus are accepted every round."""
+    """A KDA model (Kimi-Linear, Bailing-Hybrid, GLM-5-Next) as its own drafter (a chain, topk 1): the drafter's KDA
+    states follow the accepted paths through its own tree rounds, so every drafted token and the bonus are accepted
+    every round."""
     target = tiny_families.build(name)
     ref = plain(target, PROMPTS[:3], max_new_tokens=4 * 6 + 1, do_sample=False)
     out = bole(

@@ -58,11 +58,14 @@ def test_tree_forward(name, shape, attn, attention, verify):
         roots = out.logits[torch.arange(3), [p[-1] for p in paths]].argmax(-1)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe", "qwen4_exp"]))
+@pytest.mark.parametrize(
+    "name", tiny_families.params(["kimi_linear", "bailing_hybrid-moe", "qwen4_exp", "glm5_next"])
+)
 def test_tree_attention_kernel_refused(name):
     """Kimi-Linear's and Bailing-Hybrid's MLA layers expand their cached latents to query-key and value heads of
-    different sizes, and Qwen4-Exp's QSA indexer narrows each query's mask, neither of which hf_bole's tree attention
-    kernel takes: asked for by name it is refused, and "auto" runs the model's own attention on every device."""
+    different sizes, and Qwen4-Exp's QSA indexer and GLM-5-Next's DSA indexer narrow each query's mask, neither of
+    which hf_bole's tree attention kernel takes: asked for by name it is refused, and "auto" runs the model's own
+    attention on every device."""
     from hf_bole.config import resolve_attention
 
     model = tiny_families.build(name)
@@ -100,7 +103,7 @@ def test_greedy_matches_plain(name, drafter):
 @pytest.mark.parametrize(
     "name",
     tiny_families.params(
-        ["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp"]
+        ["qwen3_next-moe", "olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp", "glm5_next"]
     ),
 )
 def test_sampling_keeps_the_distribution(name):
@@ -174,7 +177,8 @@ def test_mtp_weights_from_the_hub_cache_only(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name", tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp"])
+    "name",
+    tiny_families.params(["olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid-moe", "qwen4_exp", "glm5_next"]),
 )
 def test_families_without_an_mtp_head(name, tmp_path):
     """The default drafter needs an MTP head: families whose checkpoints have none (or one hf_bole does not read:
@@ -226,14 +230,18 @@ def test_qwen4_exp_per_layer_embeddings_refused(name):
         model(ids, attention_mask=mask, past_key_values=cache)
 
 
-@pytest.mark.parametrize("name", tiny_families.params(["qwen4_exp"]))
-def test_qwen4_exp_verifies_without_cuda_graphs(name, monkeypatch):
-    """Qwen4-Exp's indexer reads each query's visible slots back to the host (`torch.nonzero`), which a CUDA graph
-    cannot hold: its verify forwards never replay from graphs, where a Qwen3.5 model's on one CUDA device do."""
+@pytest.mark.parametrize("name", tiny_families.params(["qwen4_exp", "glm5_next"]))
+def test_indexed_families_verify_without_cuda_graphs(name, monkeypatch):
+    """Qwen4-Exp's indexer reads each query's visible slots back to the host (`torch.nonzero`), GLM-5-Next's the
+    pools every row holds (a boolean index) and hf_bole the longest node sequence, which a CUDA graph cannot hold:
+    their verify forwards never replay from graphs, where a Qwen3.5 model's on one CUDA device do."""
     from hf_bole.generation import graphs
 
     on_cuda = types.SimpleNamespace(spans_devices=False, input_device=torch.device("cuda"))
     monkeypatch.setattr(graphs, "placement", lambda model: on_cuda)
+    # the tiny MoE models' experts route with transformers' eager implementation, which keeps graphs off by itself:
+    # taken out, the family's `cuda_graphs` decides
+    monkeypatch.setattr(graphs, "graph_unsafe_experts", lambda model: [])
     assert graphs.captures(tiny_families.build("qwen3_5-dense"), True)
     assert not graphs.captures(tiny_families.build(name), True)
 

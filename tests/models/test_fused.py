@@ -77,6 +77,19 @@ def test_kda_and_mla_layers_run_one_gemm_per_group(name):
     assert apart_calls - calls == 4 * kda + 2 * mla + mlps
 
 
+@pytest.mark.parametrize("name", tiny_families.params(["glm5_next"]))
+def test_glm5_next_layers_run_one_gemm_per_group(name):
+    """GLM-5-Next's KDA layer runs its q, k, v, beta and output-gate (first) projections as one F.linear, its MLA layer
+    its low-rank query and compressed-KV projections (the forget gate's and the indexer's stay apart)."""
+    model = tiny_families.build(name)
+    tokens, parents = _tree()
+    apart, apart_calls = _tree_logits(model, tokens, parents, fuse_projections=False)
+    together, calls = _tree_logits(model, tokens, parents)
+    torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-5)
+    kda, mla, mlps = 2, 2, 4  # a dense MLP and the MoE's shared experts
+    assert apart_calls - calls == 4 * kda + mla + mlps
+
+
 def test_plain_model_is_unchanged_by_fusing(tmp_path):
     """The weights become views of one buffer per group: same values, no new memory, the plain forward's logits
     bit for bit, and save_pretrained / from_pretrained round-trip them."""

@@ -70,7 +70,25 @@ MODELS = {
             },
         ),
     ),
+    # KDA layers as Kimi-Linear's (the forget gate bounded at -0.5, not the released -5, so that ancestors' decays
+    # count), NoPE MLA layers with a DSA indexer keeping the 2 best pools of 2 tokens (and the tail after the last
+    # complete pool; prompts and paths are longer, so its choice counts), the last layer reusing the third's choice
+    # ("shared"); two hyper-connection streams, a dense MLP in the first layer and MoE after. 8 indexer heads: with 2,
+    # several pools often score exactly 0 (every head's score ReLU'd), a tie torch.topk breaks by its input's shape
+    "glm5_next": (
+        "GLM-5-Next", "Glm5NextConfig", "Glm5NextForConditionalGeneration",
+        dict(
+            intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16,
+            v_head_dim=16, linear_num_heads=2, linear_head_dim=16, linear_lower_bound=-0.5, index_topk=4,
+            index_head_dim=16, index_n_heads=8, index_kpool=2, hc_mult=2, hc_sinkhorn_iters=3,
+            layer_types=["linear_attention"] * 2 + ["indexed_attention"] * 2,
+            indexer_types=["full"] * 3 + ["shared"], mlp_layer_types=["dense"] + ["sparse"] * 3,
+        ),
+    ),
 }  # fmt: skip
+# The vision tower of a composite config (GLM-5-Next's), which text-only inputs never reach
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=tiny.TEXT["hidden_size"])
 
 
 def family(name: str):
@@ -93,7 +111,12 @@ def build(name: str, attn: str = "sdpa", **overrides):
     """A tiny fp32 model of `MODELS[name]`, with slow GDN decays as `tiny.build_model` makes them."""
     _, config_name, model_name, fields = MODELS[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**tiny.TEXT, "eos_token_id": None, **fields, **overrides})
+    config_class = getattr(transformers, config_name)
+    text = {**tiny.TEXT, "eos_token_id": None, **fields, **overrides}
+    if "text_config" in config_class.sub_configs_defaults:
+        config = config_class(text_config=text, vision_config=_VISION, eos_token_id=None)
+    else:
+        config = config_class(**text)
     config._attn_implementation = attn
     model = getattr(transformers, model_name)(config)
     with torch.no_grad():
