@@ -113,7 +113,7 @@ def build(name: str, attn: str = "sdpa", **overrides):
     torch.manual_seed(0)
     config_class = getattr(transformers, config_name)
     text = {**tiny.TEXT, "eos_token_id": None, **fields, **overrides}
-    if "text_config" in config_class.sub_configs_defaults:
+    if "text_config" in config_class.sub_configs:
         config = config_class(text_config=text, vision_config=_VISION, eos_token_id=None)
     else:
         config = config_class(**text)
