@@ -455,35 +455,15 @@ def test_caches_that_cannot_be_continued_are_refused(dense, entry):
     assert torch.equal(run(), dense.generate(ids, attention_mask=mask, max_new_tokens=3, **SETTINGS))
 
 
-@pytest.mark.skipif(not tiny_families.available("qwen4_exp"), reason="Qwen4-Exp needs transformers 5.24 on")
-def test_qwen4_exp_continues_as_plain_generate():
-    """Qwen4-Exp's cache holds its QSA indexer's keys and the slots' positions too: hf_bole continues plain
-    `generate`'s cache (three left-padded rows) exactly as plain `generate` does, updates it in place, and plain
-    `generate` then continues the updated cache as its own."""
-    model = tiny_families.build("qwen4_exp")
-    ids, mask = tiny.left_pad(PROMPTS[:3])
-    first = plain(model, ids, mask, max_new_tokens=NEW)
-    ids2, mask2 = extend(first.sequences, mask, [3, 4])
-    ref = plain(model, ids2, mask2, max_new_tokens=NEW, past_key_values=copy.deepcopy(first.past_key_values))
-    cache = copy.deepcopy(first.past_key_values)
-    drafter = oracle(model, ids2, mask2, NEW)
-    out = bole(model, ids2, mask2, max_new_tokens=NEW, past_key_values=cache, bole_drafter=drafter)
-    assert torch.equal(out.sequences, ref.sequences) and out.past_key_values is cache
-    state, want = (read_dynamic(c, model.config) for c in (cache, ref.past_key_values))
-    torch.testing.assert_close(state.index_keys[3], want.index_keys[3], **TOL)
-    assert torch.equal(state.slot_positions, want.slot_positions)
-    ids3, mask3 = extend(ref.sequences, mask2, [5])
-    again = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=cache)
-    expected = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=ref.past_key_values)
-    assert torch.equal(again.sequences, expected.sequences)
-
-
-@pytest.mark.skipif(not tiny_families.available("glm5_next"), reason="GLM-5-Next needs transformers 5.24 on")
-def test_glm5_next_continues_as_plain_generate():
-    """GLM-5-Next's cache holds its DSA indexer's packed token states too (no slot positions; none in the "shared"
-    layer): hf_bole continues plain `generate`'s cache (three left-padded rows) exactly as plain `generate` does,
-    updates it in place, and plain `generate` then continues the updated cache as its own."""
-    model = tiny_families.build("glm5_next")
+@pytest.mark.parametrize("name", ["qwen4_exp", "glm5_next"])
+def test_an_indexed_family_continues_as_plain_generate(name):
+    """Qwen4-Exp's cache holds its QSA indexer's keys and the slots' positions too, GLM-5-Next's its DSA indexer's
+    packed token states (no slot positions; none in its "shared" layer): hf_bole continues plain `generate`'s cache
+    (three left-padded rows) exactly as plain `generate` does, updates it in place, and plain `generate` then
+    continues the updated cache as its own."""
+    if not tiny_families.available(name):
+        pytest.skip(f"{name} needs transformers 5.24 on")
+    model = tiny_families.build(name)
     ids, mask = tiny.left_pad(PROMPTS[:3])
     first = plain(model, ids, mask, max_new_tokens=NEW)
     ids2, mask2 = extend(first.sequences, mask, [3, 4])
@@ -494,8 +474,13 @@ def test_glm5_next_continues_as_plain_generate():
     assert torch.equal(out.sequences, ref.sequences) and out.past_key_values is cache
     config = model.config.get_text_config(decoder=True)
     state, want = (read_dynamic(c, config) for c in (cache, ref.past_key_values))
-    assert set(state.index_keys) == {2} and state.slot_positions is None
-    torch.testing.assert_close(state.index_keys[2], want.index_keys[2], **TOL)
+    layer = {"qwen4_exp": 3, "glm5_next": 2}[name]  # the indexed layer whose indexer keeps a state
+    assert set(state.index_keys) == set(want.index_keys) and layer in state.index_keys
+    torch.testing.assert_close(state.index_keys[layer], want.index_keys[layer], **TOL)
+    if name == "qwen4_exp":
+        assert torch.equal(state.slot_positions, want.slot_positions)
+    else:
+        assert set(state.index_keys) == {2} and state.slot_positions is None
     ids3, mask3 = extend(ref.sequences, mask2, [5])
     again = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=cache)
     expected = plain(model, ids3, mask3, max_new_tokens=NEW, past_key_values=ref.past_key_values)
