@@ -62,7 +62,6 @@ class CallPlan:
     room: int  # generated tokens the cache and the sequences hold before they grow
     capacity: int  # the cache's slots per row up front
     chains: bool  # the prompt enters the cache as chains through the verify forward
-    node_bytes: int  # what one node of every row holds in a verify round (`verify.round_bytes`), chains' sizing
     cached: Continuation | None  # the caller's cache the call continues from
     tail: int  # the first column the prefill runs (0 without a cache)
     run: torch.Tensor  # [B, P - tail] bool on `device`: the tokens the prefill runs, those after each row's cached ones
@@ -173,7 +172,7 @@ class CallPlan:
         # (doubling), so that a call takes memory and time for the tokens it generates, not for max_new_tokens.
         room = min(max_new, INITIAL_ROOM)
         capacity = P + room + (1 + lag) * step + per_row + 1
-        node_bytes = B * sum(round_bytes(model.config, 1, model.dtype).values())
+        node_bytes = B * sum(round_bytes(model.config, 1, model.dtype).values())  # one node of every row
         chain_round = width_bucket(min(P - tail, MAX_TREE_NODES), MAX_TREE_NODES) * node_bytes
         chains = use_chains(bole.prefill, graphed, P - tail, bole.verify, weight_bytes(model), chain_round)
         # Rows whose shared prefix ends in different columns: transformers' forward appends the same columns to every
@@ -213,6 +212,6 @@ class CallPlan:
             do_sample=bool(generation_config.do_sample), logits_processor=logits_processor, stopping=stopping,
             budget_for=budget_for, per_row=per_row, drafter=drafter, max_depth=max_depth,
             vocab_size=model.get_output_embeddings().weight.shape[0], graphed=graphed, pipelined=pipelined, step=step,
-            room=room, capacity=capacity, chains=chains, node_bytes=node_bytes, cached=cached, tail=tail, run=run,
+            room=room, capacity=capacity, chains=chains, cached=cached, tail=tail, run=run,
             returns_cache=returns_cache, columns=None if pipelined else prompt_columns(mask),
         )  # fmt: skip
