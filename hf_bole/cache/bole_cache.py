@@ -54,6 +54,7 @@ from hf_bole.kernels import (
     tree_kda_commit,
     tree_masks,
 )
+from hf_bole.kernels.kv_move import commit_slots_torch
 from hf_bole.kernels.utils import check_parents, check_path, is_capturing
 from hf_bole.placement import placement
 from hf_bole.tensor_parallel import tensor_parallel
@@ -246,17 +247,6 @@ def _write_tree_kv_eager(
 _write_tree_kv = torch.library.custom_op("hf_bole::write_tree_kv", mutates_args=("keys", "values"))(
     _write_tree_kv_eager
 )
-
-
-def _commit_slots(stored: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
-    """`kv_commit_torch` for one stack `stored [NX, B, C, D]` (indexer keys, or the slots' positions as `[1, B, C, 1]`):
-    slot `lengths[b] + j` takes slot `lengths[b] + path[b, j]` where `path[b, j] >= 0`, in place."""
-    NX, B, _, D = stored.shape
-    steps = torch.arange(path.shape[1], device=path.device)
-    dst = lengths[:, None] + steps  # [B, L]
-    src = lengths[:, None] + torch.where(path >= 0, path, steps)  # padding entries move their own slot
-    dst, src = (x[None, :, :, None].expand(NX, B, -1, D) for x in (dst, src))
-    stored.scatter_(2, dst, stored.gather(2, src))
 
 
 class BoleLinearAttentionLayer(LinearAttentionCacheLayerMixin):
@@ -847,7 +837,7 @@ class BoleCache(Cache):
             # One copy of the path and lengths per device group (none on the cache's own device).
             self._commit_group(group, rg, r, *(x.to(group.device) for x in (path, self.lengths)), check_values)
         if self._slot_positions is not None:
-            _commit_slots(self._slot_positions[None, :, :, None], self.lengths, path)
+            commit_slots_torch(self.lengths, path, self._slot_positions[None, :, None, :, None])  # [1, B, 1, C, 1]
 
         num_accepted = accepted.sum(1)
         self.lengths.add_(num_accepted)
@@ -883,7 +873,7 @@ class BoleCache(Cache):
         N = r.parents.shape[1]
         kv_commit(group.keys, group.values, lengths, path)
         if group.index_keys.shape[0] > 0:
-            _commit_slots(group.index_keys, lengths, path)
+            commit_slots_torch(lengths, path, group.index_keys[:, :, None])  # [NI, B, 1, C, Dx]
 
         if r.verify == "serial":
             for g, snapshots in enumerate(rg.snapshots):

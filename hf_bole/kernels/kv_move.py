@@ -32,13 +32,19 @@ from hf_bole.kernels.utils import (
 def kv_commit_torch(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, path: torch.Tensor) -> None:
     """The specification: slot `lengths[b] + j` of every layer and head takes slot `lengths[b] + path[b, j]` where
     `path[b, j] >= 0`, in place. keys `[NA, B, H, C, Dk]`, values `[NA, B, H, C, Dv]`, lengths `[B]`, path `[B, L]`."""
-    NA, B, H = keys.shape[:3]
+    commit_slots_torch(lengths, path, keys, values)
+
+
+def commit_slots_torch(lengths: torch.Tensor, path: torch.Tensor, *stacks: torch.Tensor) -> None:
+    """`kv_commit_torch`'s move for any stacks of per-slot entries `[N, B, H, C, D]` (slots on dim 3), in place: what
+    a cache keeps per slot beside the KV moves with it."""
     L = path.shape[1]
     steps = torch.arange(L, device=path.device)
     dst = lengths[:, None] + steps  # [B, L]
     src = lengths[:, None] + torch.where(path >= 0, path, steps)  # padding entries move their own slot
-    for buf in (keys, values):
-        dst_i, src_i = (x[None, :, None, :, None].expand(NA, B, H, L, buf.shape[-1]) for x in (dst, src))
+    for buf in stacks:
+        N, B, H = buf.shape[:3]
+        dst_i, src_i = (x[None, :, None, :, None].expand(N, B, H, L, buf.shape[-1]) for x in (dst, src))
         buf.scatter_(3, dst_i, buf.gather(3, src_i))
 
 
