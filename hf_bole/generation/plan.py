@@ -197,15 +197,23 @@ class CallPlan:
             )
         if chains:
             capacity += MAX_TREE_NODES  # a prefill chain's tree, committed or not, takes the slots after the tokens
-        if bole.cuda_graphs and device.type == "cuda" and not graphed and graph_unsafe_experts(model):
-            logger.warning_once(
-                f"hf_bole: CUDA graphs cannot capture the model's mixture-of-experts layers "
-                f"({graph_unsafe_experts(model)[0]}, ...): eager experts route tokens on the host, and torch's "
-                f"grouped_mm does outside bf16. Its verify forwards run without graphs, launched from Python. To "
-                f"replay them from graphs load the model in bf16 with experts_implementation='grouped_mm' "
-                f"(transformers' default), or call model.set_experts_implementation('batched_mm'); "
-                f"bole_cuda_graphs=False says the same without this warning"
-            )
+        if bole.cuda_graphs and device.type == "cuda" and not graphed:  # what `captures` refused, said once
+            family = family_of(model.config)
+            if not family.cuda_graphs:
+                logger.warning_once(
+                    f"hf_bole: CUDA graphs cannot capture a {family.name} forward: its indexer reads the device back "
+                    f"mid-forward. Its verify forwards run without graphs, launched from Python; "
+                    f"bole_cuda_graphs=False says the same without this warning"
+                )
+            elif unsafe := graph_unsafe_experts(model):
+                logger.warning_once(
+                    f"hf_bole: CUDA graphs cannot capture the model's mixture-of-experts layers ({unsafe[0]}, ...): "
+                    f"eager experts route tokens on the host, and torch's grouped_mm does outside bf16. Its verify "
+                    f"forwards run without graphs, launched from Python. To replay them from graphs load the model in "
+                    f"bf16 with experts_implementation='grouped_mm' (transformers' default), or call "
+                    f"model.set_experts_implementation('batched_mm'); bole_cuda_graphs=False says the same without "
+                    f"this warning"
+                )
         return cls(
             bole=bole, device=device, in_device=in_device, input_ids=input_ids, attention_mask=attention_mask,
             mask=mask, position_ids=position_ids, max_new=max_new, pad_token=pad_token,
