@@ -15,11 +15,14 @@ Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses 
                                          state (`layout.py`; NI = 0 elsewhere)
     slot_positions [B, C]                the position id of every slot, which Qwen4-Exp's indexer rotates its pooled
                                          blocks' keys by (None without such an indexer)
+    ple_conv       [NP, B, Dp, Sp]       the windows of the NP per-layer embeddings (Qwen4-Exp's PLE, on some linear
+                                         layers; `layout.py`): the last Sp inputs of each one's dilated conv
+    ple_tokens     [NP, B, 1, Sn]        and the last Sn tokens its n-gram hash reads (eos before the first token)
     lengths        [B]                   committed slots per row (left padding included)
     positions      [B]                   position id of each row's next token
     valid          [B, C]                False on padding slots
 
-The first four are stacked per device (`_DeviceGroup`): on one device one set for all layers; for a model spread
+The first four and the last two are stacked per device (`_DeviceGroup`): on one device one set for all layers; for a model spread
 over devices by accelerate's `device_map`, one set per device, holding the layers that run there, so that every
 layer's state stays on its own device and the commit is one launch per device. The bookkeeping (lengths, positions,
 valid, the tree's parents and mask) lives on the first layer's device; what a device group needs of it is copied
@@ -116,6 +119,8 @@ class _DeviceGroup:
     conv: torch.Tensor  # [NG, B, D, W]
     recurrent: torch.Tensor  # [NG, B, H, K, V] float32
     index_keys: torch.Tensor  # [NI, B, C, Dx] the indexed layers' indexer keys
+    ple_conv: torch.Tensor  # [NP, B, Dp, Sp] the per-layer embeddings' conv windows
+    ple_tokens: torch.Tensor  # [NP, B, 1, Sn] int64 their n-gram hashes' token windows
 
 
 @dataclass
@@ -130,6 +135,8 @@ class _GroupRound:
     log_decay: torch.Tensor | None  # [NG, B, N, H] float32 (GDN, closed form)
     g: torch.Tensor | None  # [NG, B, N, H, K] float32 (KDA, closed form)
     snapshots: list[torch.Tensor | None] = field(default_factory=list)  # NG x [B, N, H, K, V] (serial)
+    ple_io: torch.Tensor | None = None  # [NP, B, N, Dp] every per-layer embedding's conv input of every node
+    ple_token_io: torch.Tensor | None = None  # [NP, B, N, 1] int64 every node's token, for the n-gram windows
 
 
 @dataclass(eq=False)
@@ -163,7 +170,7 @@ class TreeRound:
         for g in self.groups:
             out["factors"] += _nbytes(g.keys) + _nbytes(g.u) + _nbytes(g.log_decay) + _nbytes(g.g)
             out["snapshots"] += sum(_nbytes(s) for s in g.snapshots)
-            out["conv_inputs"] += _nbytes(g.conv_io)
+            out["conv_inputs"] += _nbytes(g.conv_io) + _nbytes(g.ple_io) + _nbytes(g.ple_token_io)
         return out
 
 
@@ -361,6 +368,7 @@ class BoleCache(Cache):
         own_indexer = [kind != "shared" for kind in getattr(config, "indexer_types", None) or [None] * len(layer_types)]
         indexed_layers = [i for i, t in enumerate(layer_types) if t == INDEXED_LAYER and own_indexer[i]]
         gdn_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
+        ple_layers = [i - 1 for i in getattr(config, "ple_layer_ids", None) or []]  # one-indexed in the config
         if not attn_layers or not gdn_layers or len(attn_layers) + len(gdn_layers) != len(layer_types):
             raise ValueError(
                 f"BoleCache needs the config of a hybrid model whose layers are 'linear_attention' (GDN) or attention "
@@ -395,9 +403,11 @@ class BoleCache(Cache):
         devices = list(dict.fromkeys(layer_devices))
         grouped = lambda layers: [[i for i in layers if layer_devices[i] == d] for d in devices]  # noqa: E731
         attn_groups, gdn_groups, index_groups = grouped(attn_layers), grouped(gdn_layers), grouped(indexed_layers)
+        ple_groups = grouped(ple_layers)
         self._attn_index = {layer: (d, a) for d, group in enumerate(attn_groups) for a, layer in enumerate(group)}
         self._index_place = {layer: (d, i) for d, group in enumerate(index_groups) for i, layer in enumerate(group)}
         self._gdn_place = {layer: (d, g) for d, group in enumerate(gdn_groups) for g, layer in enumerate(group)}
+        self._ple_place = {layer: (d, p) for d, group in enumerate(ple_groups) for p, layer in enumerate(group)}
         self._last_attn_layer = attn_layers[-1]
 
         layout = state_layout(config)
@@ -409,7 +419,7 @@ class BoleCache(Cache):
         capacity, B = max_cache_len or 0, batch_size
         Hkv, hv, k, v = layout.kv_heads, layout.linear_value_heads, layout.linear_key_dim, layout.linear_value_dim
         self._groups = []
-        for d, attn, gdn, indexed in zip(devices, attn_groups, gdn_groups, index_groups):
+        for d, attn, gdn, indexed, ple in zip(devices, attn_groups, gdn_groups, index_groups, ple_groups):
             kv = dict(dtype=dtype, device=d)
             self._groups.append(
                 _DeviceGroup(
@@ -419,6 +429,10 @@ class BoleCache(Cache):
                     conv=torch.zeros(len(gdn), B, layout.conv_dim, layout.conv_width, **kv),
                     recurrent=torch.zeros(len(gdn), B, hv, k, v, dtype=torch.float32, device=d),
                     index_keys=torch.zeros(len(indexed), B, capacity, layout.index_key_dim, **kv),
+                    ple_conv=torch.zeros(len(ple), B, layout.ple_dim, layout.ple_conv_width, **kv),
+                    ple_tokens=torch.full(
+                        (len(ple), B, 1, layout.ple_context), layout.ple_fill, dtype=torch.int64, device=d
+                    ),
                 )
             )
         self.lengths = torch.zeros(B, dtype=torch.int64, device=device)
@@ -581,8 +595,13 @@ class BoleCache(Cache):
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[B, D, W]` the committed conv window of GDN layer `layer_idx`, or None before its first forward.
-        In tree mode always the window (zeros on a fresh cache): the tree conv falls back to it above the root."""
-        group, g = self._gdn(layer_idx, state_idx)
+        In tree mode always the window (zeros on a fresh cache): the tree conv falls back to it above the root.
+        A per-layer embedding's windows (`state_idx` 1: its conv's `[B, Dp, Sp]`, 2: its n-gram tokens `[B, Sn]`)
+        always, from their fill (zeros, eos) on."""
+        if state_idx != 0:
+            stored, _ = self._ple_window(layer_idx, state_idx)
+            return stored if state_idx == 1 else stored[:, 0]
+        group, g = self._gdn(layer_idx)
         if self._gdn_started[layer_idx] or self._tree_active():
             return self._groups[group].conv[g]
         return None
@@ -616,9 +635,12 @@ class BoleCache(Cache):
         the committed window followed by them (just them at the first forward).
 
         Plain forward: the window becomes the last W inputs. Tree mode: the inputs are kept for `commit` and
-        the window is left as it is.
+        the window is left as it is. A per-layer embedding's windows (`state_idx` 1: its conv's inputs `[B, Dp, q]`,
+        2: its tokens `[B, q]`) the same way, the window always in front (it starts as what upstream pads with).
         """
-        group, g = self._gdn(layer_idx, state_idx)
+        if state_idx != 0:
+            return self._update_ple_window(conv_states, layer_idx, state_idx)
+        group, g = self._gdn(layer_idx)
         conv = self._groups[group].conv
         self._check_input(conv_states, "conv_states", layer_idx, group)
         r = self._tree
@@ -638,6 +660,34 @@ class BoleCache(Cache):
         full = torch.cat([conv[g], conv_states.to(conv.dtype)], dim=-1)
         conv[g].copy_(full[..., -width:])
         return full
+
+    def _ple_window(self, layer_idx: int, state_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-layer embedding window `state_idx` (1: conv, 2: tokens) of layer `layer_idx` as `[B, D, W]`, and, in
+        tree mode, the round's `[B, N, D]` inputs of it."""
+        if layer_idx not in self._ple_place or state_idx not in (1, 2):
+            raise ValueError(
+                f"layer {layer_idx} asks for conv state {state_idx}, but BoleCache keeps conv states 1 and 2 only for "
+                f"the per-layer embeddings of this model's layers {sorted(self._ple_place)} (ple_layer_ids, one-indexed)"
+            )
+        group, p = self._ple_place[layer_idx]
+        stored = (self._groups[group].ple_conv if state_idx == 1 else self._groups[group].ple_tokens)[p]
+        r = self._tree
+        if r is None:
+            return stored, None
+        return stored, (r.groups[group].ple_io if state_idx == 1 else r.groups[group].ple_token_io)[p]
+
+    def _update_ple_window(self, x: torch.Tensor, layer_idx: int, state_idx: int) -> torch.Tensor:
+        """`update_conv_state` of a per-layer embedding's window: returns the window followed by `x` (`[B, Dp, q]`
+        conv inputs, or `[B, q]` tokens as `[B, Sn + q]`)."""
+        stored, io = self._ple_window(layer_idx, state_idx)
+        self._check_input(x, "conv_states", layer_idx, self._ple_place[layer_idx][0])
+        x = x if state_idx == 1 else x[:, None]  # [B, D, q]
+        full = torch.cat([stored, x.to(stored.dtype)], dim=-1)
+        if io is not None:
+            io.copy_(x.transpose(1, 2))  # [B, N, D], for `commit`
+        else:
+            stored.copy_(full[..., -stored.shape[-1] :])
+        return full if state_idx == 1 else full[:, 0]
 
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor | GDNTreeState, layer_idx: int, state_idx: int = 0, **kwargs
@@ -705,6 +755,7 @@ class BoleCache(Cache):
         groups = []
         for group in self._groups:
             NG, _, D, _ = group.conv.shape
+            NP, _, Dp, _ = group.ple_conv.shape
             d = group.device
             f32 = dict(dtype=torch.float32, device=d)
             groups.append(
@@ -716,6 +767,8 @@ class BoleCache(Cache):
                     log_decay=torch.empty(NG, B, N, hv, **f32) if closed and not layout.per_key_decay else None,
                     g=torch.empty(NG, B, N, hv, k, **f32) if closed and layout.per_key_decay else None,
                     snapshots=[None] * NG,
+                    ple_io=torch.empty(NP, B, N, Dp, dtype=self.dtype, device=d),
+                    ple_token_io=torch.empty(NP, B, N, 1, dtype=torch.int64, device=d),
                 )
             )
         NA = len(self._attn_index)
@@ -890,12 +943,14 @@ class BoleCache(Cache):
                 group.recurrent, rg.keys, rg.u, rg.log_decay, path,
                 use_qk_l2norm_in_kernel=r.use_qk_l2norm, out=group.recurrent, check_values=check_values,
             )  # fmt: skip
-        NG, _, D, W = group.conv.shape
-        if NG > 0:
-            conv = group.conv.view(NG * B, D, W)
-            tree_conv_state_commit(
-                conv, rg.conv_io.view(NG * B, N, D), path.repeat(NG, 1), out=conv, check_values=check_values
-            )
+        windows = ((group.conv, rg.conv_io), (group.ple_conv, rg.ple_io), (group.ple_tokens, rg.ple_token_io))
+        for stored, io in windows:  # [n, B, D, W] windows, [n, B, N, D] the nodes' inputs
+            n, _, D, W = stored.shape
+            if n > 0:
+                stored = stored.view(n * B, D, W)
+                tree_conv_state_commit(
+                    stored, io.view(n * B, N, D), path.repeat(n, 1), out=stored, check_values=check_values
+                )
 
     def _tree_active(self) -> bool:
         return self._tree is not None
@@ -972,9 +1027,11 @@ class BoleCache(Cache):
             conv[layer], recurrent[layer] = self._groups[group].conv[g], self._groups[group].recurrent[g]
         index_keys = {layer: self._groups[g].index_keys[i, :, :L] for layer, (g, i) in self._index_place.items()}
         slot_positions = None if self._slot_positions is None else self._slot_positions[:, :L]
+        ple_conv = {layer: self._groups[g].ple_conv[p] for layer, (g, p) in self._ple_place.items()}
+        ple_tokens = {layer: self._groups[g].ple_tokens[p, :, 0] for layer, (g, p) in self._ple_place.items()}
         return CacheState(
             keys, values, conv, recurrent, L, valid=self._valid[:, :L], token_ids=self.token_ids,
-            index_keys=index_keys, slot_positions=slot_positions,
+            index_keys=index_keys, slot_positions=slot_positions, ple_conv=ple_conv, ple_tokens=ple_tokens,
         )  # fmt: skip
 
     def load(self, state: CacheState, starts: Sequence[int] | None = None, valid: torch.Tensor | None = None) -> None:
@@ -1030,6 +1087,9 @@ class BoleCache(Cache):
         for layer, (group, g) in self._gdn_place.items():
             self._groups[group].conv[g].copy_(state.conv[layer].expand(B, -1, -1))
             self._groups[group].recurrent[g].copy_(state.recurrent[layer].expand(B, -1, -1, -1))
+        for layer, (group, p) in self._ple_place.items():
+            self._groups[group].ple_conv[p].copy_(state.ple_conv[layer].expand(B, -1, -1))
+            self._groups[group].ple_tokens[p, :, 0].copy_(state.ple_tokens[layer].expand(B, -1))
         first = torch.tensor(starts, device=self.device)[:, None]  # [B, 1]
         slots = torch.arange(self.capacity, device=self.device)
         inside = valid.gather(1, (slots - first).clamp(0, L - 1))  # [B, C] the state's valid at its slots
@@ -1057,13 +1117,20 @@ class BoleCache(Cache):
                 f"the cache holds attention layers {sorted(state.keys)} and GDN layers {sorted(state.conv)}, but this "
                 f"model's are {sorted(self._attn_index)} and {sorted(self._gdn_place)}: a cache of another model"
             )
+        if set(state.ple_conv) != set(self._ple_place) or set(state.ple_tokens) != set(self._ple_place):
+            raise ValueError(
+                f"the cache holds per-layer embedding windows of layers {sorted(state.ple_conv)}, but this model has "
+                f"per-layer embeddings in layers {sorted(self._ple_place)}: a cache of another model"
+            )
         layout = self.layout
         k, hv, v = layout.linear_key_dim, layout.linear_value_heads, layout.linear_value_dim
         width = self._groups[0].conv.shape[-1]
         keys, values = ((layout.kv_heads, state.length, dim) for dim in (layout.key_dim, layout.value_dim))
         expected = [(state.keys, keys, self.dtype), (state.values, values, self.dtype),
                     (state.conv, (self._conv_dim, width), self.dtype), (state.recurrent, (hv, k, v), None),
-                    (state.index_keys, (state.length, layout.index_key_dim), self.dtype)]  # fmt: skip
+                    (state.index_keys, (state.length, layout.index_key_dim), self.dtype),
+                    (state.ple_conv, (layout.ple_dim, layout.ple_conv_width), self.dtype),
+                    (state.ple_tokens, (layout.ple_context,), torch.int64)]  # fmt: skip
         for tensors, shape, dtype in expected:
             for layer, t in tensors.items():
                 if tuple(t.shape[1:]) != shape:
@@ -1100,15 +1167,10 @@ class BoleCache(Cache):
             raise ValueError(f"layer {layer_idx} is not a full-attention layer of this BoleCache")
         return self._attn_index[layer_idx]
 
-    def _gdn(self, layer_idx: int, state_idx: int = 0) -> tuple[int, int]:
-        """(device group, index in the group) of GDN layer `layer_idx`, whose one conv window is `state_idx` 0."""
+    def _gdn(self, layer_idx: int) -> tuple[int, int]:
+        """(device group, index in the group) of GDN layer `layer_idx`."""
         if layer_idx not in self._gdn_place:
             raise ValueError(f"layer {layer_idx} is not a GDN (linear_attention) layer of this BoleCache")
-        if state_idx != 0:  # Qwen4-Exp's per-layer embeddings keep two more, which tree mode does not branch
-            raise ValueError(
-                f"BoleCache keeps one conv window per linear layer, but layer {layer_idx} asks for conv state "
-                f"{state_idx}: a model with per-layer embeddings (Qwen4-Exp's ple_layer_ids), which hf_bole refuses"
-            )
         return self._gdn_place[layer_idx]
 
     def _check_input(self, x: torch.Tensor, name: str, layer_idx: int, group: int) -> None:
@@ -1132,8 +1194,9 @@ class BoleCache(Cache):
     def reset(self) -> None:
         """Empties every row (storage is kept)."""
         for group in self._groups:
-            for t in (group.keys, group.values, group.conv, group.recurrent, group.index_keys):
+            for t in (group.keys, group.values, group.conv, group.recurrent, group.index_keys, group.ple_conv):
                 t.zero_()
+            group.ple_tokens.fill_(self.layout.ple_fill)
         for t in (self.lengths, self.positions, self._slot_positions):
             if t is not None:
                 t.zero_()
@@ -1176,6 +1239,11 @@ class BoleCache(Cache):
             on = index.to(stored.device)
             stored.conv[g].index_copy_(0, on, state.conv[layer].to(stored.device))
             stored.recurrent[g].index_copy_(0, on, state.recurrent[layer].to(stored.device))
+        for layer, (group, p) in self._ple_place.items():
+            stored = self._groups[group]
+            on = index.to(stored.device)
+            stored.ple_conv[p].index_copy_(0, on, state.ple_conv[layer].to(stored.device))
+            stored.ple_tokens[p, :, 0].index_copy_(0, on, state.ple_tokens[layer].to(stored.device))
         # [n, C]: the state's padding in its slots; the slots after it free, as in a fresh row
         valid = torch.ones(len(rows), self.capacity, dtype=torch.bool, device=self.device)
         if state.valid is not None:
@@ -1197,7 +1265,7 @@ class BoleCache(Cache):
         indices = indices.to(self.device)
         for group in self._groups:
             on = indices.to(group.device)
-            for name in ("keys", "values", "conv", "recurrent", "index_keys"):  # [layers, B, ...]
+            for name in ("keys", "values", "conv", "recurrent", "index_keys", "ple_conv", "ple_tokens"):  # [n, B, ...]
                 setattr(group, name, getattr(group, name).index_select(1, on))
         for name in ("lengths", "positions", "_valid", "_slot_positions"):  # [B, ...]
             if getattr(self, name) is not None:

@@ -17,6 +17,11 @@ Two kinds of linear-attention layer and two kinds of attention cache are told ap
                        GLM-5-Next's (`index_kpool` in the config) its DSA indexer's per token state packed as
                        `[key, pooling gate logits, valid]` (`2 index_head_dim + 1` wide), which it pools into groups
                        of `index_kpool` tokens.
+
+Qwen4-Exp's per-layer embeddings (`ple_layer_ids`, on some of its GDN layers) keep two windows more in those layers:
+the last `ngram_size - 1` tokens, which its n-gram hash reads before each token (the token before the first is eos),
+and the last `(ple_conv_kernel_size - 1) x ngram_size` inputs of its dilated conv over `hc_count x hidden_size`
+channels.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class StateLayout:
     per_key_decay: bool  # KDA: a log-decay per key channel; GDN: one per head
     index_key_dim: int = 0  # the width of an indexer's cached state per slot, 0 without an indexer
     index_positions: bool = False  # whether the indexer rotates by the slots' positions (Qwen4-Exp's), then cached
+    ple_dim: int = 0  # channels of a per-layer embedding's dilated conv, 0 without per-layer embeddings
+    ple_conv_width: int = 0  # the inputs that conv's window keeps
+    ple_context: int = 0  # the tokens the n-gram hash reads before each token
+    ple_fill: int = 0  # the token before the first one (eos)
 
 
 def state_layout(config) -> StateLayout:
@@ -69,6 +78,19 @@ def state_layout(config) -> StateLayout:
         per_key_decay=per_key_decay,
         index_key_dim=_index_key_dim(config),
         index_positions=getattr(config, "indexer_head_dim", None) is not None,
+        **_ple(config),
+    )
+
+
+def _ple(config) -> dict:
+    if not getattr(config, "ple_layer_ids", None):
+        return {}
+    eos = config.eos_token_id
+    return dict(
+        ple_dim=config.hc_count * config.hidden_size,
+        ple_conv_width=(config.ple_conv_kernel_size - 1) * config.ngram_size,
+        ple_context=config.ngram_size - 1,
+        ple_fill=eos[0] if isinstance(eos, list) else eos,
     )
 
 

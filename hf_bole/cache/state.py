@@ -9,7 +9,9 @@ float32). Neither says which of the L slots were padding: the attention mask of 
 "indexed_attention" layers are `DynamicIndexedLayer`s, whose `indexer_keys` `[B, L, Dx]` are the QSA indexer's keys;
 the first of them keeps the slots' position ids for all (`indexer_position_ids`, `[3, B, L]`). GLM-5-Next's keep their
 DSA indexer's packed token states there (`[key, pooling gate logits, valid]`), no positions, and its "shared" layers,
-which reuse the previous layer's choice, none.
+which reuse the previous layer's choice, none. Qwen4-Exp's GDN layers with per-layer embeddings keep two conv states
+more: `conv_states[1]` `[B, Dp, Sp]` the last inputs of its dilated conv, `conv_states[2]` `[B, Sn]` the last tokens
+its n-gram hash reads.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class CacheState:
         index_keys: indexed attention layer index -> `[B, L, Dx]` its indexer's state per slot (Qwen4-Exp's QSA keys,
             GLM-5-Next's packed DSA token states; else empty).
         slot_positions: `[B, L]` the slots' position ids, which Qwen4-Exp's indexer rotates by (None without it).
+        ple_conv: GDN layer index -> `[B, Dp, Sp]` its per-layer embedding's conv window (Qwen4-Exp's PLE layers).
+        ple_tokens: GDN layer index -> `[B, Sn]` int64 its per-layer embedding's n-gram tokens (eos before the first).
     """
 
     keys: dict[int, torch.Tensor]
@@ -46,6 +50,8 @@ class CacheState:
     token_ids: torch.Tensor | None = None
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     slot_positions: torch.Tensor | None = None
+    ple_conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    ple_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -70,6 +76,8 @@ def read_dynamic(cache: Cache, config) -> CacheState:
             f"the cache has {len(cache.layers)} layers but the model {len(layer_types)}: it belongs to another model"
         )
     keys, values, conv, recurrent, index_keys, slot_positions = {}, {}, {}, {}, {}, None
+    ple_layers = {i - 1 for i in getattr(config, "ple_layer_ids", None) or []}  # one-indexed in the config
+    ple_conv, ple_tokens = {}, {}
     for i, (layer, kind) in enumerate(zip(cache.layers, layer_types)):
         if kind == "linear_attention":
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -83,6 +91,8 @@ def read_dynamic(cache: Cache, config) -> CacheState:
                 )
             if layer.conv_states[0] is not None:
                 conv[i], recurrent[i] = layer.conv_states[0], layer.recurrent_states[0]
+                if i in ple_layers:  # its per-layer embedding ran before the layer: both windows are there
+                    ple_conv[i], ple_tokens[i] = layer.conv_states[1], layer.conv_states[2]
         elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0:
             keys[i], values[i] = layer.keys, layer.values
             # GLM-5-Next's "shared" indexed layers run no indexer and keep no indexer state
@@ -102,7 +112,10 @@ def read_dynamic(cache: Cache, config) -> CacheState:
     missing = [i for i in attention if i not in keys] + [i for i in gdn if i not in conv]
     if missing:
         raise ValueError(f"the cache holds {length} tokens but no state in layers {missing}")
-    return CacheState(keys, values, conv, recurrent, length, index_keys=index_keys, slot_positions=slot_positions)
+    return CacheState(
+        keys, values, conv, recurrent, length, index_keys=index_keys, slot_positions=slot_positions,
+        ple_conv=ple_conv, ple_tokens=ple_tokens,
+    )  # fmt: skip
 
 
 def write_dynamic(state: CacheState, cache: DynamicCache, config) -> None:
@@ -121,6 +134,9 @@ def write_dynamic(state: CacheState, cache: DynamicCache, config) -> None:
         # A first update takes the window as a prefill's inputs; the recurrent state as it is.
         layer.update_conv_state(state.conv[i].clone())
         layer.update_recurrent_state(state.recurrent[i].clone())
+        if i in state.ple_conv:
+            layer.update_conv_state(state.ple_conv[i].clone(), state_idx=1)
+            layer.update_conv_state(state.ple_tokens[i].clone(), state_idx=2)
         if hasattr(layer, "cumulative_length_linear"):  # transformers 5.25 counts a GDN layer's tokens itself
             layer.cumulative_length_linear.fill_(state.length)
     cache.layers[:] = fresh.layers

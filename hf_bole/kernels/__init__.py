@@ -15,6 +15,7 @@ from hf_bole.kernels.tree_gdn import (
     tree_gdn_verify,
     tree_gdn_verify_serial,
     tree_masks,
+    tree_path_window,
 )
 from hf_bole.kernels.tree_kda import tree_kda_commit, tree_kda_verify, tree_kda_verify_serial
 from hf_bole.kernels.tree_select import naive_tree_select_nodes, tree_select_nodes
@@ -37,5 +38,6 @@ __all__ = [
     "tree_kda_verify",
     "tree_kda_verify_serial",
     "tree_masks",
+    "tree_path_window",
     "tree_select_nodes",
 ]

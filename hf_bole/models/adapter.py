@@ -22,7 +22,9 @@ Bailing-Hybrid, Qwen4-Exp, GLM-5-Next), wrapped once per process and passing thr
                                        (`kernels/attention.py`) in place of the model's own
 
 and the forward of a pooled indexer's class (`Family.pooled_indexer`, GLM-5-Next's DSA indexer): given a BoleCache,
-it reads the cache through `_IndexerView`, which in a tree forward hands it each node's own sequence.
+it reads the cache through `_IndexerView`, which in a tree forward hands it each node's own sequence; and the two
+windows of a per-layer embedding (`Family.per_layer_embeddings`, Qwen4-Exp's PLE), which in a tree forward read each
+node's own path: the n-gram hash's forward (the tokens before the node) and the layer's dilated conv.
 
 By default full-attention layers run the model's own attention: the ancestor mask arrives as the attention mask,
 the tree positions as position ids, and `BoleCache.update` writes the tree's KV and returns the storage the mask
@@ -194,8 +196,8 @@ def graph_unsafe_experts(module: torch.nn.Module) -> list[str]:
 
 def check_supported_model(model: torch.nn.Module) -> Family:
     """Raises a `ValueError` unless `model` is a model hf_bole can verify trees with: one of the classes of a
-    supported family (`hf_bole.models.family`), with GDN and KV-caching attention layers, none of the family's
-    `unsupported` features, and an attention implementation that takes an arbitrary 4D mask ("sdpa" or "eager").
+    supported family (`hf_bole.models.family`), with GDN and KV-caching attention layers, and an attention
+    implementation that takes an arbitrary 4D mask ("sdpa" or "eager").
     Returns its family."""
     config = model.config.get_text_config(decoder=True)
     family = family_of(config)
@@ -209,12 +211,6 @@ def check_supported_model(model: torch.nn.Module) -> Family:
             f"hf_bole needs a hybrid model of GDN ('{GDN_LAYER}') and attention ({', '.join(family.attention_layers)}) "
             f"layers, at least one of each; {type(model).__name__} has layer types {sorted(layer_types)}"
         )
-    for name, why in family.unsupported:
-        if getattr(config, name, None):
-            raise ValueError(
-                f"hf_bole cannot verify trees exactly on {type(model).__name__} with {name}={getattr(config, name)!r}: "
-                f"{why}; tree mode runs the {family.name} models that leave {name} unset"
-            )
     if config._attn_implementation not in TREE_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"tree verification passes an ancestor mask, which attn_implementation="
@@ -255,6 +251,10 @@ def _install(module: ModuleType, family: Family) -> None:
     _wrap(module, "ALL_ATTENTION_FUNCTIONS", _TreeAttentionFunctions)
     if family.pooled_indexer is not None:
         _wrap(getattr(module, family.pooled_indexer), "forward", _tree_pooled_indexer)
+    if family.per_layer_embeddings is not None:
+        ngram, layer = family.per_layer_embeddings
+        _wrap(getattr(module, ngram), "forward", _tree_ngram_embedding)
+        _wrap(getattr(module, layer), "_short_conv", _tree_ple_conv)
 
 
 @torch.no_grad()
@@ -549,6 +549,47 @@ def _tree_pooled_indexer(original):
         return torch.where(topk[:, 0] >= 0, slots, -1).view(B, N, -1).to(topk.dtype)
 
     return forward
+
+
+def _tree_ngram_embedding(original):
+    @functools.wraps(original)
+    def forward(embedding, input_ids, cache, **kwargs):
+        bole_tree = kwargs.get("bole_tree")
+        if bole_tree is None:
+            return original(embedding, input_ids, cache, **kwargs)
+        bole_tree = bole_tree.on(input_ids.device)
+        B, N = input_ids.shape
+        layer = embedding.layer_idx
+        window = cache.get_conv_state(layer, state_idx=2)  # [B, Sn] the committed tokens (eos before the first)
+        cache.update_conv_state(input_ids, layer, state_idx=2)  # the nodes' tokens, for the commit
+        # [B, N, Sn + 1] each node's path: the Sn tokens before it on its path, then itself
+        paths = kernels.tree_path_window(input_ids[..., None], bole_tree.parents, window[:, None], window.shape[1] + 1)
+        # Each path as a sequence of its own, without a cache (eos in front, which the hash of the last token, reading
+        # Sn tokens back, never reaches): upstream's forward, unchanged. [B x N, Sn + 1, E], the node's last.
+        embeddings = original(embedding, paths[..., 0].reshape(B * N, -1), None)
+        return embeddings[:, -1].reshape(B, N, -1)
+
+    return forward
+
+
+def _tree_ple_conv(original):
+    @functools.wraps(original)
+    def _short_conv(ple, hidden_states, cache, **kwargs):
+        bole_tree = kwargs.get("bole_tree")
+        if bole_tree is None:
+            return original(ple, hidden_states, cache, **kwargs)
+        bole_tree = bole_tree.on(hidden_states.device)
+        N = hidden_states.shape[1]  # hidden_states [B, N, Dp]
+        # [B, Dp, Sp + N]: the committed window, then the nodes' inputs (kept for the commit)
+        full = cache.update_conv_state(hidden_states.transpose(1, 2), ple.layer_idx, state_idx=1)
+        conv = ple.conv1d  # depthwise, k taps `dilation` apart
+        k, dilation = conv.kernel_size[0], conv.dilation[0]
+        # the same conv as a causal one of (k - 1) x dilation + 1 taps, zero between the dilated ones
+        weight = conv.weight.new_zeros(conv.weight.shape[0], (k - 1) * dilation + 1)
+        weight[:, ::dilation] = conv.weight[:, 0]
+        return _kernels().tree_causal_conv1d(hidden_states, weight, None, bole_tree.parents, full[..., :-N], "silu")
+
+    return _short_conv
 
 
 class _IndexerView:

@@ -35,8 +35,9 @@ What differs between families is small and is what a `Family` says:
     cuda_graphs           whether a verify forward can replay from a CUDA graph: not where the model's own code reads
                           the device back mid-forward (Qwen4-Exp's indexer, `torch.nonzero` per query; GLM-5-Next's,
                           a boolean index over its pools)
-    unsupported           (config field, why) of features tree mode cannot run exactly: a config that sets one is
-                          refused (`check_supported_model`) with the field and the reason
+    per_layer_embeddings  the classes of a per-layer embedding's n-gram hash and of its layer (Qwen4-Exp's PLE), whose
+                          windows over past tokens run along each node's path in tree mode
+                          (`adapter._tree_ngram_embedding`, `adapter._tree_ple_conv`)
     shipped_in            the first transformers release whose modeling code of the family hf_bole drives: older ones
                           are treated as lacking it
 
@@ -77,7 +78,7 @@ class Family:
     min_tree_nodes: int = 1
     tree_attention_kernel: bool = True
     cuda_graphs: bool = True
-    unsupported: tuple[tuple[str, str], ...] = ()
+    per_layer_embeddings: tuple[str, str] | None = None
 
     @property
     def available(self) -> bool:

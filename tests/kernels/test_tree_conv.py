@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hf_bole.kernels import tree_causal_conv1d, tree_conv_state_commit
+from hf_bole.kernels import tree_causal_conv1d, tree_conv_state_commit, tree_path_window
 from hf_bole.kernels.tree_gdn.naive import naive_tree_causal_conv1d, naive_tree_conv_state_commit
 from tests.kernels.test_closed_form import BACKENDS, backend_device
 from tests.kernels.test_commit import random_paths
@@ -63,12 +63,33 @@ def test_tree_causal_conv1d_reads_one_token_major_buffer(backend):
     assert rel_err(out, ref) <= 1e-6
 
 
+def test_tree_path_window():
+    """Each node's last `width` inputs along its own path, oldest first and the node last, the committed window above
+    the root (the taps a causal conv reads; Qwen4-Exp's n-gram hash reads its tokens so)."""
+    B, T, S, width = 2, 20, 5, 4
+    x = torch.arange(B * T).view(B, T, 1)
+    state = -1 - torch.arange(B * S).view(B, 1, S)
+    parents = make_parents("mixed", T, B, seed=3)
+    out = tree_path_window(x, parents, state, width)  # [B, T, width, 1]
+    for b in range(B):
+        for i in range(T):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, int(x[b, j, 0]))
+                j = int(parents[b, j])
+            assert out[b, i, :, 0].tolist() == (state[b, 0].tolist() + path)[-width:]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("S", [4, 3])
-def test_tree_conv_state_commit(backend, S):
+@pytest.mark.parametrize("S, dtype", [(4, torch.float32), (3, torch.float32), (2, torch.int64)])
+def test_tree_conv_state_commit(backend, S, dtype):
+    """The window after each accepted path; int64: the tokens Qwen4-Exp's n-gram hash keeps (one channel)."""
     device = backend_device(backend)
-    B, T, D = 4, 12, 40
-    x, state = torch.randn(B, T, D, device=device), torch.randn(B, D, S, device=device)
+    B, T, D = 4, 12, 40 if dtype == torch.float32 else 1
+    if dtype == torch.float32:
+        x, state = torch.randn(B, T, D, device=device), torch.randn(B, D, S, device=device)
+    else:
+        x, state = torch.randint(0, 1000, (B, T, D), device=device), torch.randint(0, 1000, (B, D, S), device=device)
     parents = make_parents("mixed", T, B, seed=11)
     gen = torch.Generator().manual_seed(11)
     for _ in range(3):

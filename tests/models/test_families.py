@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3NextForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3NextForCausalLM
 
 from hf_bole.cache import BoleCache
 from hf_bole.generation.drafters.mtp import MTPDrafter
@@ -208,26 +208,26 @@ def test_unsupported_models_are_named_with_what_is_supported():
 
 
 @pytest.mark.parametrize("name", tiny_families.params(["qwen4_exp"]))
-def test_qwen4_exp_per_layer_embeddings_refused(name):
-    """Qwen4-Exp's per-layer embeddings (PLE: hashed n-grams of each token's predecessors, a dilated conv over past
-    tokens) keep per-token states that tree mode does not branch: a model with `ple_layer_ids` is refused by name,
-    before any forward, by `generate` and `tree_forward`, and a BoleCache refuses their extra conv states."""
-    ple = dict(ple_layer_ids=[1, 3], eos_token_id=1, ngram_vocab_size_base=101, heads_per_ngram=2)
-    model = tiny_families.build(name, **ple)
-    with pytest.raises(ValueError, match=r"Qwen4ExpForCausalLM with ple_layer_ids=\[1, 3\]: per-layer embeddings"):
-        check_supported_model(model)
-    ids, mask = tiny.left_pad(PROMPTS[:2])
-    calls = []
-    model.register_forward_pre_hook(lambda *args: calls.append(args))
-    with pytest.raises(ValueError, match="ple_layer_ids"):
-        model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, custom_generate="hf_bole",
-                       bole_drafter="ngram")  # fmt: skip
-    assert calls == []
-    cache = BoleCache(model.config, batch_size=2)
-    with pytest.raises(ValueError, match="ple_layer_ids"):
-        tree_forward(model, cache, ids[:, -1:], torch.full((2, 1), -1))
-    with pytest.raises(ValueError, match="asks for conv state 2.*ple_layer_ids"):
-        model(ids, attention_mask=mask, past_key_values=cache)
+def test_qwen4_exp_per_layer_embedding_windows(name):
+    """Qwen4-Exp's per-layer embeddings keep two windows more in their GDN layers (conv states 1 and 2: the dilated
+    conv's last inputs, and the n-gram hash's last tokens, eos before the first): after the same left-padded prefill
+    a BoleCache holds what a DynamicCache holds, and it refuses those states for a layer without a per-layer
+    embedding. (Tree forwards through them: test_tree_forward and the other family-parametrised tests.)"""
+    model = tiny_families.build(name)
+    eos = model.config.eos_token_id
+    ids, mask = tiny.left_pad(PROMPTS)
+    cache, dynamic = BoleCache(model.config, batch_size=3), DynamicCache(config=model.config)
+    assert torch.equal(cache.get_conv_state(0, state_idx=2), torch.full((3, 2), eos))
+    for c in (cache, dynamic):
+        model(ids, attention_mask=mask, past_key_values=c)
+    for layer in (0, 2):  # ple_layer_ids [1, 3], one-indexed
+        for state_idx in (1, 2):
+            torch.testing.assert_close(
+                cache.get_conv_state(layer, state_idx=state_idx), dynamic.layers[layer].conv_states[state_idx]
+            )
+    assert cache.get_conv_state(2, state_idx=2)[2].tolist() == [eos, 13]  # the third prompt is [13], left-padded
+    with pytest.raises(ValueError, match=r"layer 1 asks for conv state 1.*layers \[0, 2\]"):
+        cache.get_conv_state(1, state_idx=1)
 
 
 @pytest.mark.parametrize("name", tiny_families.params(["qwen4_exp", "glm5_next"]))

@@ -59,12 +59,15 @@ MODELS = {
         dict(_BAILING, kda_safe_gate=False, mlp_layer_types=["dense"] * 4),
     ),
     # two hyper-connection streams, gated attention with a QSA indexer keeping the 2 best blocks of 2 slots (and the
-    # last incomplete block): prompts and paths are longer, so its choice of blocks counts; partial mRoPE
+    # last incomplete block): prompts and paths are longer, so its choice of blocks counts; partial mRoPE; per-layer
+    # embeddings in the first and third layers (trigram hashes, a conv of 4 taps 3 apart: 9 inputs back), with eos
+    # (which starts a new n-gram segment) a token of the first prompt
     "qwen4_exp": (
         "Qwen4-Exp", "Qwen4ExpTextConfig", "Qwen4ExpForCausalLM",
         dict(
             _MOE, hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-            indexer_budget=4, indexer_compress_ratio=2,
+            indexer_budget=4, indexer_compress_ratio=2, ple_layer_ids=[1, 3], eos_token_id=2,
+            ngram_vocab_size_base=101, heads_per_ngram=2,
             rope_parameters={
                 "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]
             },
@@ -123,4 +126,6 @@ def build(name: str, attn: str = "sdpa", **overrides):
         for module in model.modules():
             if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
                 module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 0.5).log())
+            if hasattr(module, "ple_embedding"):  # Qwen4-Exp's PLE conv starts at zero, which would hide its taps
+                module.conv1d.weight.uniform_(-1, 1)
     return model.eval()

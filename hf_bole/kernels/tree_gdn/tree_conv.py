@@ -129,14 +129,26 @@ def _predecessors(parents: torch.Tensor, W: int) -> torch.Tensor:
     return torch.stack(preds, dim=-1)
 
 
-def torch_tree_causal_conv1d(x, weight, bias, parents, conv_state, use_silu):
+def tree_path_window(x: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, width: int) -> torch.Tensor:
+    """`[B, T, width, D]`: the last `width` inputs of every node's root-to-node path, oldest first and the node's own
+    last, with the committed window above the root (what a causal conv of `width` taps reads at each node).
+
+    Args:
+        x: `[B, T, D]` the nodes' inputs.
+        parents: `[B, T]` int64, `-1 <= parents[b, i] < i`.
+        conv_state: `[B, D, S]` the committed window, oldest first, S >= width - 1.
+    """
     B, T, D = x.shape
-    W, S = weight.shape[1], conv_state.shape[-1]
-    preds = _predecessors(parents, W)  # [B, T, W]
-    src = torch.cat([conv_state.transpose(1, 2).float(), x.float()], dim=1)  # [B, S + T, D]: window, then nodes
+    S = conv_state.shape[-1]
+    preds = _predecessors(parents, width).flip(-1)  # [B, T, width], the node last
+    src = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, S + T, D]: window, then nodes
     pos = S + preds  # node j -> S + j, the e-th input above the root (-e) -> S - e
-    taps = src.gather(1, pos.reshape(B, T * W, 1).expand(-1, -1, D)).reshape(B, T, W, D)
-    out = (taps * weight.float().flip(-1).transpose(0, 1)).sum(2)  # tap r pairs with weight[:, W - 1 - r]
+    return src.gather(1, pos.reshape(B, T * width, 1).expand(-1, -1, D)).reshape(B, T, width, D)
+
+
+def torch_tree_causal_conv1d(x, weight, bias, parents, conv_state, use_silu):
+    taps = tree_path_window(x.float(), parents, conv_state, weight.shape[1])  # [B, T, W, D]
+    out = (taps * weight.float().transpose(0, 1)).sum(2)  # the oldest tap pairs with weight[:, 0]
     if bias is not None:
         out = out + bias.float()
     if use_silu:

@@ -12,9 +12,12 @@ would attend to every visible slot, so these layers always run the model's atten
 indexer finds each query's visible slots with `torch.nonzero`, a read back to the host: verify forwards run without
 CUDA graphs (`cuda_graphs`).
 
-Per-layer embeddings (PLE, `ple_layer_ids`) hash each token with its n - 1 predecessors and run a dilated conv over
-the last `(ple_conv_kernel_size - 1) x ngram_size` tokens, states a tree would have to branch per node; hf_bole
-refuses them (`unsupported`). transformers 5.17's Qwen4-Exp keeps the indexer's positions on the cache object itself,
+Per-layer embeddings (PLE, `ple_layer_ids`, on some GDN layers) hash each token with its `ngram_size - 1`
+predecessors and run a dilated conv over the last `(ple_conv_kernel_size - 1) x ngram_size` inputs: two windows more in
+those layers (conv states 1 and 2), which a BoleCache keeps beside the GDN conv's. In a tree forward each node reads
+them along its own path (`per_layer_embeddings`: the hash over the tokens before it on its path, the dilated conv as a
+tree conv with zero taps between the dilated ones), and the commit moves both windows along the accepted path as the
+GDN conv's. transformers 5.17's Qwen4-Exp keeps the indexer's positions on the cache object itself,
 which a BoleCache does not: hf_bole drives the modeling code of 5.24 on. Its RMSNorms normalise groups of the
 hyper-connection streams and its gated norm may gate with a sigmoid (`output_gate_type`): they keep transformers'
 forward, as does its rotary embedding (mRoPE sections recomposed per channel)."""
@@ -35,13 +38,7 @@ QWEN4_EXP = Family(
         ("q_proj", "k_proj", "v_proj"),
         ("gate_proj", "up_proj"),
     ),
-    unsupported=(
-        (
-            "ple_layer_ids",
-            "per-layer embeddings (PLE) hash every token with its predecessors and convolve over past tokens, "
-            "per-token states of their own that a tree would have to branch",
-        ),
-    ),
+    per_layer_embeddings=("Qwen4ExpTextNGramEmbedding", "Qwen4ExpTextPLELayer"),
     tree_attention_kernel=False,
     cuda_graphs=False,
 )
