@@ -1079,8 +1079,8 @@ def test_budget_0_is_plain_decoding(dense, monkeypatch, graphed, rows):
     on a CPU) or not, and no drafter is made (this model has no MTP head, the default drafter's weights)."""
     from tests.generation.recorded_graph import recording_capture, recording_queued_capture
 
+    monkeypatch.setattr(plan, "captures", lambda model, cuda_graphs: graphed)  # on a CUDA device too
     if graphed:
-        monkeypatch.setattr(plan, "captures", lambda model, cuda_graphs: True)
         monkeypatch.setattr(graphs, "capture", recording_capture([]))
         monkeypatch.setattr(graphs, "capture_queued", recording_queued_capture([]))
     made = []

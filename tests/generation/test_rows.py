@@ -71,7 +71,7 @@ def test_replayed_writes_are_the_eager_writes(monkeypatch):
         for _ in range(4):
             tokens = torch.randint(0, 4, (B, L), generator=generator)  # ids 0-3: "bc" turns up
             lengths = torch.randint(0, L + 1, (B,), generator=generator)
-            eager, replayed = (r.write(tokens, lengths).host.clone() for r in rows)
+            eager, replayed = (_arrived(r.write(tokens, lengths)).host.clone() for r in rows)
             assert torch.equal(replayed, eager)
             width = rows[0].seq.shape[1]  # the kept sequence is wider: its columns past the eager one's hold padding
             assert torch.equal(rows[1].seq[:, :width], rows[0].seq) and bool((rows[1].seq[:, width:] == pad).all())
@@ -162,3 +162,9 @@ def test_rows_read_a_row_at_a_time_as_token_by_token(seed):
             states.append((counted, rows.tokens, rows.n_gen, rows.finished_at, rows.frozen, user.calls))
         assert states[0] == states[1]
         assert any(f is not None for f in states[0][3])  # some row stopped inside a round
+
+
+def _arrived(written):
+    """`written` once its copy to the host has arrived (on a CUDA device it is queued, as `Rows.read` waits for it)."""
+    written.ready.synchronize()
+    return written
