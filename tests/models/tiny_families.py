@@ -18,6 +18,17 @@ _BAILING = dict(
     num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
     layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense", "sparse"] * 2,
 )
+# two hyper-connection streams, gated attention with a QSA indexer keeping the 2 best blocks of 2 slots (and the
+# last incomplete block): prompts and paths are longer, so its choice of blocks counts; partial mRoPE; per-layer
+# embeddings in the first and third layers (trigram hashes, a conv of 4 taps 3 apart: 9 inputs back), with eos
+# (which starts a new n-gram segment) a token of the first prompt
+_QWEN4_EXP = dict(
+    _MOE, hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+    indexer_compress_ratio=2, ple_layer_ids=[1, 3], eos_token_id=2, ngram_vocab_size_base=101, heads_per_ngram=2,
+    rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]
+    },
+)
 MODELS = {
     "qwen3_5-dense": ("Qwen3.5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(intermediate_size=64)),
     "qwen3_next-moe": ("Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM", dict(intermediate_size=64, **_MOE)),
@@ -58,21 +69,9 @@ MODELS = {
         "Bailing-Hybrid", "BailingHybridConfig", "BailingHybridForCausalLM",
         dict(_BAILING, kda_safe_gate=False, mlp_layer_types=["dense"] * 4),
     ),
-    # two hyper-connection streams, gated attention with a QSA indexer keeping the 2 best blocks of 2 slots (and the
-    # last incomplete block): prompts and paths are longer, so its choice of blocks counts; partial mRoPE; per-layer
-    # embeddings in the first and third layers (trigram hashes, a conv of 4 taps 3 apart: 9 inputs back), with eos
-    # (which starts a new n-gram segment) a token of the first prompt
-    "qwen4_exp": (
-        "Qwen4-Exp", "Qwen4ExpTextConfig", "Qwen4ExpForCausalLM",
-        dict(
-            _MOE, hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-            indexer_budget=4, indexer_compress_ratio=2, ple_layer_ids=[1, 3], eos_token_id=2,
-            ngram_vocab_size_base=101, heads_per_ngram=2,
-            rope_parameters={
-                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]
-            },
-        ),
-    ),
+    "qwen4_exp": ("Qwen4-Exp", "Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", _QWEN4_EXP),
+    # the same decoder as the text path of Qwen4-Exp's ConditionalGeneration (a tiny vision tower text never reaches)
+    "qwen4_exp-vl": ("Qwen4-Exp", "Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration", _QWEN4_EXP),
     # KDA layers as Kimi-Linear's (the forget gate bounded at -0.5, not the released -5, so that ancestors' decays
     # count), NoPE MLA layers with a DSA indexer keeping the 2 best pools of 2 tokens (and the tail after the last
     # complete pool; prompts and paths are longer, so its choice counts), the last layer reusing the third's choice

@@ -1,4 +1,4 @@
-"""Qwen4-Exp (text, `Qwen4ExpForCausalLM`): Qwen3.5's GDN layers and gated attention layers with a QSA indexer
+"""Qwen4-Exp (`Qwen4ExpForCausalLM`, and the text path of `Qwen4ExpForConditionalGeneration`): Qwen3.5's GDN layers and gated attention layers with a QSA indexer
 ("indexed_attention"), hyper-connections (`hc_count` residual streams mixed in and out of every block, no final
 norm), MoE MLPs everywhere, mRoPE position ids; `mtp.*` weights in its checkpoints, which transformers drops on load
 and hf_bole does not read (their layout is not known to be Qwen3.5's head).
@@ -27,7 +27,7 @@ from hf_bole.models.family import Family
 QWEN4_EXP = Family(
     name="Qwen4-Exp",
     modules={"qwen4_exp_text": "transformers.models.qwen4_exp.modeling_qwen4_exp"},
-    classes=("Qwen4ExpForCausalLM",),
+    classes=("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"),
     shipped_in="5.24",
     mrope=True,
     attention_layers=("indexed_attention",),
