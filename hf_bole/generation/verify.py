@@ -30,10 +30,11 @@ from hf_bole.models import TreeForwardOutput, family_of, tree_forward
 def round_bytes(config, width: int, dtype: torch.dtype, verify: str = "closed_form") -> dict[str, int]:
     """Bytes one request's verify round of `width` nodes (the root included) holds while it is in flight: the tree
     state the commit reads (`TreeRound.transient_bytes`: GDN factors k, u and log-decay in closed form, or a state
-    snapshot per node in serial mode; every GDN layer's pre-conv input; the tree's KV, written into the cache's free
-    slots) and the forward's outputs (`logits` at every node, in `dtype`, and the final hidden states). A batch of B
-    requests holds B times as much: the width is per row (`select.row_width`), so it never scales with the batch
-    times a budget. Replayed from CUDA graphs, each width a call met keeps its buffers in its graph.
+    snapshot per node in serial mode; every GDN layer's pre-conv input, and a per-layer embedding's conv input and
+    token; the tree's KV, written into the cache's free slots) and the forward's outputs (`logits` at every node, in
+    `dtype`, and the final hidden states). A batch of B requests holds B times as much: the width is per row
+    (`select.row_width`), so it never scales with the batch times a budget. Replayed from CUDA graphs, each width a call
+    met keeps its buffers in its graph.
 
     Args:
         config: the model's (text) config.
@@ -49,6 +50,7 @@ def round_bytes(config, width: int, dtype: torch.dtype, verify: str = "closed_fo
     layout = state_layout(config)
     gdn = sum(t == "linear_attention" for t in config.layer_types)
     attention = sum(t in ATTENTION_LAYER_TYPES for t in config.layer_types)
+    ple = len(getattr(config, "ple_layer_ids", None) or [])  # Qwen4-Exp's per-layer embeddings
     hk, k = layout.linear_key_heads, layout.linear_key_dim
     hv, v = layout.linear_value_heads, layout.linear_value_dim
     size, f32 = dtype.itemsize, 4
@@ -57,7 +59,7 @@ def round_bytes(config, width: int, dtype: torch.dtype, verify: str = "closed_fo
     per_node = {
         "factors": gdn * (hk * k * size + hv * v * f32 + decay * f32) if closed else 0,
         "snapshots": 0 if closed else gdn * hv * k * v * f32,
-        "conv_inputs": gdn * layout.conv_dim * size,
+        "conv_inputs": gdn * layout.conv_dim * size + ple * (layout.ple_dim * size + 8),  # the token as int64
         "tree_kv": attention * layout.kv_heads * (layout.key_dim + layout.value_dim) * size,
         "logits": config.vocab_size * size,
         "hidden_states": config.hidden_size * size,
