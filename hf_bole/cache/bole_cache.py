@@ -22,11 +22,11 @@ Storage (allocated once, written in place with `copy_`/`scatter_`, so addresses 
     positions      [B]                   position id of each row's next token
     valid          [B, C]                False on padding slots
 
-The first four and the last two are stacked per device (`_DeviceGroup`): on one device one set for all layers; for a model spread
-over devices by accelerate's `device_map`, one set per device, holding the layers that run there, so that every
-layer's state stays on its own device and the commit is one launch per device. The bookkeeping (lengths, positions,
-valid, the tree's parents and mask) lives on the first layer's device; what a device group needs of it is copied
-there once per round.
+The layers' state (keys to index_keys, ple_conv and ple_tokens) is stacked per device (`_DeviceGroup`): on one device
+one set for all layers; for a model spread over devices by accelerate's `device_map`, one set per device, holding the
+layers that run there, so that every layer's state stays on its own device and the commit is one launch per device. The
+bookkeeping (lengths, positions, valid, the tree's parents and mask) lives on the first layer's device; what a device
+group needs of it is copied there once per round.
 
 A tree round (`tree_mode(parents, tree_round)`) writes the tree's KV into the free slots right after each row's
 committed ones (slot `lengths[b] + i` for node i), and keeps in `tree_round` the per-node GDN factors (k, u,
@@ -667,7 +667,7 @@ class BoleCache(Cache):
         if layer_idx not in self._ple_place or state_idx not in (1, 2):
             raise ValueError(
                 f"layer {layer_idx} asks for conv state {state_idx}, but BoleCache keeps conv states 1 and 2 only for "
-                f"the per-layer embeddings of this model's layers {sorted(self._ple_place)} (ple_layer_ids, one-indexed)"
+                f"the per-layer embeddings of this model's layers {sorted(self._ple_place)} (`ple_layer_ids` less one)"
             )
         group, p = self._ple_place[layer_idx]
         stored = (self._groups[group].ple_conv if state_idx == 1 else self._groups[group].ple_tokens)[p]

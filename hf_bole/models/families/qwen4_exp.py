@@ -1,7 +1,8 @@
-"""Qwen4-Exp (`Qwen4ExpForCausalLM`, and the text path of `Qwen4ExpForConditionalGeneration`): Qwen3.5's GDN layers and gated attention layers with a QSA indexer
-("indexed_attention"), hyper-connections (`hc_count` residual streams mixed in and out of every block, no final
-norm), MoE MLPs everywhere, mRoPE position ids; `mtp.*` weights in its checkpoints, which transformers drops on load
-and hf_bole does not read (their layout is not known to be Qwen3.5's head).
+"""Qwen4-Exp (`Qwen4ExpForCausalLM`, and the text path of `Qwen4ExpForConditionalGeneration`): Qwen3.5's GDN layers and
+gated attention layers with a QSA indexer ("indexed_attention"), hyper-connections (`hc_count` residual streams mixed
+in and out of every block, no final norm), MoE MLPs everywhere, mRoPE position ids; `mtp.*` weights in its
+checkpoints, which transformers drops on load and hf_bole does not read (their layout is not known to be Qwen3.5's
+head).
 
 The indexer picks, per query, the blocks of `indexer_compress_ratio` consecutive visible slots whose pooled keys score
 highest (plus the last incomplete block) and narrows the layer's mask to them. Its per-token keys are cached beside the
