@@ -198,6 +198,7 @@ def batch_sweep(oracle: list[dict], mtp: list[dict]) -> list[str]:
             cells_ = [batch, _tps(base[batch]), _tps(chain), _tps(bole), _over(bole, base[batch]), _over(bole, chain),
                       rounds, _f((bole or {}).get("row_nodes"), "d"), peaks, _tree_per_request(bole)]  # fmt: skip
             lines.append("| " + " | ".join(map(str, cells_)) + " |")
+        lines += _unfinished(oracle)
     if mtp:
         lines += [
             "",
@@ -215,7 +216,14 @@ def batch_sweep(oracle: list[dict], mtp: list[dict]) -> list[str]:
             cells_ = [batch, _tps(chain), _tps(bole), _tps(plain), _tps(ar_static), _over(bole, ar_static),
                       _over(plain, ar_static), _f((bole or {}).get("row_nodes"), "d"), _gib(bole)]  # fmt: skip
             lines.append("| " + " | ".join(map(str, cells_)) + " |")
+        lines += _unfinished(mtp)
     return lines
+
+
+def _unfinished(rows: list[dict]) -> list[str]:
+    """A line naming the batch sizes a run asked for that its results lack (a run cut short keeps what it finished)."""
+    missing = [b for b in rows[0]["settings"].get("batch_sizes", []) if b not in {r["batch_size"] for r in rows}]
+    return ["", f"Asked for but not in the run's results: batch {', '.join(map(str, missing))}."] if missing else []
 
 
 def layout(settings: dict) -> str:
