@@ -37,13 +37,16 @@
 #   cal-next    its budget table                                        hf_bole/budgets/<key>.json
 #   kda1        end to end on the random KDA shapes cut for one H100 (Kimi-Linear-48B-A3B-16L, Ling-3.0-flash-12L),
 #               oracle drafter, batch 1: ar and bole                  benchmarks/e2e_kimi_b1.jsonl, e2e_ling_b1.jsonl
-#   batch-sweep   the random 9B shape at batch 1, 4, 16, 32, 64, 128 and 256, one batch each, oracle drafter:
-#                 ar-static, chain, bole ("auto": cal-9B first, on this GPU)         benchmarks/batch_sweep.jsonl
+#   batch-sweep   the random 9B shape at batch 1, 4, 16, 32 and 64, one batch each, oracle drafter: ar-static,
+#                 chain, bole ("auto": cal-9B first, on this GPU)                    benchmarks/batch_sweep.jsonl
+#   batch-sweep-big  the same at batch 128 and 256 (the seven batch sizes take more than one 10-minute command)
+#                                                                                benchmarks/batch_sweep_big.jsonl
 #   ttft        a conversation's second turn on the random 9B shape (2,000 tokens of history): the first new token
 #               from the first turn's cache against re-prefilling, hf_bole and plain generate (and a profile of the
 #               continued call, logs/ttft_trace.json)                                   benchmarks/ttft_turn2.jsonl
 #   batch-sweep-mtp  the same with a random MTP head (what drafting costs): chain, bole, and bole at budget 0
 #                 (plain decoding through hf_bole's loop)                        benchmarks/batch_sweep_mtp.jsonl
+#   batch-sweep-mtp-big  its batch 128 and 256                               benchmarks/batch_sweep_mtp_big.jsonl
 # On 2 or more GPUs of one host (tensor parallelism over all visible GPUs, NGPU; the 122B-A10B shape's 227 GiB of bf16
 # weights need H200 x2 or H100 x4), each part one command of at most 10 minutes:
 #   tp-tests    the tensor-parallel tests on two GPUs over NCCL (tests/test_tensor_parallel.py)
@@ -64,7 +67,7 @@
 # eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,63p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,68p' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -132,8 +135,9 @@ SHAPE122="--shape 122B-A10B --max-new-tokens 128 --depth 6 --repeats 3 --interle
 HOUSE="--datasets mbpp --num-prompts 8 --max-new-tokens 128 --depth 10 --chain-depth 10 --repeats 3 --interleave"
 SHAPE9B="--shape 9B --max-new-tokens 128 --depth 6 --chain-depth 6 --repeats 3 --interleave"
 # one batch per batch size, 64 new tokens: batch 256 then makes 16384 tokens a pass
-SWEEP="--shape 9B --batch-sizes 1 4 16 32 64 128 256 --num-batches 1 --max-new-tokens 64 --depth 6 --chain-depth 6 \
-    --repeats 3 --interleave"
+SWEEP="--shape 9B --num-batches 1 --max-new-tokens 64 --depth 6 --chain-depth 6 --repeats 3 --interleave"
+SMALL="--batch-sizes 1 4 16 32 64"
+BIG="--batch-sizes 128 256"
 
 for PART in "$@"; do
 case $PART in
@@ -202,7 +206,10 @@ budget-9b)
         --budget 16 32 64 128 auto --repeats 3 --interleave
     ;;
 batch-sweep)
-    harness batch_sweep 540 $SWEEP --modes ar-static chain bole
+    harness batch_sweep 540 $SWEEP $SMALL --modes ar-static chain bole
+    ;;
+batch-sweep-big)
+    harness batch_sweep_big 540 $SWEEP $BIG --modes ar-static chain bole
     ;;
 ttft)
     rm -f benchmarks/ttft_turn2.jsonl
@@ -210,7 +217,10 @@ ttft)
     RENDER=1
     ;;
 batch-sweep-mtp)
-    harness batch_sweep_mtp 540 $SWEEP --drafter mtp --modes chain bole --budget auto 0
+    harness batch_sweep_mtp 540 $SWEEP $SMALL --drafter mtp --modes chain bole --budget auto 0
+    ;;
+batch-sweep-mtp-big)
+    harness batch_sweep_mtp_big 540 $SWEEP $BIG --drafter mtp --modes chain bole --budget auto 0
     ;;
 tp-tests)
     step tp_tests 300 $PYTEST tests/test_tensor_parallel.py

@@ -29,7 +29,8 @@ DOC = REPO / "BENCHMARKS.md"
 README = REPO / "README.md"
 E2E = ("e2e_house_b1", "e2e_house_b8", "e2e_9b_b1", "e2e_9b_b8_b16")
 BUDGETS = ("budget_house", "budget_9b")
-SWEEP = ("batch_sweep", "batch_sweep_mtp")  # the oracle's run (ar-static among its modes), the MTP head's
+# the oracle's runs (ar-static among their modes), the MTP head's: batch 1 to 64, and 128 and 256 in a run of their own
+SWEEP = (("batch_sweep", "batch_sweep_big"), ("batch_sweep_mtp", "batch_sweep_mtp_big"))
 # Models larger than one GPU (eval/gpu.sh tp122-1, tp122-8, dm122-1, dm122-8, tp27): one table, a row per layout and
 # batch size.
 LAYOUTS = ("e2e_122b_tp_b1", "e2e_122b_tp_b8", "e2e_122b_dm_b1", "e2e_122b_dm_b8", "e2e_27b_tp2_b1", "e2e_27b_1gpu_b1")
@@ -70,13 +71,13 @@ def machine_line(m: dict, what: str = "") -> str:
 MACHINE_FIELDS = ("gpu", "torch", "triton", "transformers", "fla", "commit", "dirty")
 
 
-def provenance(rows: list[dict]) -> list[str]:
-    """One line per distinct machine and commit, naming the datasets it ran."""
+def provenance(rows: list[dict], label=lambda r: r["dataset"]) -> list[str]:
+    """One line per distinct machine and commit, naming what it ran (`label` of its rows: the datasets)."""
     groups: dict[str, list[str]] = {}
     for r in rows:
         key = json.dumps({k: r["machine"][k] for k in MACHINE_FIELDS if k in r["machine"]})
-        if r["dataset"] not in groups.setdefault(key, []):
-            groups[key].append(r["dataset"])
+        if label(r) not in groups.setdefault(key, []):
+            groups[key].append(label(r))
     lines = [
         machine_line(json.loads(key), f"{', '.join(datasets)}: " if len(groups) > 1 else "")
         for key, datasets in groups.items()
@@ -172,7 +173,7 @@ def batch_sweep(oracle: list[dict], mtp: list[dict]) -> list[str]:
     s = (oracle or mtp)[0]["settings"]
     timing = f"median of {s.get('repeats')} passes" + (" taken in turns" if s.get("interleave") else "")
     budgets = sorted({r["budget_source"].split(" at epsilon")[0] for r in rows if r.get("budget_source")})
-    lines = provenance(rows) + [
+    lines = provenance(rows, lambda r: f"batch {r['batch_size']}") + [
         f"- {s.get('model')}, {s.get('dtype')}, greedy, random prompts of {s.get('prompt_length')} tokens, one batch "
         f"per batch size, at most {s.get('max_new_tokens')} new tokens; bole depth {s['depth'][0]}, "
         f"top-{s.get('topk')}, budget from {', '.join(budgets) or 'as set'}; chain depth "
@@ -221,9 +222,11 @@ def batch_sweep(oracle: list[dict], mtp: list[dict]) -> list[str]:
 
 
 def _unfinished(rows: list[dict]) -> list[str]:
-    """A line naming the batch sizes a run asked for that its results lack (a run cut short keeps what it finished)."""
-    missing = [b for b in rows[0]["settings"].get("batch_sizes", []) if b not in {r["batch_size"] for r in rows}]
-    return ["", f"Asked for but not in the run's results: batch {', '.join(map(str, missing))}."] if missing else []
+    """A line naming the batch sizes the runs asked for that their results lack (a run cut short keeps what it
+    finished)."""
+    asked = sorted({b for r in rows for b in r["settings"].get("batch_sizes", [])})
+    missing = [b for b in asked if b not in {r["batch_size"] for r in rows}]
+    return ["", f"Asked for but not in the runs' results: batch {', '.join(map(str, missing))}."] if missing else []
 
 
 def layout(settings: dict) -> str:
@@ -500,7 +503,7 @@ def main() -> None:
     for name in BUDGETS:
         if rows := load(name):
             doc = replace(doc, name, budgets(rows))
-    if any(sweep := [load(name) for name in SWEEP]):
+    if any(sweep := [[r for name in names for r in load(name)] for names in SWEEP]):
         doc = replace(doc, "batch_sweep", batch_sweep(*sweep))
     if rows := load("ttft_turn2"):
         doc = replace(doc, "ttft_turn2", ttft_turn2(rows))

@@ -58,9 +58,9 @@ def test_render(tmp_path, monkeypatch):
         {**_row(f"bole b{b}", 8, t), "settings": budget_settings, "tree_budget": b, "tree_epsilon": 0.3,
          "tree_depth": 5} for b, t in ((32, 900.0), (128, 1000.0), ("auto", 990.0))
     ])  # fmt: skip
-    # the oracle's run asked for batch 512 too, which it did not finish
+    # the oracle's runs: batch 256, and batch 512 and 1024 from another commit, which did not finish 1024
     sweep = {**SETTINGS, "model": "random 9B shape", "prompt_length": 128, "depth": [6], "chain_depth": [6],
-             "oracle_accept": 0.8, "max_new_tokens": 64, "batch_sizes": [256, 512]}  # fmt: skip
+             "oracle_accept": 0.8, "max_new_tokens": 64, "batch_sizes": [256]}  # fmt: skip
     gib = 2**30
     _write(data / "batch_sweep.jsonl", [
         {**_row("ar-static", 256, 2000.0, peak_memory_bytes=40 * gib), "settings": sweep},
@@ -69,11 +69,15 @@ def test_render(tmp_path, monkeypatch):
                 transient_bytes={"factors": 256 * 2**20, "conv_inputs": 0, "tree_kv": 0, "snapshots": 0},
                 budget_source="table t.json at epsilon 0.3"), "settings": sweep},
     ])  # fmt: skip
+    _write(data / "batch_sweep_big.jsonl", [
+        {**_row(mode, 512, tps), "machine": {**MACHINE, "commit": "1111111"},
+         "settings": {**sweep, "batch_sizes": [512, 1024]}} for mode, tps in (("ar-static", 2100.0), ("bole", 2800.0))
+    ])  # fmt: skip
     _write(data / "batch_sweep_mtp.jsonl", [
-        {**_row("chain", 256, 900.0), "settings": {**sweep, "drafter": "mtp", "batch_sizes": [256]}},
+        {**_row("chain", 256, 900.0), "settings": {**sweep, "drafter": "mtp"}},
         {**_row("bole bauto", 256, 1900.0, row_nodes=0, peak_memory_bytes=44 * gib),
-         "settings": {**sweep, "drafter": "mtp", "batch_sizes": [256]}},
-        {**_row("bole b0", 256, 1900.0, row_nodes=0), "settings": {**sweep, "drafter": "mtp", "batch_sizes": [256]}},
+         "settings": {**sweep, "drafter": "mtp"}},
+        {**_row("bole b0", 256, 1900.0, row_nodes=0), "settings": {**sweep, "drafter": "mtp"}},
     ])  # fmt: skip
     # the shipped tables: one of the house model's shape, and one of an older format, which generate does not read
     from hf_bole.generation import budget
@@ -117,7 +121,8 @@ def test_render(tmp_path, monkeypatch):
     # the batch sweep: the oracle's run, then the MTP head's against the oracle run's ar-static
     assert "| 256 | 2000.0 | 1500.0 | 2600.0 | 1.30× | 1.73× | 2.90 / 1.80 | 1 | 40.0 / 50.0 / 45.0 | 1.00 |" in text
     assert "| 256 | 900.0 | 1900.0 | 1900.0 | 2000.0 | 0.95× | 0.95× | 0 | 44.0 |" in text
-    assert text.count("Asked for but not in the run's results") == 1 and "results: batch 512." in text
+    assert "| 512 | 2100.0 | – | 2800.0 | 1.33× |" in text and "- batch 512: **NVIDIA H200**" in text
+    assert text.count("Asked for but not in the runs' results") == 1 and "results: batch 1024." in text
     assert "budget from table t.json" in text
     assert "| hf_bole | 10.0 (9.0) | 80.0 (72.0) | 8.00× (8.00×) | yes |" in text
     assert "| plain `generate` | 50.0 (50.0) | 75.0 (75.0) | 1.50× (1.50×) | no |" in text
