@@ -4,16 +4,19 @@ against hf_bole with the oracle drafter (deep accepted paths) and with the n-gra
     python eval/check_families.py --layers 8 --new 64
     python eval/check_families.py --families Kimi-Linear Bailing-Hybrid --layers 8
 
-Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B), cut to `--layers` decoder
-layers (every layer as the shape's; the layer pattern the config makes for that count) so that every family fits one
-GPU (Kimi-Linear: the 48B-A3B shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16. Bailing-Hybrid:
-`BailingHybridConfig()`, whose docstring names inclusionAI/Ling-3.0-Flash and whose 42 layers count 124.4B parameters,
-5.1B active without the embedding, as published for Ling-3.0-flash (124B, ~5.1B active); of 8 layers one is MLA and
-six are MoE, 36 GiB in bf16). Weights are random, made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's
-attention blocks normalise after their output projections, so their post-norms are scaled down instead. Where an
-output differs from plain decoding, the line names the first differing step and plain decoding's gap between its two
-best logits there: a gap within bf16 rounding of the logits is a near-tie (the verify forward's kernels round
-differently, as DESIGN.md §6 explains), a wide one a bug.
+Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B; Qwen4-Exp's defaults leave
+its indexer's sizes unset and do not build, so it is not here), cut to `--layers` decoder layers (every layer as the
+shape's; the layer pattern the config makes for that count) so that every family fits one GPU (Kimi-Linear: the 48B-A3B
+shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16. Bailing-Hybrid: `BailingHybridConfig()`, whose
+docstring names inclusionAI/Ling-3.0-Flash and whose 42 layers count 124.4B parameters, 5.1B active without the
+embedding, as published for Ling-3.0-flash (124B, ~5.1B active); of 8 layers one is MLA and six are MoE, 36 GiB in bf16.
+GLM-5-Next: `Glm5NextConfig()`'s text config, through the text path of `Glm5NextForConditionalGeneration`; of 8 layers
+two are MLA with a DSA indexer and five are MoE of 288 experts, 74 GiB in bf16: one H200, or `--families GLM-5-Next
+--layers 4` on an H100, 19 GiB). Weights are random, made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's
+attention blocks normalise after their output projections, so their post-norms are scaled down instead. Where an output
+differs from plain decoding, the line names the first differing step and plain decoding's gap between its two best
+logits there: a gap within bf16 rounding of the logits is a near-tie (the verify forward's kernels round differently, as
+DESIGN.md §6 explains), a wide one a bug.
 """
 
 from __future__ import annotations
@@ -40,19 +43,23 @@ MODELS = {
     "Lara-Mini": "lara_mini",
     "Kimi-Linear": "kimi_linear",
     "Bailing-Hybrid": "bailing_hybrid",
+    "GLM-5-Next": "glm5_next",
 }
 
 
 def build(family: str, layers: int, device: torch.device, dtype: torch.dtype, overrides: dict, seed: int = 0):
     model_type = MODELS[family]
     fields = dict(num_hidden_layers=layers, **overrides)
+    config_class = getattr(transformers, CLASSES[model_type][0])
     if model_type == "qwen3_5_text":
         config = shape_config("9B", **fields)
+    elif "text_config" in config_class.sub_configs:  # GLM-5-Next: the text config of a ConditionalGeneration model
+        config = config_class(text_config=fields)
     else:
-        config = getattr(transformers, CLASSES[model_type][0])(**fields)
+        config = config_class(**fields)
     model = build_model(config, device, dtype, seed)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in model.get_decoder().layers:
             if hasattr(layer, "post_feedforward_layernorm"):  # OLMo-Hybrid's post-norm attention blocks
                 for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
                     norm.weight.mul_(LAYER_OUTPUT_SCALE)

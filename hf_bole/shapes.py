@@ -100,8 +100,8 @@ SHAPES: dict[str, dict] = {
     "Ling-3.0-flash-12L": dict(model_type="bailing_hybrid", num_hidden_layers=12),
     "Ling-3.0-flash-24L": dict(model_type="bailing_hybrid", num_hidden_layers=24),
 }  # fmt: skip
-# model_type -> (config class, model class), by their names in transformers (Lara-Mini's and Bailing-Hybrid's from 5.24
-# on); eval/check_families.py builds every family's from its config defaults through them
+# model_type -> (config class, model class), by their names in transformers (Lara-Mini's, Bailing-Hybrid's and
+# GLM-5-Next's from 5.24 on); eval/check_families.py builds every family's from its config defaults through them
 CLASSES = {
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
@@ -110,6 +110,7 @@ CLASSES = {
     "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM"),
+    "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration"),  # the text path; no text-only class
 }
 
 
@@ -225,7 +226,8 @@ def trained_like(model) -> None:
       decoding part within a few tokens, and a drafter that knows plain decoding's continuation stops being
       accepted.
     """
-    for gdn in model.model.layers.modules():
+    layers = model.get_decoder().layers  # a ConditionalGeneration model's: its language model's
+    for gdn in layers.modules():
         if hasattr(gdn, "A_log") and hasattr(gdn, "dt_bias"):  # a GDN layer of any family, or KDA's forget gate
             A = torch.empty_like(gdn.A_log, dtype=torch.float32).uniform_(1.0, 16.0)
             # per head (GDN) or per head and key channel (KDA's dt_bias [H K], with A_log [1, 1, H, 1])
@@ -242,7 +244,7 @@ def trained_like(model) -> None:
         permuted = distribute_tensor(permuted, unembedding.device_mesh, unembedding.placements, src_data_rank=None)
     _local(unembedding).copy_(_local(permuted))
     _local(embedding).mul_(EMBEDDING_SCALE)
-    for name, weight in model.model.layers.named_parameters():
+    for name, weight in layers.named_parameters():
         if name.endswith(_LAYER_OUTPUTS):
             _local(weight).mul_(LAYER_OUTPUT_SCALE)
 
