@@ -368,7 +368,6 @@ class BoleCache(Cache):
         own_indexer = [kind != "shared" for kind in getattr(config, "indexer_types", None) or [None] * len(layer_types)]
         indexed_layers = [i for i, t in enumerate(layer_types) if t == INDEXED_LAYER and own_indexer[i]]
         gdn_layers = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
-        ple_layers = [i - 1 for i in getattr(config, "ple_layer_ids", None) or []]  # one-indexed in the config
         if not attn_layers or not gdn_layers or len(attn_layers) + len(gdn_layers) != len(layer_types):
             raise ValueError(
                 f"BoleCache needs the config of a hybrid model whose layers are 'linear_attention' (GDN) or attention "
@@ -403,16 +402,16 @@ class BoleCache(Cache):
         devices = list(dict.fromkeys(layer_devices))
         grouped = lambda layers: [[i for i in layers if layer_devices[i] == d] for d in devices]  # noqa: E731
         attn_groups, gdn_groups, index_groups = grouped(attn_layers), grouped(gdn_layers), grouped(indexed_layers)
-        ple_groups = grouped(ple_layers)
         self._attn_index = {layer: (d, a) for d, group in enumerate(attn_groups) for a, layer in enumerate(group)}
         self._index_place = {layer: (d, i) for d, group in enumerate(index_groups) for i, layer in enumerate(group)}
         self._gdn_place = {layer: (d, g) for d, group in enumerate(gdn_groups) for g, layer in enumerate(group)}
-        self._ple_place = {layer: (d, p) for d, group in enumerate(ple_groups) for p, layer in enumerate(group)}
         self._last_attn_layer = attn_layers[-1]
 
         layout = state_layout(config)
         if key_value_heads is not None:  # a rank's share of the KV heads under tensor parallelism
             layout = replace(layout, kv_heads=key_value_heads)
+        ple_groups = grouped(layout.ple_layers)
+        self._ple_place = {layer: (d, p) for d, group in enumerate(ple_groups) for p, layer in enumerate(group)}
         self.layout = layout
         self._conv_dim = layout.conv_dim
 

@@ -45,6 +45,7 @@ class StateLayout:
     per_key_decay: bool  # KDA: a log-decay per key channel; GDN: one per head
     index_key_dim: int = 0  # the width of an indexer's cached state per slot, 0 without an indexer
     index_positions: bool = False  # whether the indexer rotates by the slots' positions (Qwen4-Exp's), then cached
+    ple_layers: tuple[int, ...] = ()  # the GDN layers with a per-layer embedding (`ple_layer_ids` less one)
     ple_dim: int = 0  # channels of a per-layer embedding's dilated conv, 0 without per-layer embeddings
     ple_conv_width: int = 0  # the inputs that conv's window keeps
     ple_context: int = 0  # the tokens the n-gram hash reads before each token
@@ -87,6 +88,7 @@ def _ple(config) -> dict:
         return {}
     eos = config.eos_token_id
     return dict(
+        ple_layers=tuple(i - 1 for i in config.ple_layer_ids),  # one-based in the config
         ple_dim=config.hc_count * config.hidden_size,
         ple_conv_width=(config.ple_conv_kernel_size - 1) * config.ngram_size,
         ple_context=config.ngram_size - 1,

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 
+from hf_bole.cache.layout import state_layout
+
 
 @dataclass
 class CacheState:
@@ -76,7 +78,7 @@ def read_dynamic(cache: Cache, config) -> CacheState:
             f"the cache has {len(cache.layers)} layers but the model {len(layer_types)}: it belongs to another model"
         )
     keys, values, conv, recurrent, index_keys, slot_positions = {}, {}, {}, {}, {}, None
-    ple_layers = {i - 1 for i in getattr(config, "ple_layer_ids", None) or []}  # one-indexed in the config
+    ple_layers = state_layout(config).ple_layers
     ple_conv, ple_tokens = {}, {}
     for i, (layer, kind) in enumerate(zip(cache.layers, layer_types)):
         if kind == "linear_attention":

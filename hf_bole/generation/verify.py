@@ -50,7 +50,7 @@ def round_bytes(config, width: int, dtype: torch.dtype, verify: str = "closed_fo
     layout = state_layout(config)
     gdn = sum(t == "linear_attention" for t in config.layer_types)
     attention = sum(t in ATTENTION_LAYER_TYPES for t in config.layer_types)
-    ple = len(getattr(config, "ple_layer_ids", None) or [])  # Qwen4-Exp's per-layer embeddings
+    ple = len(layout.ple_layers)  # Qwen4-Exp's per-layer embeddings
     hk, k = layout.linear_key_heads, layout.linear_key_dim
     hv, v = layout.linear_value_heads, layout.linear_value_dim
     size, f32 = dtype.itemsize, 4

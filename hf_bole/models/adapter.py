@@ -559,9 +559,9 @@ def _tree_ngram_embedding(original):
             return original(embedding, input_ids, cache, **kwargs)
         bole_tree = bole_tree.on(input_ids.device)
         B, N = input_ids.shape
-        layer = embedding.layer_idx
-        window = cache.get_conv_state(layer, state_idx=2)  # [B, Sn] the committed tokens (eos before the first)
-        cache.update_conv_state(input_ids, layer, state_idx=2)  # the nodes' tokens, for the commit
+        # [B, Sn + N]: the committed tokens (eos before the first), then the nodes' (kept for the commit)
+        full = cache.update_conv_state(input_ids, embedding.layer_idx, state_idx=2)
+        window = full[:, :-N]
         # [B, N, Sn + 1] each node's path: the Sn tokens before it on its path, then itself
         paths = kernels.tree_path_window(input_ids[..., None], bole_tree.parents, window[:, None], window.shape[1] + 1)
         # Each path as a sequence of its own, without a cache (eos in front, which the hash of the last token, reading
