@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
 from hf_bole.kernels.tree_gdn import closed_form_kernels  # noqa: E402
+from hf_bole.kernels.tree_gdn.closed_form import DOT_PRECISIONS  # noqa: E402
 from hf_bole.kernels.tree_gdn.closed_form_kernels import (  # noqa: E402
     solve,
     tree_gdn_verify_fwd,
@@ -218,7 +219,7 @@ def check_correctness() -> dict:
         q, k, v, g, beta, h0 = layer_inputs(B, T, HK, H, K, V, seed=1)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         ref = naive_tree_gdn_verify(*(x.double() for x in (q, k, v, g, beta)), parents, h0.double(), use_qk_l2norm_in_kernel=True)
-        for prec in ("tf32x3", "ieee", "tf32"):
+        for prec in DOT_PRECISIONS:
             out = tree_gdn_verify(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True, dot_precision=prec)
             errs[f"bole_{str(dtype)[6:]}_{prec}_o"] = rel_err(out[0], ref[0])
             errs[f"bole_{str(dtype)[6:]}_{prec}_u"] = rel_err(out[1], ref[1])
