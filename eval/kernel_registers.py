@@ -39,7 +39,7 @@ POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp
             "o": "*bf16", "scale": "fp32", "out": "*bf16", "scale_log2": "fp32", "lengths": "*i64", "valid": "*u8",
             "ancestors": "*u8", "parents": "*i64", "positions": "*i64", "position_ids": "*i64",
             "attention_mask": "*u8", "keys": "*bf16", "values": "*bf16", "path": "*i64"}  # fmt: skip
-SCALARS = ("B", "T", "H", "HK", "N", "C", "L")
+SCALARS = ("B", "T", "H", "HK", "N", "C", "L", "extra", "limit")
 
 
 def ptxas() -> str:
@@ -119,7 +119,7 @@ def attention_kernels(args) -> None:
                 report("split", f"D={block_d},{block_m}x{block_n},w={warps},{float_type},splits={splits}", counts)
             merge_m, chunk = attention._merge_tiles(4 * 32, block_d, 6)  # 4 query heads a key head, 32 nodes
             constexprs = dict(REP=4, HKV=4, D=block_d, BLOCK_D=block_d, BLOCK_M=merge_m, SPLIT=96,
-                              NUM_SPLITS=6, CHUNK=chunk, TREE=True)  # fmt: skip
+                              NUM_SPLITS=6, CHUNK=chunk, HAS_LENGTHS=True)  # fmt: skip
             config = triton.Config({}, num_warps=4)
             counts = registers(attention.tree_attention_merge_kernel, constexprs, config, float_type)
             report("merge", f"D={block_d},{merge_m} rows,{chunk} splits,w=4,{float_type}", counts)
@@ -136,7 +136,7 @@ def mask_kernels(args) -> None:
 
 def kv_kernels(args) -> None:
     for block_l in (2, 8, 16):
-        constexprs = dict(H=4, D=256, BLOCK_L=block_l, BLOCK_D=256)
+        constexprs = dict(H=4, D=256, DV=256, BLOCK_L=block_l, BLOCK_D=256, BLOCK_DV=256)
         counts = registers(kv_move.kv_commit_fwd_kernel, constexprs, triton.Config({}, num_warps=4))
         report("kv", f"L<={block_l},D=256,w=4", counts)
 
