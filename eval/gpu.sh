@@ -35,6 +35,8 @@
 #   next1       end to end on the random Qwen3-Next-80B-A3B shape cut to 40 of its 48 layers (one H200; the whole
 #               shape needs two GPUs), oracle drafter, batch 1: ar, ar-static, bole     benchmarks/e2e_next_b1.jsonl
 #   cal-next    its budget table                                        hf_bole/budgets/<key>.json
+#   families    greedy exactness of every supported family at its real shape (random weights, bf16), 8 layers each and
+#               GLM-5-Next's 4 (8 take 74 GiB), oracle and n-gram drafters (eval/check_families.py)      (logs only)
 #   kda1        end to end on the random KDA shapes cut for one H100 (Kimi-Linear-48B-A3B-16L, Ling-3.0-flash-12L),
 #               oracle drafter, batch 1: ar and bole                  benchmarks/e2e_kimi_b1.jsonl, e2e_ling_b1.jsonl
 #   batch-sweep   the random 9B shape at batch 1, 4, 16, 32 and 64, one batch each, oracle drafter: ar-static,
@@ -66,8 +68,14 @@
 # -xzf gpu_results.tgz` in the clone puts it in place (the logs under runs/gpu/logs/), and `python
 # eval/render_benchmarks.py` there states each table's currency by the clone's own history. A fla-core wheel in .whl/ is
 # installed first (the `fla chain` column, and transformers' fast GDN path for `ar`); without it those run without.
+# TF_WHEELS=<folder>: wheels installed ahead of the GPU's own packages, for parts that need a newer transformers than it
+# has (drafters' transformers arms need 5.25; families' Lara-Mini, Bailing-Hybrid and GLM-5-Next are not in 5.17, and
+# check_families skips them there): transformers and what it needs beyond the image, e.g. `pip download
+# transformers==5.25.0 -d tf --python-version 3.12 --only-binary :all: --platform manylinux_2_17_x86_64 --platform
+# manylinux_2_28_x86_64 --platform any` less what the image has (numpy, pyyaml, tqdm, packaging and torch's own
+# dependencies: filelock, fsspec, typing-extensions).
 set -uo pipefail
-[ $# -gt 0 ] || { sed -n '2,68p' "$0"; exit 2; }
+[ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 2; }
 OUT=${OUT:-runs/gpu}
 LOGS=runs/gpu/logs
 mkdir -p "$OUT" "$LOGS" benchmarks
@@ -76,6 +84,10 @@ export BOLE_COMMIT=${BOLE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device lacks: fla-core and what it needs (einops)
     python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-whl .whl/*.whl
     export PYTHONPATH=/tmp/site-whl:$PYTHONPATH
+fi
+if [ -n "${TF_WHEELS:-}" ]; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-tf "$TF_WHEELS"/*.whl
+    export PYTHONPATH=/tmp/site-tf:$PYTHONPATH
 fi
 # installed, not only importable: transformers checks custom_generate/requirements.txt's hf-bole (tests)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
@@ -195,6 +207,11 @@ next1)
         --interleave --batch-sizes 1 --num-prompts 2 --modes ${MODES_NEXT1:-ar ar-static bole}
     ;;
 cal-next) calibrate Qwen3-Next-80B-A3B-40L 400 ;;
+families)
+    step families 420 python3 eval/check_families.py --layers 8 --new 64 --families Qwen3.5 Qwen3-Next OLMo-Hybrid \
+        Lara-Mini Kimi-Linear Bailing-Hybrid
+    step families_glm 150 python3 eval/check_families.py --families GLM-5-Next --layers 4 --new 64
+    ;;
 kda1)
     for shape in Kimi-Linear-48B-A3B-16L:e2e_kimi_b1 Ling-3.0-flash-12L:e2e_ling_b1; do
         harness "${shape#*:}" 280 --shape "${shape%%:*}" --max-new-tokens 128 --depth 6 --repeats 3 --interleave \
