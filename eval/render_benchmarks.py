@@ -445,12 +445,13 @@ def host(rows: list[dict]) -> list[str]:
         "a call, the GPU idle before each pass, median of the passes.",
         "",
         "| batch | tree nodes | `tree_gdn_verify` µs | through Triton's launcher µs | its input checks µs | "
-        "`tree_ancestor_mask` µs | through Triton's launcher µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "its two launches µs | its allocations µs | `tree_ancestor_mask` µs | through Triton's launcher µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in shapes:
         lines.append(f"| {r['B']} | {r['T']} | {r['verify_us']:.1f} | {r['verify_triton_us']:.1f} | "
-                     f"{r['checks_us']:.1f} | {r['ancestors_us']:.1f} | {r['ancestors_triton_us']:.1f} |")  # fmt: skip
+                     f"{r['checks_us']:.1f} | {_f(r.get('launches_us'), '.1f')} | {_f(r.get('allocations_us'), '.1f')} | "
+                     f"{r['ancestors_us']:.1f} | {r['ancestors_triton_us']:.1f} |")  # fmt: skip
     return lines
 
 

@@ -101,7 +101,8 @@ def test_render(tmp_path, monkeypatch):
     }])  # fmt: skip
     _write(data / "host.jsonl", [{"header": MACHINE}, {
         "op": "host", "B": 16, "T": 64, "H": 32, "HK": 16, "K": 128, "V": 128, "device": "cuda", "verify_us": 90.0,
-        "verify_triton_us": 260.0, "checks_us": 6.0, "ancestors_us": 30.0, "ancestors_triton_us": 55.0,
+        "verify_triton_us": 260.0, "checks_us": 6.0, "launches_us": 40.0, "allocations_us": 12.0, "ancestors_us": 30.0,
+        "ancestors_triton_us": 55.0,
     }])  # fmt: skip
     _write(data / "e2e_122b_tp_b1.jsonl", [
         {**_row("ar", 1, 10.0), "settings": tp}, {**_row("bole", 1, 35.0, acc=4.0, exact=1.0), "settings": tp}
@@ -126,7 +127,7 @@ def test_render(tmp_path, monkeypatch):
     assert "budget from table t.json" in text
     assert "| hf_bole | 10.0 (9.0) | 80.0 (72.0) | 8.00× (8.00×) | yes |" in text
     assert "| plain `generate` | 50.0 (50.0) | 75.0 (75.0) | 1.50× (1.50×) | no |" in text
-    assert "| 16 | 64 | 90.0 | 260.0 | 6.0 | 30.0 | 55.0 |" in text and "H = 32, K = V = 128" in text
+    assert "| 16 | 64 | 90.0 | 260.0 | 6.0 | 40.0 | 12.0 | 30.0 | 55.0 |" in text and "H = 32, K = V = 128" in text
     assert "| house model | NVIDIA H200 | bfloat16 | closed_form | graphs | 1: 3 | 1024 |" in text
     assert "| `old.json` | | | | | not read: budget table format 4 is not 5: calibrate again |" in text
     assert (data / "speedup.png").stat().st_size > 0
