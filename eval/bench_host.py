@@ -9,8 +9,8 @@ model passes them), in microseconds per call, median over passes:
   verify_triton    the same with every launch through Triton's own launcher (`kernel[grid]`, autotuner included)
   checks           `check_verify_inputs` alone
   launches         the verify's two kernel launches alone, relaunched as compiled with the arguments one call made
-                   (on CUDA; the torch path launches none)
-  allocations      the verify's five `torch.empty` (o, u, log P, the workspace and the norms) alone
+  allocations      the `torch.empty` allocations one call made (o, u, log P, the workspace and the norms), alone
+                   (neither on the torch path, which makes none: null there)
   ancestors        `tree_ancestor_mask(parents)`; ancestors_triton through Triton's launcher
 
 Usage: `python eval/bench_host.py --out runs/host.jsonl` on a GPU; `--device cpu` times the torch path (a smoke
@@ -65,41 +65,35 @@ def through_triton(fn, launches):
     return call
 
 
-def recorded_launches(fn) -> list[tuple]:
-    """The kernel launches one call of `fn` makes through the verify's `CachedLaunch`es, with their arguments, so
-    that they can be timed alone."""
-    calls = []
+def recorded_call(fn) -> tuple[list[tuple], list[tuple]]:
+    """What one call of `fn` does on the host besides Python, to time each alone: the kernel launches it makes through
+    the verify's `CachedLaunch`es (each with its arguments) and the `torch.empty` allocations (each with its
+    arguments)."""
+    launches, allocations = [], []
     saved = {name: getattr(closed_form_kernels, name) for name in ("_SOLVE", "_APPLY")}
+    empty = torch.empty
 
     def recording(launch):
         def record(*args):
-            calls.append((launch, args))
+            launches.append((launch, args))
             launch(*args)
 
         return record
 
+    def allocate(*args, **kwargs):
+        allocations.append((args, kwargs))
+        return empty(*args, **kwargs)
+
     try:
         for name, launch in saved.items():
             setattr(closed_form_kernels, name, recording(launch))
+        torch.empty = allocate
         fn()
     finally:
+        torch.empty = empty
         for name, launch in saved.items():
             setattr(closed_form_kernels, name, launch)
-    return calls
-
-
-def verify_allocations(B, T, H, HK, V, device):
-    """The verify's own allocations, as `tree_gdn_verify_fwd` and its solve make them."""
-    words = closed_form_kernels.workspace_bytes(B, T, H) // 4
-
-    def allocate():
-        torch.empty(B, T, H, V, dtype=torch.bfloat16, device=device)
-        torch.empty(B, T, H, V, dtype=torch.float32, device=device)
-        torch.empty(B, T, H, dtype=torch.float32, device=device)
-        torch.empty(words, dtype=torch.float32, device=device)
-        torch.empty(B, T, HK, 2, dtype=torch.float32, device=device)
-
-    return allocate
+    return launches, allocations
 
 
 def bench_shape(B, T, HK=16, H=32, K=128, V=128, device="cuda", calls=50, passes=20) -> dict:
@@ -126,11 +120,14 @@ def bench_shape(B, T, HK=16, H=32, K=128, V=128, device="cuda", calls=50, passes
         row["checks_us"] = host_us(
             lambda: check_verify_inputs(q, k, v, g, beta, parents, h0, "tf32x3"), device, calls, passes
         )
-        launches = recorded_launches(verify)
+        launches, allocations = recorded_call(verify)
         row["launches_us"] = (
             host_us(lambda: [launch(*args) for launch, args in launches], device, calls, passes) if launches else None
         )
-        row["allocations_us"] = host_us(verify_allocations(B, T, H, HK, V, device), device, calls, passes)
+        row["allocations_us"] = (
+            host_us(lambda: [torch.empty(*args, **kwargs) for args, kwargs in allocations], device, calls, passes)
+            if allocations else None
+        )
         row["ancestors_us"] = host_us(ancestors, device, calls, passes)
         row["ancestors_triton_us"] = host_us(
             through_triton(ancestors, (ancestors_module._ANCESTORS,)), device, calls, passes
@@ -161,10 +158,10 @@ def main(argv=None):
     print(f"{'B':>3} {'T':>4} | {'verify':>7} {'v_triton':>8} {'checks':>7} {'launches':>8} {'allocs':>7} | "
           f"{'ancestors':>9} {'a_triton':>8}")  # fmt: skip
     for r in rows:
-        launches = "-" if r["launches_us"] is None else f"{r['launches_us']:.1f}"
+        launches, allocs = ("-" if r[key] is None else f"{r[key]:.1f}" for key in ("launches_us", "allocations_us"))
         print(
             f"{r['B']:>3} {r['T']:>4} | {r['verify_us']:7.1f} {r['verify_triton_us']:8.1f} {r['checks_us']:7.1f} "
-            f"{launches:>8} {r['allocations_us']:7.1f} | {r['ancestors_us']:9.1f} {r['ancestors_triton_us']:8.1f}"
+            f"{launches:>8} {allocs:>7} | {r['ancestors_us']:9.1f} {r['ancestors_triton_us']:8.1f}"
         )
     return rows
 
