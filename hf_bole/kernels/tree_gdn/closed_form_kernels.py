@@ -15,7 +15,8 @@ them inside; C and the off-diagonal blocks are stored without the row and column
 to their products (its rows' 1 / ||k||, 1 / ||q|| written by the solve kernel), so that neither kernel squares
 [BH, BK] tiles elementwise, which had filled their registers (spills of 1-4 KB a thread at T = 128).
 An apply kernel, one program per (request, value head, V-tile), reads the state tile once for both halves, forms
-K S_pre and Q S_pre as three exact bf16 matmuls against a bf16 split of the fp32 state, and applies the blocks.
+K S_pre and Q S_pre as three exact bf16 matmuls against a bf16 split of the fp32 state (for trees of up to 64 rows
+one matmul of both halves' rows, split after), and applies the blocks.
 The tree enters as its ancestor mask (built once per tree, shared by every head and layer), so log P is a masked
 row sum. Only O and the factors (U, log P) are written: nothing of size K x V per node exists.
 """
@@ -308,11 +309,40 @@ def _row_norms(p_rn, o_r, m_r, HK, BH: tl.constexpr, USE_QK_L2NORM: tl.constexpr
 
 
 @triton.jit
-def _dot_state(b_x, b_h1, b_h2, b_h3, b_acc):
-    """b_acc + x (h1 + h2 + h3) for the three bf16 pieces of a float32 state tile."""
-    b_acc = tl.dot(b_x, b_h1, b_acc)
-    b_acc = tl.dot(b_x, b_h2, b_acc)
-    return tl.dot(b_x, b_h3, b_acc)
+def _state_pieces(b_h, SPLIT_STATE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """A float32 state chunk as three bf16 pieces h1 + h2 + h3 (24 significant bits) with SPLIT_STATE, else as is:
+    bf16 q/k are exact in bf16, so three bf16 products accumulate in fp32 as exactly as an fp32 product, in less
+    than half the tensor-core time of 3xTF32."""
+    if SPLIT_STATE:
+        b_h1 = b_h.to(tl.bfloat16)
+        b_hr = b_h - b_h1.to(tl.float32)
+        b_h2 = b_hr.to(tl.bfloat16)
+        b_h3 = (b_hr - b_h2.to(tl.float32)).to(tl.bfloat16)
+        if UPCAST_DOT:
+            b_h1, b_h2, b_h3 = b_h1.to(tl.float32), b_h2.to(tl.float32), b_h3.to(tl.float32)
+        return b_h1, b_h2, b_h3
+    else:
+        return b_h, b_h, b_h
+
+
+@triton.jit
+def _rows_state(b_x, b_h1, b_h2, b_h3, b_acc, SPLIT_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                UPCAST_DOT: tl.constexpr):  # fmt: skip
+    """b_acc + x S_chunk for rows x of q or k, from `_state_pieces`' pieces."""
+    if SPLIT_STATE:
+        if UPCAST_DOT:
+            b_x = b_x.to(tl.float32)
+        b_acc = tl.dot(b_x, b_h1, b_acc)
+        b_acc = tl.dot(b_x, b_h2, b_acc)
+        return tl.dot(b_x, b_h3, b_acc)
+    else:
+        return tl.dot(b_x.to(tl.float32), b_h1, b_acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _halves(b_x, BH: tl.constexpr, BV: tl.constexpr):
+    """The two halves ([BH, BV] each) of a [2 BH, BV] tile."""
+    return tl.split(tl.permute(tl.reshape(b_x, (2, BH, BV)), (1, 2, 0)))
 
 
 @triton.jit
@@ -320,10 +350,7 @@ def _state_products(
     p_q,
     p_k,
     p_h0,
-    o_r0,
-    m_r0,
-    o_r1,
-    m_r1,
+    T,
     o_v,
     m_v,
     stride_qt,
@@ -332,48 +359,57 @@ def _state_products(
     BH: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    FULL_TILE: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     SPLIT_STATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Raw K S_pre and Q S_pre of both halves' rows for the V-tile ([BH, BV] each); every chunk of the state is
-    read, and split, once for both halves. (The rows' norms come from the solve kernel.)"""
-    b_ks0 = tl.zeros([BH, BV], dtype=tl.float32)
-    b_qs0 = tl.zeros([BH, BV], dtype=tl.float32)
-    b_ks1 = tl.zeros([BH, BV], dtype=tl.float32)
-    b_qs1 = tl.zeros([BH, BV], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_k = o_k < K
-        m0 = m_r0[:, None] & m_k[None, :]
-        m1 = m_r1[:, None] & m_k[None, :]
-        b_k0 = tl.load(p_k + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
-        b_q0 = tl.load(p_q + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
-        b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
-        b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
+    """Raw K S_pre and Q S_pre of both halves' rows for the V-tile ([BH, BV] each, zeros without a state); every
+    chunk of the state is read, and split, once for both halves. FULL_TILE: one matmul of all 2 BH rows each,
+    split into halves after; else one a half. (The rows' norms come from the solve kernel.)"""
+    if FULL_TILE:
+        o_t = tl.arange(0, 2 * BH)
+        m_t = o_t < T
+        b_ks = tl.zeros([2 * BH, BV], dtype=tl.float32)
+        b_qs = tl.zeros([2 * BH, BV], dtype=tl.float32)
         if USE_INITIAL_STATE:
-            b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-            if SPLIT_STATE:
-                # bf16 q/k are exact in bf16, and S_pre = h1 + h2 + h3 (three bf16 pieces, 24 significant
-                # bits): three bf16 products accumulate in fp32 as exactly as an fp32 product, in less than
-                # half the tensor-core time of 3xTF32.
-                b_h1 = b_h.to(tl.bfloat16)
-                b_hr = b_h - b_h1.to(tl.float32)
-                b_h2 = b_hr.to(tl.bfloat16)
-                b_h3 = (b_hr - b_h2.to(tl.float32)).to(tl.bfloat16)
-                if UPCAST_DOT:
-                    b_k0, b_q0, b_k1, b_q1 = b_k0.to(tl.float32), b_q0.to(tl.float32), b_k1.to(tl.float32), b_q1.to(tl.float32)
-                    b_h1, b_h2, b_h3 = b_h1.to(tl.float32), b_h2.to(tl.float32), b_h3.to(tl.float32)
-                b_ks0 = _dot_state(b_k0, b_h1, b_h2, b_h3, b_ks0)
-                b_qs0 = _dot_state(b_q0, b_h1, b_h2, b_h3, b_qs0)
-                b_ks1 = _dot_state(b_k1, b_h1, b_h2, b_h3, b_ks1)
-                b_qs1 = _dot_state(b_q1, b_h1, b_h2, b_h3, b_qs1)
-            else:
-                b_ks0 = tl.dot(b_k0.to(tl.float32), b_h, b_ks0, input_precision=DOT_PRECISION)
-                b_qs0 = tl.dot(b_q0.to(tl.float32), b_h, b_qs0, input_precision=DOT_PRECISION)
-                b_ks1 = tl.dot(b_k1.to(tl.float32), b_h, b_ks1, input_precision=DOT_PRECISION)
-                b_qs1 = tl.dot(b_q1.to(tl.float32), b_h, b_qs1, input_precision=DOT_PRECISION)
+            for i_k in range(0, K, BK):
+                o_k = i_k + tl.arange(0, BK)
+                m_k = o_k < K
+                m = m_t[:, None] & m_k[None, :]
+                b_k = tl.load(p_k + o_t[:, None] * stride_qt + o_k[None, :], mask=m, other=0)
+                b_q = tl.load(p_q + o_t[:, None] * stride_qt + o_k[None, :], mask=m, other=0)
+                b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+                b_h1, b_h2, b_h3 = _state_pieces(b_h, SPLIT_STATE, UPCAST_DOT)
+                b_ks = _rows_state(b_k, b_h1, b_h2, b_h3, b_ks, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
+                b_qs = _rows_state(b_q, b_h1, b_h2, b_h3, b_qs, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
+        b_ks0, b_ks1 = _halves(b_ks, BH, BV)
+        b_qs0, b_qs1 = _halves(b_qs, BH, BV)
+    else:
+        o_r0 = tl.arange(0, BH)
+        o_r1 = BH + o_r0
+        m_r0, m_r1 = o_r0 < T, o_r1 < T
+        b_ks0 = tl.zeros([BH, BV], dtype=tl.float32)
+        b_qs0 = tl.zeros([BH, BV], dtype=tl.float32)
+        b_ks1 = tl.zeros([BH, BV], dtype=tl.float32)
+        b_qs1 = tl.zeros([BH, BV], dtype=tl.float32)
+        if USE_INITIAL_STATE:
+            for i_k in range(0, K, BK):
+                o_k = i_k + tl.arange(0, BK)
+                m_k = o_k < K
+                m0 = m_r0[:, None] & m_k[None, :]
+                m1 = m_r1[:, None] & m_k[None, :]
+                b_k0 = tl.load(p_k + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
+                b_q0 = tl.load(p_q + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
+                b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
+                b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
+                b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+                b_h1, b_h2, b_h3 = _state_pieces(b_h, SPLIT_STATE, UPCAST_DOT)
+                b_ks0 = _rows_state(b_k0, b_h1, b_h2, b_h3, b_ks0, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
+                b_qs0 = _rows_state(b_q0, b_h1, b_h2, b_h3, b_qs0, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
+                b_ks1 = _rows_state(b_k1, b_h1, b_h2, b_h3, b_ks1, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
+                b_qs1 = _rows_state(b_q1, b_h1, b_h2, b_h3, b_qs1, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
     return b_ks0, b_qs0, b_ks1, b_qs1
 
 
@@ -446,8 +482,11 @@ def tree_gdn_verify_apply_kernel(
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V
 
+    # The state products of all 2 BH rows in one matmul each where BT <= 64: Hopper's warpgroup matmuls take 64 rows
+    # and more, which T = 64's halves of 32 rows do not reach (an H100 took 12-18% less at B = 8 and 16, T = 64); at
+    # BT = 128, [128, BV] tiles cost more registers than they save (3.6% slower at B = 16).
     b_ks0, b_qs0, b_ks1, b_qs1 = _state_products(
-        p_q, p_k, p_h0, o_r0, m_r0, o_r1, m_r1, o_v, m_v, stride_qt, V, K, BH, BK, BV,
+        p_q, p_k, p_h0, T, o_v, m_v, stride_qt, V, K, BH, BK, BV, BT <= 64,
         USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
     if USE_PDL:
