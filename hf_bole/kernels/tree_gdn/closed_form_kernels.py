@@ -309,10 +309,11 @@ def _row_norms(p_rn, o_r, m_r, HK, BH: tl.constexpr, USE_QK_L2NORM: tl.constexpr
 
 
 @triton.jit
-def _state_pieces(b_h, SPLIT_STATE: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """A float32 state chunk as three bf16 pieces h1 + h2 + h3 (24 significant bits) with SPLIT_STATE, else as is:
-    bf16 q/k are exact in bf16, so three bf16 products accumulate in fp32 as exactly as an fp32 product, in less
-    than half the tensor-core time of 3xTF32."""
+def _state_chunk(p_h0, o_k, m_k, o_v, m_v, V, SPLIT_STATE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The state's rows o_k of the V-tile, float32, as three bf16 pieces h1 + h2 + h3 (24 significant bits) with
+    SPLIT_STATE, else as is: bf16 q/k are exact in bf16, so three bf16 products accumulate in fp32 as exactly as an
+    fp32 product, in less than half the tensor-core time of 3xTF32."""
+    b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
     if SPLIT_STATE:
         b_h1 = b_h.to(tl.bfloat16)
         b_hr = b_h - b_h1.to(tl.float32)
@@ -328,7 +329,7 @@ def _state_pieces(b_h, SPLIT_STATE: tl.constexpr, UPCAST_DOT: tl.constexpr):
 @triton.jit
 def _rows_state(b_x, b_h1, b_h2, b_h3, b_acc, SPLIT_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 UPCAST_DOT: tl.constexpr):  # fmt: skip
-    """b_acc + x S_chunk for rows x of q or k, from `_state_pieces`' pieces."""
+    """b_acc + x S_chunk for rows x of q or k, from `_state_chunk`'s pieces."""
     if SPLIT_STATE:
         if UPCAST_DOT:
             b_x = b_x.to(tl.float32)
@@ -380,8 +381,7 @@ def _state_products(
                 m = m_t[:, None] & m_k[None, :]
                 b_k = tl.load(p_k + o_t[:, None] * stride_qt + o_k[None, :], mask=m, other=0)
                 b_q = tl.load(p_q + o_t[:, None] * stride_qt + o_k[None, :], mask=m, other=0)
-                b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-                b_h1, b_h2, b_h3 = _state_pieces(b_h, SPLIT_STATE, UPCAST_DOT)
+                b_h1, b_h2, b_h3 = _state_chunk(p_h0, o_k, m_k, o_v, m_v, V, SPLIT_STATE, UPCAST_DOT)
                 b_ks = _rows_state(b_k, b_h1, b_h2, b_h3, b_ks, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
                 b_qs = _rows_state(b_q, b_h1, b_h2, b_h3, b_qs, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
         b_ks0, b_ks1 = _halves(b_ks, BH, BV)
@@ -404,8 +404,7 @@ def _state_products(
                 b_q0 = tl.load(p_q + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
                 b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
                 b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
-                b_h = tl.load(p_h0 + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
-                b_h1, b_h2, b_h3 = _state_pieces(b_h, SPLIT_STATE, UPCAST_DOT)
+                b_h1, b_h2, b_h3 = _state_chunk(p_h0, o_k, m_k, o_v, m_v, V, SPLIT_STATE, UPCAST_DOT)
                 b_ks0 = _rows_state(b_k0, b_h1, b_h2, b_h3, b_ks0, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
                 b_qs0 = _rows_state(b_q0, b_h1, b_h2, b_h3, b_qs0, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
                 b_ks1 = _rows_state(b_k1, b_h1, b_h2, b_h3, b_ks1, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
