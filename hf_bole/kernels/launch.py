@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+import torch
+
 from hf_bole.kernels.utils import is_interpreter
 
 
@@ -27,7 +29,7 @@ class CachedLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel  # a JITFunction, or an autotuner / heuristics around one
-        self.runners: dict[Hashable, tuple[Callable, tuple]] = {}
+        self.runners: dict[Hashable, tuple[Callable, tuple, tuple[int, ...]]] = {}
         self.tuner = kernel
         while not hasattr(self.tuner, "configs") and hasattr(self.tuner, "fn"):
             self.tuner = self.tuner.fn  # the autotuner, if any
@@ -40,7 +42,12 @@ class CachedLaunch:
             self.configs = self.tuner.configs
         hit = self.runners.get(key)
         if hit is not None:
-            runner, tail = hit
+            runner, tail, pointers = hit
+            # Tensors go to Triton's launcher as their addresses: given a tensor, it calls data_ptr() and asks the
+            # driver to confirm the address (cuPointerGetAttribute) for every pointer argument at every launch.
+            args = list(args)
+            for i in pointers:
+                args[i] = args[i].data_ptr()
             runner(*args, *tail)
             return
         if is_interpreter():
@@ -54,7 +61,8 @@ class CachedLaunch:
             return grids[-1][:3]
 
         compiled = self.kernel[record](*args, **constexprs())
-        self.runners[key] = (compiled[grids[-1][:3]], self._constexpr_tail(compiled, len(args)))
+        pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))  # the key pins which are
+        self.runners[key] = (compiled[grids[-1][:3]], self._constexpr_tail(compiled, len(args)), pointers)
 
     @staticmethod
     def _constexpr_tail(compiled, n_args: int) -> tuple:

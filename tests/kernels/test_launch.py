@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 from hf_bole.kernels.launch import CachedLaunch, alignment
 
@@ -63,6 +64,18 @@ def test_cached_launch_relaunches_the_compiled_kernel(compiled_mode):
     launch("a", grid, ("x3", 7), lambda: {"BLOCK": 64})
     assert tuner.calls[-1][0] == "triton"
     assert len(tuner.calls) == 4
+
+
+def test_cached_launch_passes_tensors_as_their_addresses(compiled_mode):
+    """Triton's launch gets the tensors (it specializes on their dtypes); the compiled kernel their addresses, which
+    its launcher would otherwise ask of the tensor and then of the driver, argument by argument."""
+    tuner = Tuner()
+    launch = CachedLaunch(tuner)
+    x0, x1 = torch.zeros(4), torch.ones(8)
+    launch("a", (1,), (x0, 7), lambda: {"BLOCK": 64})
+    assert tuner.calls[-1][2][0] is x0
+    launch("a", (1,), (x1, 8), dict)
+    assert tuner.calls[-1] == ("direct", (1, 1, 1), (x1.data_ptr(), 8, 64, 32))
 
 
 def test_cached_launch_under_the_interpreter_always_goes_through_triton(monkeypatch):
