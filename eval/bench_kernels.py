@@ -242,11 +242,11 @@ def bench_verify(B, T, HK, H, K, V, depth, providers, prec, floor=None):
             fn = lambda q, k, v, g, b, h, launch=KERNELS[name]: launch(q, k, v, g, b, ancestors, h, K**-0.5, True, prec)  # noqa: E731
             moved = act + state + B * T * H * V * (2 + 4) + B * T * H * 4
             transient = B * T * H * V * 4 + B * T * H * 4 + B * T * HK * K * 2  # u, log P, k: kept for the commit
-            moved += 2 * workspace_bytes(B, T, H)  # the solve kernel's blocks, written and read
+            moved += 2 * workspace_bytes(B, T, H, HK)  # the solve kernel's blocks, written and read
         elif name == "solve":
             fn = lambda q, k, v, g, b, h: solve(q, k, H, g, b, ancestors, True, prec)  # noqa: E731
-            moved = 2 * B * T * HK * K * 2 + B * T * H * (4 + 2 + 4) + workspace_bytes(B, T, H)
-            transient = workspace_bytes(B, T, H)
+            moved = 2 * B * T * HK * K * 2 + B * T * H * (4 + 2 + 4) + workspace_bytes(B, T, H, HK)
+            transient = workspace_bytes(B, T, H, HK)
         elif name == "serial":
             fn = lambda q, k, v, g, b, h: tree_gdn_verify_serial(q, k, v, g, b, parents, h, use_qk_l2norm_in_kernel=True)  # noqa: E731
             moved = act + state + B * T * H * V * 2 + 2 * B * T * H * K * V * 4  # snapshots written and re-read
@@ -371,7 +371,7 @@ def main():
         )
         snap = r.get("serial", {}).get("transient_bytes", B * T * H * K * V * 4) / 2**20
         fac = r.get("bole", {}).get("transient_bytes", float("nan")) / 2**20
-        ws = workspace_bytes(B, T, H) / 2**20
+        ws = workspace_bytes(B, T, H, HK) / 2**20
         floor = verify_floor(B, T, HK, H, K, V, depth, peaks, ceiling)["floor_ms"]
         print(f"{H:>3} {B:>3} {T:>4} | {s:8.4f} {fl:9.4f} {bo:8.4f} {bn:8.4f} {so:8.4f} {mk:9.4f} | {floor:7.4f} {bo / floor:10.2f} | {bo / fl:8.2f} {s / bo:11.1f} | {snap:8.1f} {fac:10.2f} {ws:8.2f}")
     print(

@@ -155,7 +155,7 @@ for PART in "$@"; do
 case $PART in
 tests)
     step tests_kernels 200 $PYTEST tests/kernels
-    step tests_models 300 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation \
+    step tests_models 370 env HF_BOLE_TEST_DEVICE=cuda $PYTEST tests/models tests/cache tests/generation \
         tests/test_custom_generate.py
     ;;
 calibrate)
@@ -192,7 +192,7 @@ host)
     RENDER=1
     ;;
 kda)
-    step kda 240 python3 eval/bench_kda.py --out benchmarks/kda.jsonl
+    step kda 300 python3 eval/bench_kda.py --out benchmarks/kda.jsonl
     RENDER=1
     ;;
 budget-house)

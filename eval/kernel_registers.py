@@ -35,7 +35,7 @@ from hf_bole.kernels.tree_gdn import closed_form_kernels as kernels  # noqa: E40
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Pointer and scalar types of the kernels' arguments as a model calls them (bf16 q/k/v/beta, fp32 g and state).
-POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "h0": "*fp32", "anc": "*u8",
+POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "h0": "*fp32", "anc": "*i1",
             "o": "*bf16", "scale": "fp32", "out": "*bf16", "scale_log2": "fp32", "lengths": "*i64", "valid": "*u8",
             "ancestors": "*u8", "parents": "*i64", "positions": "*i64", "position_ids": "*i64",
             "attention_mask": "*u8", "keys": "*bf16", "values": "*bf16", "path": "*i64"}  # fmt: skip

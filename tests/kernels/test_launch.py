@@ -9,21 +9,29 @@ import types
 import pytest
 import torch
 
+from hf_bole.kernels import launch as launch_module
 from hf_bole.kernels.launch import CachedLaunch, alignment
 
 
 class Compiled:
-    """What Triton's launch returns: `src.fn.arg_names`, `src.constants` ({(index,): value}) and `[grid](*args)`."""
+    """What Triton's launch returns: `src.fn.arg_names`, `src.constants` ({(index,): value}), the loaded kernel
+    (`function`, `packed_metadata`), its launcher `run` and Triton's wrapper around that, `[grid](*args)`."""
 
     def __init__(self, calls):
         self.name = "kernel"
         self.src = types.SimpleNamespace(
             fn=types.SimpleNamespace(arg_names=["x", "n", "BLOCK", "BK"]), constants={(2,): 64, (3,): 32}
         )
+        self.function, self.packed_metadata = 1234, (4, 1, 0)
         self.calls = calls
 
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        launch = (stream, function, metadata, launch_metadata, enter_hook, exit_hook)
+        assert launch == (77, 1234, (4, 1, 0), None, None, None)
+        self.calls.append(("direct", (gx, gy, gz), args))
+
     def __getitem__(self, grid):
-        return lambda *args: self.calls.append(("direct", grid, args))
+        return lambda *args: self.calls.append(("runner", grid, args))
 
 
 class Tuner:
@@ -45,6 +53,9 @@ class Tuner:
 @pytest.fixture
 def compiled_mode(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # the current stream, as Triton's driver reads it on a GPU
+    monkeypatch.setattr(launch_module.driver, "_active", types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 77))  # fmt: skip
 
 
 def test_cached_launch_relaunches_the_compiled_kernel(compiled_mode):
@@ -76,6 +87,30 @@ def test_cached_launch_passes_tensors_as_their_addresses(compiled_mode):
     assert tuner.calls[-1][2][0] is x0
     launch("a", (1,), (x1, 8), dict)
     assert tuner.calls[-1] == ("direct", (1, 1, 1), (x1.data_ptr(), 8, 64, 32))
+
+
+def test_cached_launch_goes_through_tritons_wrapper_while_a_launch_hook_is_registered(compiled_mode, monkeypatch):
+    """A profiler's hook (e.g. proton's) sees every launch: with one registered, the compiled kernel is relaunched
+    through Triton's wrapper, which builds the hook's launch metadata and calls it."""
+    tuner = Tuner()
+    launch = CachedLaunch(tuner)
+    x = torch.zeros(4)
+    launch("a", (2,), (x, 7), dict)
+    hooks = launch_module._HOOKS
+    if hasattr(hooks.launch_enter_hook, "add"):  # Triton >= 3.4: a chain of hooks
+        hook = print
+        hooks.launch_enter_hook.add(hook)
+        cleanup = lambda: hooks.launch_enter_hook.remove(hook)  # noqa: E731
+    else:
+        monkeypatch.setattr(hooks, "launch_enter_hook", print)
+        cleanup = lambda: None  # noqa: E731
+    try:
+        launch("a", (2,), (x, 8), dict)
+    finally:
+        cleanup()
+    assert tuner.calls[-1] == ("runner", (2, 1, 1), (x.data_ptr(), 8, 64, 32))
+    launch("a", (2,), (x, 9), dict)
+    assert tuner.calls[-1] == ("direct", (2, 1, 1), (x.data_ptr(), 9, 64, 32))
 
 
 def test_cached_launch_under_the_interpreter_always_goes_through_triton(monkeypatch):

@@ -12,8 +12,8 @@ factors as the bits of the longest chain inside the block: log(depth) dependent 
 [BH, BH] float32 blocks A0, C00, A1, C11, C10, G10 go to a workspace (`workspace_bytes`, freed with the call).
 With q and k L2-normalised in the kernel, the key norms come from the diagonal of K K^T; only the inverses need
 them inside; C and the off-diagonal blocks are stored without the row and column norms the apply kernel can apply
-to their products (its rows' 1 / ||k||, 1 / ||q|| written by the solve kernel), so that neither kernel squares
-[BH, BK] tiles elementwise, which had filled their registers (spills of 1-4 KB a thread at T = 128).
+to their products (its rows' 1 / ||k||, 1 / ||q||, which the solve kernel writes after the blocks), so that neither
+kernel squares [BH, BK] tiles elementwise, which had filled their registers (spills of 1-4 KB a thread at T = 128).
 An apply kernel, one program per (request, value head, V-tile), reads the state tile once for both halves, forms
 K S_pre and Q S_pre as three exact bf16 matmuls against a bf16 split of the fp32 state (for trees of up to 64 rows
 one matmul of both halves' rows, split after), and applies the blocks.
@@ -73,10 +73,17 @@ def full_tile_prune(BK: int, num_warps: int):
     return prune
 
 
-def workspace_bytes(B: int, T: int, H: int) -> int:
-    """Bytes of the float32 blocks the solve kernel hands to the apply kernel (freed with the call)."""
+def workspace_bytes(B: int, T: int, H: int, HK: int) -> int:
+    """Bytes of what the solve kernel hands to the apply kernel (freed with the call): the float32 blocks of every
+    request and value head, then the rows' inverse key and query norms (`[B, T, HK, 2]` float32)."""
     half = tree_tile(T) // 2
-    return B * H * WORKSPACE_BLOCKS * half * half * 4
+    return (B * H * WORKSPACE_BLOCKS * half * half + B * T * HK * 2) * 4
+
+
+@triton.jit
+def _norms_of(ws, i_b, i_hk, B, T, H, HK, BH: tl.constexpr):
+    """Where the rows' inverse norms of request i_b and key head i_hk start: after the blocks in the workspace."""
+    return ws + B * H * 6 * BH * BH + (i_b * T * HK + i_hk) * 2
 
 
 @triton.jit
@@ -234,7 +241,6 @@ def tree_gdn_verify_solve_kernel(
     anc,
     ws,
     log_decay,
-    rnorm,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -253,8 +259,8 @@ def tree_gdn_verify_solve_kernel(
     # One program per (block, request x value head). Block 0: A0 and C00, and log P of the first half's rows;
     # block 1: A1 and C11, and log P of the second half's (nothing when the tree fits in one half); block 2: C10 and
     # G10 without norms or beta (the apply kernel scales their products). None needs another's results. The
-    # diagonal blocks' programs of each key head's first value head write the rows' inverse norms to rnorm
-    # ([B, T, HK, 2]: keys, queries), which the apply kernel reads.
+    # diagonal blocks' programs of each key head's first value head write the rows' inverse norms ([B, T, HK, 2]:
+    # keys, queries) after the blocks, which the apply kernel reads.
     if USE_PDL:
         # The apply kernel may start now: its state products need nothing of this kernel's, and it waits for
         # this kernel's end before it reads the workspace.
@@ -271,7 +277,7 @@ def tree_gdn_verify_solve_kernel(
     p_q = q + i_b * stride_qb + i_hk * stride_qh
     p_k = k + i_b * stride_qb + i_hk * stride_qh
     p_ws = ws + i_bh * 6 * BH * BH
-    p_rn = rnorm + (i_b * T * HK + i_hk) * 2
+    p_rn = _norms_of(ws, i_b, i_hk, B, T, H, HK, BH)
     b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=o_t < T, other=0).to(tl.float32)  # [BT]
 
     if i_blk < 2:
@@ -427,7 +433,6 @@ def tree_gdn_verify_apply_kernel(
     h0,
     ws,
     log_decay,
-    rnorm,
     o,
     u,
     scale,
@@ -470,7 +475,7 @@ def tree_gdn_verify_apply_kernel(
     m_v = o_v < V
     p_beta = beta + i_b * T * H + i_h
     p_lp = log_decay + i_b * T * H + i_h
-    p_rn = rnorm + (i_b * T * HK + i_hk) * 2
+    p_rn = _norms_of(ws, i_b, i_hk, B, T, H, HK, BH)
     p_q = q + i_b * stride_qb + i_hk * stride_qh
     p_k = k + i_b * stride_qb + i_hk * stride_qh
     p_v = v + i_b * stride_vb + i_h * V
@@ -541,31 +546,32 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
         q, k = q.contiguous(), k.contiguous()
         stride_q = q.stride()
     B, T, HK, K = k.shape
-    H, V = v.shape[-2:]
-    BT = tree_tile(T)
-    g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous().view(torch.uint8)
+    _, _, H, V = v.shape
+    g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous()
+    device = v.device
     # What both kernels are specialized on (`CachedLaunch`): the shapes, dtypes and strides passed, which addresses
-    # are 16-byte aligned (outputs are fresh allocations), the constexprs and the device; g, beta, the ancestors and
-    # the state are contiguous, their strides follow from the shapes.
+    # are 16-byte aligned (outputs and the workspace are fresh allocations), the constexprs and the device; g, beta,
+    # the ancestors and the state are contiguous, their strides follow from the shapes.
     key = (
-        v.device, k.shape, H, V, stride_q, stride_v, q.dtype, v.dtype, g.dtype, beta.dtype,
+        device, k.shape, H, V, stride_q, stride_v, q.dtype, v.dtype, g.dtype, beta.dtype,
         initial_state is None, use_qk_l2norm, dot_precision, pdl,  # pdl None: `use_pdl(v)`, given by v's device
         alignment(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), anc.data_ptr(),
                   0 if initial_state is None else initial_state.data_ptr()),
     )  # fmt: skip
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
-    u = torch.empty(B, T, H, V, dtype=torch.float32, device=v.device)
-    log_decay = torch.empty(B, T, H, dtype=torch.float32, device=v.device)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=device)
+    u = torch.empty(B, T, H, V, dtype=torch.float32, device=device)
+    log_decay = torch.empty(B, T, H, dtype=torch.float32, device=device)
+    ws = torch.empty(workspace_bytes(B, T, H, HK) // 4, dtype=torch.float32, device=device)
+    BT = tree_tile(T)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
     with on_device(v):
-        ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key, BT)
+        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, BT)
         _APPLY(
             key, grid,
-            (q, k, v, beta, initial_state, ws, log_decay, rnorm, o, u, scale,
-             *stride_q[:3], *stride_v[:2], B, T, H, HK),
+            (q, k, v, beta, initial_state, ws, log_decay, o, u, scale, *stride_q[:3], *stride_v[:2], B, T, H, HK),
             lambda: dict(
                 K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
                 DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), **_pdl_options(pdl, v),
@@ -576,20 +582,21 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
 
 def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
     """The solve kernel alone (q and k read in place, as `tree_gdn_verify_fwd` passes them): the workspace of
-    `workspace_bytes`, log_decay `[B, T, H]` and the rows' inverse key and query norms `[B, T, HK, 2]` (unwritten
-    without `use_qk_l2norm`). `pdl`: let the next kernel (the apply kernel, launched with programmatic dependent
+    `workspace_bytes` (the blocks, then the rows' inverse key and query norms, unwritten without `use_qk_l2norm`)
+    and log_decay `[B, T, H]`. `pdl`: let the next kernel (the apply kernel, launched with programmatic dependent
     launch) start at once."""
-    B, T = k.shape[:2]
-    g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous().view(torch.uint8)
+    B, T, HK = k.shape[:3]
+    g, beta, anc = g.contiguous(), beta.contiguous(), ancestors.contiguous()
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
+    ws = torch.empty(workspace_bytes(B, T, H, HK) // 4, dtype=torch.float32, device=k.device)
     # as `tree_gdn_verify_fwd`'s key, for the solve kernel's arguments
     key = (
         k.device, k.shape, H, q.stride(), q.dtype, g.dtype, beta.dtype, use_qk_l2norm, dot_precision, pdl,
         alignment(q.data_ptr(), k.data_ptr(), g.data_ptr(), beta.data_ptr(), anc.data_ptr()),
     )  # fmt: skip
     with on_device(k):
-        ws, rnorm = _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key, tree_tile(T))
-    return ws, log_decay, rnorm
+        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, tree_tile(T))
+    return ws, log_decay
 
 
 def _pdl_options(pdl: bool | None, x: torch.Tensor, launch: bool = True) -> dict:
@@ -600,21 +607,17 @@ def _pdl_options(pdl: bool | None, x: torch.Tensor, launch: bool = True) -> dict
     return {"USE_PDL": pdl, **({"launch_pdl": True} if pdl and launch else {})}
 
 
-def _solve(q, k, H, g, beta, anc, log_decay, use_qk_l2norm, dot_precision, pdl, key, BT):
-    """Launches the solve kernel into `log_decay`; returns the workspace and the norms."""
+def _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, BT):
+    """Launches the solve kernel into the workspace `ws` and `log_decay`."""
     B, T, HK, K = k.shape
-    ws = torch.empty(workspace_bytes(B, T, H) // 4, dtype=torch.float32, device=k.device)
-    rnorm = torch.empty(B, T, HK, 2, dtype=torch.float32, device=k.device)
-    stride_q = q.stride()
     _SOLVE(
         key, (3, B * H),
-        (q, k, g, beta, anc, ws, log_decay, rnorm, *stride_q[:3], B, T, H, HK),
+        (q, k, g, beta, anc, ws, log_decay, *q.stride()[:3], B, T, H, HK),
         lambda: dict(
             K=K, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
             **_pdl_options(pdl, k, launch=False),
         ),
     )  # fmt: skip
-    return ws, rnorm
 
 
 def tree_tile(T: int) -> int:
