@@ -9,7 +9,7 @@ model passes them), in microseconds per call, median over passes:
   verify_triton    the same with every launch through Triton's own launcher (`kernel[grid]`, autotuner included)
   checks           `check_verify_inputs` alone
   launches         the verify's two kernel launches alone, relaunched as compiled with the arguments one call made
-  allocations      the `torch.empty` allocations one call made (o, u, log P, the workspace and the norms), alone
+  allocations      the `torch.empty` allocations one call made (o, u, log P and the workspace), alone
                    (neither on the torch path, which makes none: null there)
   ancestors        `tree_ancestor_mask(parents)`; ancestors_triton through Triton's launcher
 
