@@ -37,8 +37,9 @@
 #   cal-next    its budget table                                        hf_bole/budgets/<key>.json
 #   families    greedy exactness of every supported family at its real shape (random weights, bf16), 8 layers each and
 #               GLM-5-Next's 4 (8 take 74 GiB), oracle and n-gram drafters (eval/check_families.py)      (logs only)
-#   kda1        end to end on the random KDA shapes cut for one H100 (Kimi-Linear-48B-A3B-16L, Ling-3.0-flash-12L),
-#               oracle drafter, batch 1: ar and bole                  benchmarks/e2e_kimi_b1.jsonl, e2e_ling_b1.jsonl
+#   kda1        end to end on the random KDA shapes cut for one H100 (Kimi-Linear-48B-A3B-16L, Ling-3.0-flash-12L;
+#               Ling needs transformers >= 5.25), batch 1: ar and bole, oracle then n-gram drafter (about 5 min)
+#                       benchmarks/e2e_kimi_b1.jsonl, e2e_kimi_b1_ngram.jsonl, e2e_ling_b1.jsonl, e2e_ling_b1_ngram.jsonl
 #   batch-sweep   the random 9B shape at batch 1, 4, 16, 32 and 64, one batch each, oracle drafter: ar-static,
 #                 chain, bole ("auto": cal-9B first, on this GPU)                    benchmarks/batch_sweep.jsonl
 #   batch-sweep-big  the same at batch 128 and 256 (the seven batch sizes take more than one 10-minute command)
@@ -214,8 +215,10 @@ families)
     ;;
 kda1)
     for shape in Kimi-Linear-48B-A3B-16L:e2e_kimi_b1 Ling-3.0-flash-12L:e2e_ling_b1; do
-        harness "${shape#*:}" 280 --shape "${shape%%:*}" --max-new-tokens 128 --depth 6 --repeats 3 --interleave \
-            --batch-sizes 1 --num-prompts 2 --modes ar bole
+        for run in oracle: ngram:_ngram; do  # drafter:suffix of the run's name
+            harness "${shape#*:}${run#*:}" 140 --shape "${shape%%:*}" --drafter "${run%%:*}" \
+                --max-new-tokens 128 --depth 6 --repeats 3 --interleave --batch-sizes 1 --num-prompts 2 --modes ar bole
+        done
     done
     ;;
 budget-9b)

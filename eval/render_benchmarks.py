@@ -28,6 +28,8 @@ DATA = REPO / "benchmarks"
 DOC = REPO / "BENCHMARKS.md"
 README = REPO / "README.md"
 E2E = ("e2e_house_b1", "e2e_house_b8", "e2e_9b_b1", "e2e_9b_b8_b16")
+# The KDA models' runs (eval/gpu.sh kda1): their own section, outside README's summary and the plot
+KDA_E2E = ("e2e_kimi_b1", "e2e_kimi_b1_ngram", "e2e_ling_b1", "e2e_ling_b1_ngram")
 BUDGETS = ("budget_house", "budget_9b")
 # the oracle's runs (ar-static among their modes), the MTP head's: batch 1 to 64, and 128 and 256 in a run of their own
 SWEEP = (("batch_sweep", "batch_sweep_big"), ("batch_sweep_mtp", "batch_sweep_mtp_big"))
@@ -143,6 +145,36 @@ def e2e(rows: list[dict]) -> list[str]:
         shares = [by_mode.get(m, {}).get("exact_share") for m in MODES[1:]]
         exact = ["–" if share is None else f"{100 * share:.0f}%" for share in shares]
         cells = [dataset, batch, *_tokens_per_s(by_mode), *ratios, " / ".join(rounds), " / ".join(exact)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
+def kda_e2e(rows: list[dict]) -> list[str]:
+    """A KDA model's run: ar (plain generate) and bole, one line per prompt set and batch size."""
+    s = rows[0]["settings"]
+    timing = f"median of {s.get('repeats')} passes" + (" taken in turns" if s.get("interleave") else "")
+    sources = sorted({r["budget_source"].split(" at epsilon")[0] for r in rows if r.get("budget_source")})
+    lines = provenance(rows) + [
+        f"- {s.get('model')}, {s.get('dtype')}, greedy, {rows[0]['num_prompts']} prompts of {s.get('prompt_length')} "
+        f"tokens, at most {s.get('max_new_tokens')} new tokens, drafter {s.get('drafter')}"
+        + (f" (accepts a level with probability {s.get('oracle_accept')})" if s.get("drafter") == "oracle" else "")
+        + f"; bole depth "
+        f"{s['depth'][0]}, top-{s.get('topk')}, budget {s['budget'][0]} from {', '.join(sources) or 'as set'}; CUDA "
+        f"graphs {'on' if s.get('cuda_graphs', True) else 'off'}; tokens/s over the generate calls' wall time, prefill "
+        f"included, {timing}. Tree state: the round's factors, pre-conv inputs and tree KV per request.",
+        "",
+        "| dataset | batch | ar tokens/s | bole tokens/s | bole ÷ ar | tokens a round | TTFT ms (ar / bole) "
+        "| peak GiB (ar / bole) | tree state MiB | outputs equal to ar |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---|",
+    ]
+    for (dataset, batch), by_mode in _cells(rows).items():
+        ar, bole = by_mode.get("ar"), by_mode.get("bole")
+        share = (bole or {}).get("exact_share")
+        cells = [
+            dataset, batch, _tps(ar), _tps(bole), _over(bole, ar), _f((bole or {}).get("mean_accepted_tokens"), ".2f"),
+            " / ".join(_f((r or {}).get("ttft_ms")) for r in (ar, bole)), " / ".join(_gib(r) for r in (ar, bole)),
+            _tree_per_request(bole), "–" if share is None else f"{100 * share:.0f}%",
+        ]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
@@ -493,6 +525,9 @@ def main() -> None:
     runs = {name: rows for name in E2E if (rows := load(name))}
     for name, rows in runs.items():
         doc = replace(doc, name, e2e(rows))
+    for name in KDA_E2E:
+        if rows := load(name):
+            doc = replace(doc, name, kda_e2e(rows))
     if rows := [r for name in LAYOUTS for r in load(name)]:
         doc = replace(doc, "layouts", layouts(rows))
     if rows := load("kernels"):

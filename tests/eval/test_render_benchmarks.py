@@ -31,7 +31,7 @@ def test_render(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
     monkeypatch.setattr(render, "README", readme)
-    sections = [*render.E2E, "layouts", "kernels", "host", "kda", *render.BUDGETS, "batch_sweep", "ttft_turn2"]
+    sections = [*render.E2E, *render.KDA_E2E, "layouts", "kernels", "host", "kda", *render.BUDGETS, "batch_sweep", "ttft_turn2"]
     sections.append("tables")
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
@@ -107,8 +107,19 @@ def test_render(tmp_path, monkeypatch):
     _write(data / "e2e_122b_tp_b1.jsonl", [
         {**_row("ar", 1, 10.0), "settings": tp}, {**_row("bole", 1, 35.0, acc=4.0, exact=1.0), "settings": tp}
     ])  # fmt: skip
+    kimi = {**SETTINGS, "model": "random Kimi-Linear-48B-A3B-16L shape", "prompt_length": 128, "depth": [6],
+            "drafter": "oracle", "oracle_accept": 0.8}  # fmt: skip
+    _write(data / "e2e_kimi_b1.jsonl", [
+        {**_row("ar", 1, 30.0, ttft_ms=60.0, peak_memory_bytes=54 * gib), "settings": kimi},
+        {**_row("bole", 1, 210.0, acc=4.0, exact=1.0, ttft_ms=36.0, peak_memory_bytes=53 * gib, budget_source="fallback",
+                transient_bytes={"factors": 20 * 2**20, "conv_inputs": 0, "tree_kv": 0, "snapshots": 0}),
+         "settings": kimi},
+    ])  # fmt: skip
     render.main()
     text = doc.read_text()
+    # a KDA model's run: bole against plain generate, the oracle's acceptance named; the n-gram runs not there
+    assert "| mbpp | 1 | 30.0 | 210.0 | 7.00× | 4.00 | 60.0 / 36.0 | 54.0 / 53.0 | 20.00 | 100% |" in text
+    assert "drafter oracle (accepts a level with probability 0.8)" in text and "old e2e_kimi_b1_ngram" in text
     assert "| 122B-A10B | tensor parallel over 2 GPUs | 1 | 10.0 | 35.0 | 3.50× | 4.00 | 100% |" in text
     # e2e: every mode's tokens/s, a failed mode's error, bole against each baseline, where the budget came from
     assert "| mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.000× | 1.250× | – | 6.50 / – / 8.00 |" in text
