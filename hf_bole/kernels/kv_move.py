@@ -84,7 +84,7 @@ def kv_commit(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, p
             *keys.stride()[:4], *values.stride()[:4], lengths.stride(0), *path.stride(),
             B, H, L,
             D=D, DV=DV, BLOCK_L=min(16, max(2, next_power_of_2(L))),
-            BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(DV),
+            BLOCK_D=max(1, next_power_of_2(D)), BLOCK_DV=max(1, next_power_of_2(DV)),  # Dv = 0: no rotary key
         )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ CASES = [
     pytest.param("bushy", 2, 63, 2, 4, 32, 16, id="bushy-T63"),
     pytest.param("mixed", 3, 100, 2, 6, 16, 32, id="mixed-T100-Hk2-H6"),
     pytest.param("chain", 1, 128, 1, 1, 16, 16, id="chain-T128"),
+    pytest.param("mixed", 2, 45, 1, 2, 40, 80, id="mixed-T45-K40-V80"),  # no power of two (OLMo-Hybrid's 96, 192)
 ]
 
 
@@ -275,8 +276,8 @@ def test_closed_form_triton_limits():
     q, k, v, g, beta, h0 = gdn_inputs(1, 129, 1, 1, 16, 16, device=device)
     with pytest.raises(ValueError, match="at most 128 nodes"):
         tree_gdn_verify(q, k, v, g, beta, make_parents("chain", 129, 1).to(device), h0)
-    q, k, v, g, beta, h0 = gdn_inputs(1, 4, 1, 1, 24, 16, device=device)
-    with pytest.raises(ValueError, match="head dims"):
+    q, k, v, g, beta, h0 = gdn_inputs(1, 4, 1, 1, 272, 16, device=device)
+    with pytest.raises(ValueError, match="head dims K, V up to 256, got K = 272"):
         tree_gdn_verify(q, k, v, g, beta, make_parents("chain", 4, 1).to(device), h0)
     q, k, v, g, beta, h0 = gdn_inputs(1, 2, 1, 65536, 16, 16, device=device)  # one request of 65536 value heads
     with pytest.raises(ValueError, match="at most 65535 .request, value head. pairs"):

@@ -16,7 +16,9 @@ def random_paths(parents: torch.Tensor, gen: torch.Generator, empty_rows=()) -> 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind,B,T,HK,H,K,V", [("mixed", 3, 40, 2, 4, 32, 32), ("deep", 2, 70, 1, 2, 16, 16)])
+@pytest.mark.parametrize(
+    "kind,B,T,HK,H,K,V", [("mixed", 3, 40, 2, 4, 32, 32), ("deep", 2, 70, 1, 2, 16, 16), ("bushy", 2, 30, 1, 2, 40, 80)]
+)
 def test_commit_equals_sequential_state(backend, kind, B, T, HK, H, K, V):
     device = backend_device(backend)
     q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, device=device, seed=7)

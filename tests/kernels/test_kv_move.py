@@ -35,6 +35,7 @@ def paths_of(parents, L, gen):
         ("deep", 1, 3, 2, 90, 20, 16, 16),
         ("star", 1, 2, 1, 9, 2, 8, 8),
         ("mixed", 2, 3, 1, 20, 7, 48, 8),  # MLA's compressed cache: a wide latent, a narrow rotary key
+        ("mixed", 2, 3, 1, 20, 7, 24, 0),  # no rotary key (GLM-5-Next's qk_rope_head_dim = 0): empty values
     ],
 )
 def test_kv_commit_moves_the_path(backend, kind, NA, B, H, N, L, D, DV):

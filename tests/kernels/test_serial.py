@@ -9,9 +9,10 @@ from tests.kernels.trees import gdn_inputs, make_parents, rel_err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_serial_equals_naive(backend):
+@pytest.mark.parametrize("K,V", [(32, 32), (40, 80)])
+def test_serial_equals_naive(backend, K, V):
     device = backend_device(backend)
-    B, T, HK, H, K, V = 2, 30, 2, 4, 32, 32
+    B, T, HK, H = 2, 30, 2, 4
     q, k, v, g, beta, h0 = gdn_inputs(B, T, HK, H, K, V, device=device, seed=12)
     parents = make_parents("mixed", T, B, seed=12)
     o, states = tree_gdn_verify_serial(q, k, v, g, beta, parents.to(device), h0, use_qk_l2norm_in_kernel=True)

@@ -45,6 +45,7 @@ CASES = [
     pytest.param("deep", 2, 128, 1, 2, 32, 16, True, id="deep-T128-d16-extreme"),
     pytest.param("bushy", 2, 63, 2, 4, 32, 16, True, id="bushy-T63-extreme"),
     pytest.param("mixed", 2, 100, 2, 4, 16, 32, False, id="mixed-T100-Hk2-H4"),
+    pytest.param("mixed", 2, 45, 1, 2, 40, 80, True, id="mixed-T45-K40-V80-extreme"),  # no power of two
 ]
 
 
@@ -176,7 +177,9 @@ def test_tree_kda_chain_equals_transformers_recurrence(backend, family):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind,B,T,HK,H,K,V", [("mixed", 3, 40, 2, 4, 32, 32), ("deep", 2, 70, 1, 2, 16, 16)])
+@pytest.mark.parametrize(
+    "kind,B,T,HK,H,K,V", [("mixed", 3, 40, 2, 4, 32, 32), ("deep", 2, 70, 1, 2, 16, 16), ("bushy", 2, 30, 1, 2, 40, 80)]
+)
 def test_tree_kda_commit_equals_sequential_state(backend, kind, B, T, HK, H, K, V):
     device = backend_device(backend)
     q, k, v, g, beta, h0 = kda_inputs(B, T, HK, H, K, V, device=device, seed=7, extreme=True)
@@ -224,9 +227,10 @@ def test_tree_kda_commit_stacked_layers_and_in_place(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_tree_kda_verify_serial_equals_naive(backend):
+@pytest.mark.parametrize("K,V", [(32, 32), (40, 80)])
+def test_tree_kda_verify_serial_equals_naive(backend, K, V):
     device = backend_device(backend)
-    B, T, HK, H, K, V = 2, 30, 2, 4, 32, 32
+    B, T, HK, H = 2, 30, 2, 4
     q, k, v, g, beta, h0 = kda_inputs(B, T, HK, H, K, V, device=device, seed=12, extreme=True)
     parents = make_parents("mixed", T, B, seed=12)
     o, states = tree_kda_verify_serial(q, k, v, g, beta, parents.to(device), h0, use_qk_l2norm_in_kernel=True)
@@ -274,6 +278,6 @@ def test_tree_kda_triton_limits():
     q, k, v, g, beta, h0 = kda_inputs(1, 129, 1, 1, 16, 16, device=device)
     with pytest.raises(ValueError, match="at most 128 nodes"):
         tree_kda_verify(q, k, v, g, beta, make_parents("chain", 129, 1).to(device), h0)
-    q, k, v, g, beta, h0 = kda_inputs(1, 4, 1, 1, 24, 16, device=device)
-    with pytest.raises(ValueError, match="head dims"):
+    q, k, v, g, beta, h0 = kda_inputs(1, 4, 1, 1, 16, 272, device=device)
+    with pytest.raises(ValueError, match="head dims K, V up to 256, got K = 16, V = 272"):
         tree_kda_verify(q, k, v, g, beta, make_parents("chain", 4, 1).to(device), h0)

@@ -100,6 +100,25 @@ def test_greedy_matches_plain(name, drafter):
         assert out.mean_accepted_tokens > 3.0
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", tiny_families.params(["olmo_hybrid", "glm5_next"]))
+def test_greedy_matches_plain_through_the_kernels(name):
+    """hf_bole's Triton kernels (here under the interpreter, as on a GPU) at sizes their power-of-two tiles must mask:
+    OLMo-Hybrid's GDN heads of 24 and 48 channels (the released checkpoints' are 96 and 192), and GLM-5-Next's
+    compressed KV cache without a rotary key, whose empty values the KV commit moves."""
+    model = tiny_families.build(name)
+    prompts = PROMPTS[:2]
+    ids, mask = tiny.left_pad(prompts)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=6, do_sample=False)
+    out = model.generate(
+        ids, attention_mask=mask, pad_token_id=0, max_new_tokens=6, do_sample=False, custom_generate="hf_bole",
+        bole_drafter=oracle_for(model, prompts, new=6), bole_budget=16, bole_cuda_graphs=False,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    assert out.mean_accepted_tokens > 2.0
+
+
 @pytest.mark.parametrize(
     "name",
     tiny_families.params(

@@ -36,10 +36,14 @@ MODELS = {
     "qwen3_next-dense": (
         "Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM", dict(intermediate_size=64, num_experts=0)
     ),
-    # rotary embeddings on, which the released checkpoints leave off; beta up to 2 (allow_neg_eigval)
+    # rotary embeddings on, which the released checkpoints leave off; beta up to 2 (allow_neg_eigval); GDN head dims
+    # no power of two, values twice the keys, as the released checkpoints' 96 and 192
     "olmo_hybrid": (
         "OLMo-Hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM",
-        dict(intermediate_size=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        dict(
+            intermediate_size=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            linear_key_head_dim=24, linear_value_head_dim=48,
+        ),
     ),
     # lin, sliding, lin, full: a window of 6 slots, shorter than the prompts and the trees' paths
     "lara_mini": (

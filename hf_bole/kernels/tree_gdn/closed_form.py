@@ -17,6 +17,7 @@ import torch
 
 from hf_bole.kernels.tree_gdn.ancestors import tree_ancestor_mask
 from hf_bole.kernels.tree_gdn.closed_form_kernels import tree_gdn_verify_fwd
+from hf_bole.kernels.tree_gdn.commit import MAX_HEAD_DIM
 from hf_bole.kernels.utils import (
     MAX_TREE_NODES,
     check_dtype,
@@ -28,7 +29,6 @@ from hf_bole.kernels.utils import (
     use_triton,
 )
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # One TF32 pass ("tf32") is not offered: u then strays 4.2e-4 from float64 where the commit needs 1.6e-7 (README.md).
 DOT_PRECISIONS = ("tf32x3", "ieee")
 MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second and third axes
@@ -105,8 +105,9 @@ def _explain_inputs(q, k, v, g, beta, parents, initial_state, dot_precision, per
 
 
 def check_triton_limits(k: torch.Tensor, v: torch.Tensor) -> None:
-    """What the Triton verify kernels hold: head dims in `SUPPORTED_HEAD_DIMS`, at most `MAX_TREE_NODES` nodes, and
-    a program per request and value head on a grid axis that CUDA caps at `MAX_GRID_Y` programs."""
+    """What the Triton verify kernels hold: head dims up to the commit's `MAX_HEAD_DIM` (of any size: the tiles
+    are masked), at most `MAX_TREE_NODES` nodes, and a program per request and value head on a grid axis that CUDA
+    caps at `MAX_GRID_Y` programs."""
     B, T, K = k.shape[0], k.shape[1], k.shape[-1]
     H, V = v.shape[-2:]
     if B * H > MAX_GRID_Y:
@@ -114,8 +115,8 @@ def check_triton_limits(k: torch.Tensor, v: torch.Tensor) -> None:
             f"the Triton kernels verify at most {MAX_GRID_Y} (request, value head) pairs in one call, got B x H = "
             f"{B} x {H}; verify the batch in parts of at most {MAX_GRID_Y // H} requests"
         )
-    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"the Triton kernels support head dims K, V in {SUPPORTED_HEAD_DIMS}, got K = {K}, V = {V}")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels take head dims K, V up to {MAX_HEAD_DIM}, got K = {K}, V = {V}")
     if T > MAX_TREE_NODES:
         raise ValueError(
             f"the Triton kernels verify at most {MAX_TREE_NODES} nodes per tree in one call, got T = {T}; "

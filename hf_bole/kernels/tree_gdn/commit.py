@@ -24,6 +24,8 @@ from hf_bole.kernels.utils import (
     use_triton,
 )
 
+MAX_HEAD_DIM = 256  # the commit kernel holds a whole key head ([K, BV] in registers); V alike, as tested
+
 
 @triton.jit
 def tree_gdn_commit_fwd_kernel(
@@ -41,6 +43,7 @@ def tree_gdn_commit_fwd_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BL: tl.constexpr,
+    BK: tl.constexpr,
     BV: tl.constexpr,
     NV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
@@ -55,7 +58,8 @@ def tree_gdn_commit_fwd_kernel(
     i_hk = i_h // (H // HK)
 
     o_l = tl.arange(0, BL)
-    o_k = tl.arange(0, K)
+    o_k = tl.arange(0, BK)  # the whole key head, BK = K rounded up to a power of two
+    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_path = tl.load(path + i_b * L + o_l, mask=o_l < L, other=-1)
@@ -65,10 +69,12 @@ def tree_gdn_commit_fwd_kernel(
         # (same-signed terms, not the difference of two sums); log Gam_a the sum over the whole path.
         b_next = tl.load(path + i_b * L + o_l + 1, mask=o_l + 1 < L, other=-1)  # [BL] the node after each
         p_g = decay + (i_nb * T * H + i_h) * K + o_k[None, :]
-        b_g = tl.load(p_g + b_path[:, None] * H * K, mask=m_l[:, None], other=0).to(tl.float32)  # [BL, K]
-        b_gn = tl.load(p_g + b_next[:, None] * H * K, mask=(b_next >= 0)[:, None], other=0).to(tl.float32)
-        b_w = tl.where(m_l[:, None], tl.exp(tl.cumsum(b_gn, axis=0, reverse=True)), 0.0)  # [BL, K] Gam_a / Gam_j
-        b_pa = tl.exp(tl.sum(b_g, axis=0))[:, None]  # [K, 1] Gam_a (1 for an empty path)
+        b_g = tl.load(p_g + b_path[:, None] * H * K, mask=m_l[:, None] & m_k[None, :], other=0).to(tl.float32)
+        b_gn = tl.load(p_g + b_next[:, None] * H * K, mask=(b_next >= 0)[:, None] & m_k[None, :], other=0).to(
+            tl.float32
+        )  # [BL, BK] g of each path node and of the node after it
+        b_w = tl.where(m_l[:, None], tl.exp(tl.cumsum(b_gn, axis=0, reverse=True)), 0.0)  # [BL, BK] Gam_a / Gam_j
+        b_pa = tl.exp(tl.sum(b_g, axis=0))[:, None]  # [BK, 1] Gam_a (1 for an empty path)
     else:
         # Node indices increase along a root-to-leaf path (parents come first), so the leaf is the max.
         i_a = tl.max(b_path, axis=0)
@@ -79,17 +85,18 @@ def tree_gdn_commit_fwd_kernel(
         b_pa = tl.exp(b_lpa)
 
     b_k = tl.load(
-        k + ((i_nb * T + b_path[:, None]) * HK + i_hk) * K + o_k[None, :], mask=m_l[:, None], other=0
-    ).to(tl.float32)  # [BL, K]
+        k + ((i_nb * T + b_path[:, None]) * HK + i_hk) * K + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0
+    ).to(tl.float32)  # [BL, BK]
     if USE_QK_L2NORM:
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
     b_u = tl.load(
         u + ((i_nb * T + b_path[:, None]) * H + i_h) * V + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0
     )  # [BL, BV]
     p_h = (i_nb * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(h0 + p_h, mask=m_v[None, :], other=0)  # [K, BV]
+    m_h = m_k[:, None] & m_v[None, :]
+    b_h = tl.load(h0 + p_h, mask=m_h, other=0)  # [BK, BV]
     b_h = b_pa * b_h + tl.dot(tl.trans(b_k * b_w), b_u, input_precision=DOT_PRECISION)
-    tl.store(out + p_h, b_h, mask=m_v[None, :])
+    tl.store(out + p_h, b_h, mask=m_h)
 
 
 def tree_gdn_commit_fwd(initial_state, k, u, decay, path, out, use_qk_l2norm, dot_precision):
@@ -98,15 +105,14 @@ def tree_gdn_commit_fwd(initial_state, k, u, decay, path, out, use_qk_l2norm, do
     H, V = u.shape[-2:]
     L = path.shape[1]
     BL = max(16, next_power_of_2(L))
-    BV = min(32, V)  # many small programs: the commit is bound by reading and writing the states
+    BV = min(32, max(16, next_power_of_2(V)))  # many small programs: the commit moves states, little else
     NV = triton.cdiv(V, BV)
     grid = (NV * NL * B * H,)  # the V-tiles of one state side by side
     with on_device(out):
         tree_gdn_commit_fwd_kernel[grid](
             initial_state, k, u, decay, path, out, B, T, L,
-            H=H, HK=HK, K=K, V=V, BL=BL, BV=BV, NV=NV, USE_QK_L2NORM=use_qk_l2norm, PER_KEY_DECAY=decay.dim() == 5,
-            DOT_PRECISION=dot_precision,
-            num_warps=4,
+            H=H, HK=HK, K=K, V=V, BL=BL, BK=max(16, next_power_of_2(K)), BV=BV, NV=NV, USE_QK_L2NORM=use_qk_l2norm,
+            PER_KEY_DECAY=decay.dim() == 5, DOT_PRECISION=dot_precision, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -171,8 +177,8 @@ def stacked_commit_args(initial_state, k, u, decay, path, out, check_values, per
         if not out.is_contiguous():
             raise ValueError("`out` must be contiguous: the state is written in place")
     if use_triton(initial_state):
-        if K > 256 or K & (K - 1) or V & (V - 1):
-            raise ValueError(f"the Triton commit supports power-of-two K <= 256 and V, got K = {K}, V = {V}")
+        if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+            raise ValueError(f"the Triton commit takes head dims K, V up to {MAX_HEAD_DIM}, got K = {K}, V = {V}")
         if path.shape[1] > 256:
             raise ValueError(f"paths of at most 256 nodes can be committed, got L = {path.shape[1]}")
     return stacked, initial_state, k, u, decay, out

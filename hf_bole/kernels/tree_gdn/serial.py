@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_bole.kernels.utils import check_path, check_shape, l2norm, on_device, use_triton
+from hf_bole.kernels.tree_gdn.commit import MAX_HEAD_DIM
+from hf_bole.kernels.utils import check_path, check_shape, l2norm, next_power_of_2, on_device, use_triton
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
@@ -34,6 +35,7 @@ def tree_gdn_serial_fwd_kernel(
     HK: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
+    BK: tl.constexpr,
     BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
@@ -42,29 +44,32 @@ def tree_gdn_serial_fwd_kernel(
     i_v, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
-    o_k = tl.arange(0, K)
+    o_k = tl.arange(0, BK)  # the whole key head, BK = K rounded up to a power of two
+    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    p_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV] offsets inside one state
+    p_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets inside one state
+    m_kv = m_k[:, None] & m_v[None, :]
     if USE_INITIAL_STATE:
-        b_h0 = tl.load(h0 + i_bh * K * V + p_kv, mask=m_v[None, :], other=0)
+        b_h0 = tl.load(h0 + i_bh * K * V + p_kv, mask=m_kv, other=0)
     else:
-        b_h0 = tl.zeros([K, BV], dtype=tl.float32)
+        b_h0 = tl.zeros([BK, BV], dtype=tl.float32)
     p_states = states + i_b * T * H * K * V + i_h * K * V
     for i in range(T):
         i_p = tl.load(parents + i_b * T + i)
         if i_p >= 0:
-            b_h = tl.load(p_states + i_p * H * K * V + p_kv, mask=m_v[None, :], other=0)
+            b_h = tl.load(p_states + i_p * H * K * V + p_kv, mask=m_kv, other=0)
         else:
             b_h = b_h0
-        b_q = tl.load(q + ((i_b * T + i) * HK + i_hk) * K + o_k).to(tl.float32)
-        b_k = tl.load(k + ((i_b * T + i) * HK + i_hk) * K + o_k).to(tl.float32)
+        b_q = tl.load(q + ((i_b * T + i) * HK + i_hk) * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(k + ((i_b * T + i) * HK + i_hk) * K + o_k, mask=m_k, other=0).to(tl.float32)
         if USE_QK_L2NORM:
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
         b_v = tl.load(v + ((i_b * T + i) * H + i_h) * V + o_v, mask=m_v, other=0).to(tl.float32)
         if PER_KEY_DECAY:
-            b_h = b_h * tl.exp(tl.load(g + ((i_b * T + i) * H + i_h) * K + o_k).to(tl.float32))[:, None]
+            b_g = tl.load(g + ((i_b * T + i) * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+            b_h = b_h * tl.exp(b_g)[:, None]
         else:
             b_h = b_h * tl.exp(tl.load(g + (i_b * T + i) * H + i_h).to(tl.float32))
         b_beta = tl.load(beta + (i_b * T + i) * H + i_h).to(tl.float32)
@@ -72,7 +77,7 @@ def tree_gdn_serial_fwd_kernel(
         b_h += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_h * (b_q * scale)[:, None], axis=0)
         tl.store(o + ((i_b * T + i) * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(p_states + i * H * K * V + p_kv, b_h, mask=m_v[None, :])
+        tl.store(p_states + i * H * K * V + p_kv, b_h, mask=m_kv)
         tl.debug_barrier()  # a child may read this snapshot next
 
 
@@ -131,17 +136,18 @@ def serial_walk(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm):
     scale = K**-0.5 if scale is None else float(scale)
     if not use_triton(v):
         return torch_tree_gdn_serial(q, k, v, g, beta, parents, initial_state, scale, use_qk_l2norm)
-    if K & (K - 1):
-        raise ValueError(f"the serial Triton kernel holds a whole key head: K must be a power of two, got K = {K}")
+    if K > MAX_HEAD_DIM:
+        raise ValueError(f"the serial Triton kernel holds a whole key head: K up to {MAX_HEAD_DIM}, got K = {K}")
     q, k, v, g, beta, parents = (x.contiguous() for x in (q, k, v, g, beta, parents))
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     states = torch.empty(B, T, H, K, V, dtype=torch.float32, device=v.device)
-    BV = min(32, V)
+    BV = min(32, next_power_of_2(V))
     h0 = None if initial_state is None else initial_state.float().contiguous()
     with on_device(v):
         tree_gdn_serial_fwd_kernel[(triton.cdiv(V, BV), B * H)](
             q, k, v, g, beta, parents, h0, o, states, scale, T,
-            H=H, HK=HK, K=K, V=V, BV=BV, USE_QK_L2NORM=use_qk_l2norm, PER_KEY_DECAY=g.dim() == 4, num_warps=4,
+            H=H, HK=HK, K=K, V=V, BK=next_power_of_2(K), BV=BV, USE_QK_L2NORM=use_qk_l2norm,
+            PER_KEY_DECAY=g.dim() == 4, num_warps=4,
         )  # fmt: skip
     return o, states
 
