@@ -41,12 +41,13 @@ from hf_bole.kernels.utils import autotune_configs, dim_contiguous, on_device, t
 # compiles with at most ~0.5 KB of spills a thread at T = 64 and 128. The solve kernel's GATHER (see `_walk`) trades
 # repeated loads and exps for registers, and only its timing can choose. BK = 64 with 4 warps spilled 0.2-2 KB in the
 # solve kernel (the walk holds five [BH, BK] fp32 tiles and two [BH, BH] blocks) and 1.1-2.1 KB in the apply kernel
-# (3xTF32 operands). num_stages stays 1 as in the GDN kernels, where 2 (Triton 3.6) made the solve kernel stray from
-# float64 and the apply kernel fault.
+# (3xTF32 operands). BK = 128 with 8 warps walks all channels in one step, so each step updates the [BH, BH] blocks
+# once, not once a chunk (253 registers, no spills at T = 64; 1.1 KB of spills at 128). num_stages stays 1 as in
+# the GDN kernels, where 2 (Triton 3.6) made the solve kernel stray from float64 and the apply kernel fault.
 SOLVE_CONFIGS = [
     triton.Config({"BK": BK, "GATHER": gather}, num_warps=num_warps, num_stages=1)
-    for BK, num_warps, gather in ((32, 8, False), (16, 4, False), (32, 4, False), (64, 8, False), (16, 8, True),
-                                  (32, 8, True))
+    for BK, num_warps, gather in ((32, 8, False), (16, 4, False), (32, 4, False), (64, 8, False), (128, 8, False),
+                                  (16, 8, True), (32, 8, True))
 ]  # fmt: skip
 APPLY_CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
@@ -130,12 +131,13 @@ def _walk(
             m_in = m_cur & (cur >= c0) & (cur < c0 + BH)
             hit = m_in[:, None] & (o_c[None, :] == (cur - c0)[:, None])  # [BH, BH]
             b_qk += tl.where(hit, b_sq[:, None], 0.0)
-            b_kk += tl.where(hit & (cur != o_r)[:, None], b_s[:, None], 0.0)
+            b_kk += tl.where(hit, b_s[:, None], 0.0)  # self entries too: cleared once after the walk
             b_cnt += m_in.to(tl.int32)
             b_d *= b_aj  # rows past the committed state multiply by 1 and keep Gam
             cur = tl.where(m_cur, tl.load(p_par + cur, mask=m_cur, other=-1).to(tl.int32), -1)
         if store_gamma:
             tl.store(p_gam + o_r[:, None] * stride_gt + o_k[None, :], b_d, mask=m_rk)
+    b_kk = tl.where(o_c[None, :] == (o_r - c0)[:, None], 0.0, b_kk)  # G has no self entries
     return b_kk, b_qk, b_ssk, b_ssq, tl.max(b_cnt, axis=0)
 
 
