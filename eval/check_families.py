@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -72,6 +73,42 @@ def first_difference(ours: torch.Tensor, ref: torch.Tensor) -> int | None:
 
 
 @torch.no_grad()
+def check(model, family: str, args) -> int:
+    """Greedy hf_bole against plain generate on three left-padded random prompts, oracle then n-gram drafter: the
+    number of drafters whose output differs."""
+    device = model.device
+    failed = 0
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    lengths = (37, 20, 5)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):  # left padding
+        ids[b, -n:] = torch.randint(1, vocab, (n,), generator=gen)
+        mask[b, -n:] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    common = dict(attention_mask=mask, max_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    plain = model.generate(ids, output_logits=True, return_dict_in_generate=True, **common)
+    ref = plain.sequences[:, ids.shape[1] :]
+    continuations = [row.tolist() for row in ref]
+    oracle = OracleDrafter(lengths, continuations, depth=6, topk=4, accept=0.8, vocab_size=vocab)
+    for label, drafter in (("oracle", oracle), ("ngram", "ngram")):
+        out = model.generate(ids, custom_generate="hf_bole", bole_drafter=drafter, return_dict_in_generate=True,
+                             **common)  # fmt: skip
+        ours = out.sequences[:, ids.shape[1] :]
+        step = first_difference(ours, ref)
+        line = f"{family} ({type(model).__name__}, {args.layers} layers, {args.dtype}) {label}: "
+        line += f"{out.mean_accepted_tokens:.2f} accepted/round, "
+        if step is None:
+            print(line + "identical to plain generate")
+            continue
+        top2 = torch.stack(plain.logits).float().topk(2, dim=-1).values[step]  # [B, 2] at the first difference
+        gaps = (top2[:, 0] - top2[:, 1]).tolist()
+        print(line + f"differs from step {step}; plain decoding's top-2 logit gaps there {gaps}")
+        failed += 1
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -90,35 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         if family not in available:
             print(f"{family}: not in transformers {transformers.__version__}")
             continue
-        model = build(family, args.layers, device, dtype, overrides)
-        vocab = model.get_output_embeddings().weight.shape[0]
-        gen = torch.Generator().manual_seed(1)
-        lengths = (37, 20, 5)
-        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, n in enumerate(lengths):  # left padding
-            ids[b, -n:] = torch.randint(1, vocab, (n,), generator=gen)
-            mask[b, -n:] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        common = dict(attention_mask=mask, max_new_tokens=args.new, do_sample=False, pad_token_id=0, eos_token_id=None)
-        plain = model.generate(ids, output_logits=True, return_dict_in_generate=True, **common)
-        ref = plain.sequences[:, ids.shape[1] :]
-        continuations = [row.tolist() for row in ref]
-        oracle = OracleDrafter(lengths, continuations, depth=6, topk=4, accept=0.8, vocab_size=vocab)
-        for label, drafter in (("oracle", oracle), ("ngram", "ngram")):
-            out = model.generate(ids, custom_generate="hf_bole", bole_drafter=drafter, return_dict_in_generate=True,
-                                 **common)  # fmt: skip
-            ours = out.sequences[:, ids.shape[1] :]
-            step = first_difference(ours, ref)
-            line = f"{family} ({type(model).__name__}, {args.layers} layers, {args.dtype}) {label}: "
-            line += f"{out.mean_accepted_tokens:.2f} accepted/round, "
-            if step is None:
-                print(line + "identical to plain generate")
-                continue
-            top2 = torch.stack(plain.logits).float().topk(2, dim=-1).values[step]  # [B, 2] at the first difference
-            gaps = (top2[:, 0] - top2[:, 1]).tolist()
-            print(line + f"differs from step {step}; plain decoding's top-2 logit gaps there {gaps}")
+        try:
+            failed += check(build(family, args.layers, device, dtype, overrides), family, args)
+        except Exception:  # one family's failure must not hide the others': name it, go on
+            traceback.print_exc()
+            print(f"{family}: raised (above)")
             failed += 1
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next family's weights where this one's were
     return failed
 
 
