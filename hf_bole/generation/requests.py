@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 
 from hf_bole.config import BoleConfig
@@ -23,6 +24,12 @@ ASSISTANT_ERROR = (
 # GenerationConfig settings that ask transformers for its own assisted decoding (some only in later versions).
 _ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type")
 
+# Settings that turn greedy decoding into another mode of transformers' (which it runs from the Hub): not ignored
+_OTHER_MODES = {
+    GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha with top_k > 1 asks for contrastive search",
+    GenerationMode.DOLA_GENERATION: "dola_layers asks for DoLa decoding",
+}
+
 # Output options that would need per-step tensors of plain decoding (scores of finished rows and the like).
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -34,6 +41,17 @@ def check_request(model, generation_config: GenerationConfig, model_kwargs: dict
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("hf_bole returns one sequence per row; repeat the prompts instead of num_return_sequences")
     check_assisted({}, generation_config)
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"hf_bole decodes greedily or by sampling; {_OTHER_MODES.get(mode, f'these settings ask for {mode.value}')}"
+            ": drop it"
+        )
+    if getattr(generation_config, "cache_implementation", None) is not None:
+        logger.warning_once(
+            f"hf_bole keeps the request in its own BoleCache: cache_implementation="
+            f"{generation_config.cache_implementation!r} is not used"
+        )
     if dropped.get("synced_gpus"):
         raise ValueError("hf_bole does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     for flag in _UNSUPPORTED_OUTPUTS:

@@ -21,7 +21,7 @@ from transformers import (
 
 import hf_bole
 from hf_bole.config import BoleConfig
-from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop, plan, select
+from hf_bole.generation import DraftContext, DraftTree, draft, graphs, loop, plan, requests, select
 from hf_bole.generation import prefill as prefill_module
 from hf_bole.generation import commit as commit_module
 from hf_bole.generation import writes as writes_module
@@ -957,7 +957,7 @@ def test_errors(dense):
 
 
 @pytest.mark.parametrize("entry", ["name", "callable"])
-def test_bad_requests_are_refused_up_front(dense_with_mtp, entry):
+def test_bad_requests_are_refused_up_front(dense_with_mtp, entry, caplog):
     """Settings and inputs hf_bole cannot run are named in a ValueError before anything runs, by either entry point,
     and the model decodes as before afterwards."""
     model, prompts = dense_with_mtp, PROMPTS[:1]
@@ -976,6 +976,16 @@ def test_bad_requests_are_refused_up_front(dense_with_mtp, entry):
     for kwargs in (dict(prompt_lookup_num_tokens=3), dict(generation_config=lookup), dict(use_mtp=True)):
         with pytest.raises(ValueError, match="drafts with its own drafter: drop (prompt_lookup_num_tokens|use_mtp)"):
             run(**kwargs)
+    # other decoding modes are refused, not run as greedy (plain generate fetches them from the Hub)
+    with pytest.raises(ValueError, match="penalty_alpha with top_k > 1 asks for contrastive search: drop it"):
+        run(penalty_alpha=0.6, top_k=4)
+    with pytest.raises(ValueError, match="dola_layers asks for DoLa decoding: drop it"):
+        run(dola_layers="low")
+    requests.logger.warning_once.cache_clear()  # said once per process: maybe by an earlier test
+    with caplog.at_level(logging.WARNING, logger="hf_bole.generation.requests"):
+        said = run(cache_implementation="static", do_sample=False)  # runs, saying what it does not use
+    assert torch.equal(said, plain(model, prompts, max_new_tokens=3, do_sample=False))
+    assert "cache_implementation='static' is not used" in caplog.text
     with pytest.raises(ValueError, match="input_ids has 1 rows of 0 tokens"):
         model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3, custom_generate=custom,
                        bole_drafter="ngram")  # fmt: skip
