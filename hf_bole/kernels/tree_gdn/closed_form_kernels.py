@@ -54,7 +54,7 @@ APPLY_CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
     for BK, BV, num_warps in ((32, 64, 4), (32, 32, 4), (64, 32, 4), (64, 32, 8), (64, 64, 8))
 ]  # fmt: skip
-WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
+WORKSPACE_BLOCKS = tl.constexpr(6)  # A0, C00, A1, C11, C10, G10 (a constexpr: the kernels read it too)
 
 
 def full_tile_prune(BK: int, num_warps: int):
@@ -77,13 +77,13 @@ def workspace_bytes(B: int, T: int, H: int, HK: int) -> int:
     """Bytes of what the solve kernel hands to the apply kernel (freed with the call): the float32 blocks of every
     request and value head, then the rows' inverse key and query norms (`[B, T, HK, 2]` float32)."""
     half = tree_tile(T) // 2
-    return (B * H * WORKSPACE_BLOCKS * half * half + B * T * HK * 2) * 4
+    return (B * H * WORKSPACE_BLOCKS.value * half * half + B * T * HK * 2) * 4
 
 
 @triton.jit
 def _norms_of(ws, i_b, i_hk, B, T, H, HK, BH: tl.constexpr):
     """Where the rows' inverse norms of request i_b and key head i_hk start: after the blocks in the workspace."""
-    return ws + B * H * 6 * BH * BH + (i_b * T * HK + i_hk) * 2
+    return ws + B * H * WORKSPACE_BLOCKS * BH * BH + (i_b * T * HK + i_hk) * 2
 
 
 @triton.jit
@@ -276,7 +276,7 @@ def tree_gdn_verify_solve_kernel(
     p_beta = beta + i_b * T * H + i_h
     p_q = q + i_b * stride_qb + i_hk * stride_qh
     p_k = k + i_b * stride_qb + i_hk * stride_qh
-    p_ws = ws + i_bh * 6 * BH * BH
+    p_ws = ws + i_bh * WORKSPACE_BLOCKS * BH * BH
     p_rn = _norms_of(ws, i_b, i_hk, B, T, H, HK, BH)
     b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=o_t < T, other=0).to(tl.float32)  # [BT]
 
@@ -481,7 +481,7 @@ def tree_gdn_verify_apply_kernel(
     p_v = v + i_b * stride_vb + i_h * V
     p_u = u + (i_b * T * H + i_h) * V
     p_o = o + (i_b * T * H + i_h) * V
-    p_ws = ws + i_bh * 6 * BH * BH
+    p_ws = ws + i_bh * WORKSPACE_BLOCKS * BH * BH
     p_h0 = h0
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V

@@ -53,14 +53,14 @@ APPLY_CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
     for BK, BV, num_warps in ((16, 32, 4), (16, 64, 4), (32, 32, 4), (16, 32, 8), (32, 64, 8))
 ]  # fmt: skip
-WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10
+WORKSPACE_BLOCKS = tl.constexpr(6)  # A0, C00, A1, C11, C10, G10 (a constexpr: the kernels read it too)
 
 
 def workspace_bytes(B: int, T: int, H: int, K: int) -> int:
     """Bytes the solve kernel hands to the apply kernel (freed with the call): six float32 [BT/2, BT/2] blocks per
     (request, value head), the path decays Gam `[B, T, H, K]` and the rows' inverse norms `[B, T, H, 2]`, float32."""
     half = tree_tile(T) // 2
-    return B * H * WORKSPACE_BLOCKS * half * half * 4 + B * T * H * (K + 2) * 4
+    return B * H * WORKSPACE_BLOCKS.value * half * half * 4 + B * T * H * (K + 2) * 4
 
 
 @triton.jit
@@ -189,7 +189,7 @@ def tree_kda_verify_solve_kernel(
     p_g = g + (i_b * T * H + i_h) * K
     p_gam = gam + (i_b * T * H + i_h) * K
     p_par = parents + i_b * T
-    p_ws = ws + i_bh * 6 * BH * BH
+    p_ws = ws + i_bh * WORKSPACE_BLOCKS * BH * BH
     p_rn = rnorm + (i_b * T * H + i_h) * 2
 
     b_kk, b_qk, b_ssk, b_ssq, n_chain = _walk(
@@ -307,7 +307,7 @@ def tree_kda_verify_apply_kernel(
     p_v = v + i_b * stride_vb + i_h * V
     p_u = u + (i_b * T * H + i_h) * V
     p_o = o + (i_b * T * H + i_h) * V
-    p_ws = ws + i_bh * 6 * BH * BH
+    p_ws = ws + i_bh * WORKSPACE_BLOCKS * BH * BH
 
     p_q = q + i_b * stride_qb + i_hk * stride_qh
     p_k = k + i_b * stride_qb + i_hk * stride_qh
@@ -366,7 +366,7 @@ def tree_kda_verify_fwd(q, k, v, g, beta, parents, initial_state, scale, use_qk_
     H, V = v.shape[-2:]
     BT = tree_tile(T)
     half = BT // 2
-    ws = torch.empty(B * H * WORKSPACE_BLOCKS * half * half, dtype=torch.float32, device=v.device)
+    ws = torch.empty(B * H * WORKSPACE_BLOCKS.value * half * half, dtype=torch.float32, device=v.device)
     gam = torch.empty(B, T, H, K, dtype=torch.float32, device=v.device)
     rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=v.device)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
