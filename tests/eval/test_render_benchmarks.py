@@ -31,8 +31,8 @@ def test_render(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# results\n<!-- rendered: readme_results -->\n<!-- end: readme_results -->\n")
     monkeypatch.setattr(render, "README", readme)
-    sections = [*render.E2E, *render.KDA_E2E, "layouts", "kernels", "host", "kda", *render.BUDGETS, "batch_sweep", "ttft_turn2"]
-    sections.append("tables")
+    sections = [*render.E2E, *render.KDA_E2E, "layouts", "kernels", "host", "kda", *render.BUDGETS, "batch_sweep"]
+    sections += ["ttft_turn2", "tables"]
     doc.write_text("".join(f"# {n}\n<!-- rendered: {n} -->\nold {n}\n<!-- end: {n} -->\n" for n in sections))
     _write(data / "e2e_house_b1.jsonl", [
         _row("ar", 1, 100.0), _row("ar-static", 1, 500.0, exact=0.75), _row("chain", 1, 2000.0, acc=6.5, exact=1.0),
