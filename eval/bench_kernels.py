@@ -36,7 +36,7 @@ from hf_bole.kernels.tree_gdn.closed_form import DOT_PRECISIONS  # noqa: E402
 from hf_bole.kernels.tree_gdn.closed_form_kernels import (  # noqa: E402
     solve,
     tree_gdn_verify_fwd,
-    tree_tile,
+    verify_tile,
     workspace_bytes,
 )
 from hf_bole.kernels.tree_gdn.naive import naive_tree_gdn_verify  # noqa: E402
@@ -164,18 +164,20 @@ def peak_tflops(gpu: str, given: str | None) -> tuple[float, float]:
 
 def verify_floor(B, T, HK, H, K, V, depth, peaks, copy_gbps, bytes_in=2, state_bytes=4) -> dict:
     """The floor of one verify (ms): the larger of its matmul FLOPs at the precision each runs and its bytes at the
-    measured copy rate. FLOPs as the kernels do them, per (request, value head), on the two halves of BH = BT / 2 rows
-    (BT = tree_tile(T), the kernels' own), with n_d diagonal blocks (2 when the tree spans both halves, else 1):
+    measured copy rate. FLOPs as the kernels do them, per (request, value head), on halves of BH = BT / 2 rows
+    (BT = verify_tile(T, B H), the kernels' own), with n_d diagonal blocks (2 when the tree spans both halves, 1 for
+    a tree of one block):
       bf16 (q/k exact in bf16)  Gram blocks: 2 (K K^T and Q K^T) x (n_d + [two halves]) x 2 BH^2 K;
-                                K S and Q S of both halves: 4 x 3 passes against the split state x 2 BH K V
+                                K S and Q S of the halves: 2 n_d x 3 passes against the split state x 2 BH K V
       tf32, 3 passes (tf32x3)   the inverses' squarings: n_d x s x 2 x 2 BH^3, s = ceil(log2(min(depth + 1, BH))) - 1;
                                 the block products: (2 + 4 [two halves]) x 2 BH^2 V
     Bytes: q, k, v, g (fp32), beta read once, the fp32 state read, o written (the dtype of v) and u (fp32)."""
-    BH = tree_tile(T) // 2
-    halves = T > BH
+    BT, one_half = verify_tile(T, B * H)
+    BH = BT // 2
+    halves = not one_half
     n_d = 1 + halves
     squarings = max(0, (min(depth + 1, BH) - 1).bit_length() - 1)
-    bf16 = 2 * (n_d + halves) * 2 * BH * BH * K + 4 * 3 * 2 * BH * K * V
+    bf16 = 2 * (n_d + halves) * 2 * BH * BH * K + 2 * n_d * 3 * 2 * BH * K * V
     tf32 = 3 * (n_d * squarings * 2 * 2 * BH**3 + (2 + 4 * halves) * 2 * BH * BH * V)
     flop_ms = B * H * (bf16 / peaks[0] + tf32 / peaks[1]) / 1e9
     moved = B * T * (2 * HK * K * bytes_in + H * V * bytes_in + H * (4 + bytes_in)) + B * H * K * V * state_bytes
@@ -191,12 +193,14 @@ def rel_err(x, ref) -> float:
 
 def quick_gpu_check() -> dict:
     """Printed first: relative error of o and u of both kernels against the float64 torch closed form, at
-    bench-like shapes (bf16 q/k/v, fp32 state), including a T = 128 tree and a chain of 128."""
+    bench-like shapes (bf16 q/k/v, fp32 state), including a T = 128 tree, a chain of 128 and trees of one block (16
+    nodes, and 50 over 256 (request, value head) pairs)."""
     from hf_bole.kernels.tree_gdn.closed_form import torch_tree_gdn_verify
 
     errs = {}
     HK, K, V = 16, 128, 128
-    for H, B, T, kind in ((32, 2, 128, "mixed"), (48, 1, 128, "chain"), (32, 3, 37, "bushy"), (64, 2, 16, "mixed")):
+    for H, B, T, kind in ((32, 2, 128, "mixed"), (48, 1, 128, "chain"), (32, 3, 37, "bushy"), (64, 2, 16, "mixed"),
+                          (32, 8, 50, "bushy")):  # fmt: skip
         parents = make_parents(kind, T, B, seed=7).cuda()
         if kind == "mixed":
             parents = bounded_depth(parents, 8)

@@ -5,7 +5,7 @@ registers, spill stores and spill loads per thread (`ptxas -v`). On an H200 both
 limit (Nsight Compute), so spills are what a change to them should be checked for
 before a GPU run. The figures come from this machine's Triton, which may differ from the GPU's. Usage:
 
-    python eval/kernel_registers.py [--kernels gdn attention masks] [--tile 128] [--precision tf32x3]
+    python eval/kernel_registers.py [--kernels gdn attention masks] [--tile 128] [--one-half] [--precision tf32x3]
 
 gdn: the closed form's solve and apply kernels at every launch config; attention: the tree attention's split and
 merge kernels at the tiles `_tiles` picks, one split and several, bf16 and fp32 (Qwen3.5's grouping, 4 query heads a
@@ -92,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", nargs="+", choices=["gdn", "attention", "masks", "kv"], default=["gdn"])
     ap.add_argument("--tile", type=int, default=128, help="gdn: the tree tile BT (32, 64 or 128)")
+    ap.add_argument("--one-half", action="store_true", help="gdn: a tree of one block, the tile's first half")
     ap.add_argument("--precision", default="tf32x3", help="gdn: dot_precision of the float32 matmuls")
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, sm_90a")
@@ -142,10 +143,10 @@ def kv_kernels(args) -> None:
 
 
 def gdn_kernels(args) -> None:
-    common = {"K": 128, "BT": args.tile, "USE_QK_L2NORM": True, "DOT_PRECISION": args.precision, "UPCAST_DOT": False,
-              "USE_PDL": True}  # fmt: skip
+    common = {"K": 128, "BT": args.tile, "ONE_HALF": args.one_half, "USE_QK_L2NORM": True,
+              "DOT_PRECISION": args.precision, "UPCAST_DOT": False, "USE_PDL": True}  # fmt: skip
     apply = {**common, "V": 128, "USE_INITIAL_STATE": True, "SPLIT_STATE": True}
-    print(f"gdn: K = V = 128, BT = {args.tile}, {args.precision}")
+    print(f"gdn: K = V = 128, BT = {args.tile}{' (one block)' * args.one_half}, {args.precision}")
     for name, fn, constexprs, configs in (
         ("solve", kernels.tree_gdn_verify_solve_kernel.fn, common, kernels.SOLVE_CONFIGS),
         ("apply", kernels.tree_gdn_verify_apply_kernel.fn.fn, apply, kernels.APPLY_CONFIGS),

@@ -41,10 +41,16 @@ def test_closed_form_fp32(backend, kind, B, T, HK, H, K, V):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kind,T", [("star", 16), ("mixed", 37), ("chain", 64), ("deep", 128)])
-def test_kernels_at_every_tile(kind, T):
-    """The kernels hold a tree as two halves of a power-of-two tile: exact with one half only (T <= 16), and with a
-    chain crossing its halves."""
+@pytest.mark.parametrize(
+    "kind,T,one_block",
+    [("star", 16, True), ("mixed", 29, False), ("mixed", 37, False), ("mixed", 37, True), ("chain", 64, False),
+     ("chain", 64, True), ("deep", 128, False)],
+)  # fmt: skip
+def test_kernels_at_every_tile(kind, T, one_block, monkeypatch):
+    """The kernels hold a tree as one block (up to 16 nodes, and up to 64 over many (request, value head) pairs, here
+    forced) or as two halves of a power-of-two tile, a chain crossing them: exact in each."""
+    monkeypatch.setattr(kernels, "ONE_BLOCK_MIN_PAIRS", 1 if one_block else 2**31)
+    assert kernels.verify_tile(T, 2)[1] == (T <= 16 or one_block)
     device = backend_device("triton")
     q, k, v, g, beta, h0 = gdn_inputs(1, T, 1, 2, 16, 16, device=device, seed=T)
     parents = make_parents(kind, T, 1, seed=T).to(device)
@@ -77,33 +83,51 @@ LAUNCH_CONFIGS = [pytest.param("solve", i, id=f"solve{i}") for i in range(len(ke
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("T", [100, 50])
 @pytest.mark.parametrize("which,index", LAUNCH_CONFIGS)
-def test_every_launch_config(which, index, monkeypatch):
+def test_every_launch_config(which, index, T, monkeypatch):
     """Every committed launch config is exact on its own: the autotuner picks among them by time alone (on an
     H200, two stages made the solve kernel stray and the apply kernel fault). K = 64 takes the K loop two steps at
-    BK = 32, and the mixed tree of 100 nodes spans both halves of its 128-row tile."""
+    BK = 32; the mixed tree of 100 nodes spans both halves of its 128-row tile, that of 50 is one block of 64 rows
+    (forced here: the pairs of a large batch)."""
     tuner = kernels.tree_gdn_verify_solve_kernel if which == "solve" else kernels.tree_gdn_verify_apply_kernel.fn
     configs = kernels.SOLVE_CONFIGS if which == "solve" else kernels.APPLY_CONFIGS
     monkeypatch.setattr(tuner, "configs", [configs[index]])  # the kernels compiled earlier are chosen again
     monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setattr(kernels, "ONE_BLOCK_MIN_PAIRS", 1)
     device = backend_device("triton")
-    q, k, v, g, beta, h0 = gdn_inputs(1, 100, 1, 2, 64, 64, device=device, seed=index)
-    parents = make_parents("mixed", 100, 1, seed=index).to(device)
+    q, k, v, g, beta, h0 = gdn_inputs(1, T, 1, 2, 64, 64, device=device, seed=index)
+    parents = make_parents("mixed", T, 1, seed=index).to(device)
     o, u, lp = tree_gdn_verify_fwd(q, k, v, g, beta, tree_ancestor_mask(parents), h0, 64**-0.5, True, "tf32x3")
     ref_o, ref_u, ref_lp = gold(q, k, v, g, beta, parents, h0, use_qk_l2norm_in_kernel=True)
     assert rel_err(o, ref_o) <= 1e-5 and rel_err(u, ref_u) <= 1e-5 and rel_err(lp, ref_lp) <= 1e-5
 
 
 def test_full_tile_prune_narrows_only_the_full_tile():
-    """At BT = 128 the autotuners choose among the configs the H200's sweeps found best there; at smaller tiles among
-    all; a lone config (a test or the tuning script pinning one) is kept whatever it is."""
+    """For two halves of 64 rows the autotuners choose among the configs the H200's sweeps found best there; at
+    smaller tiles and for one block among all; a lone config (a test or the tuning script pinning one) is kept
+    whatever it is."""
     prune = kernels.tree_gdn_verify_apply_kernel.fn.early_config_prune  # the apply kernel's own
     configs = kernels.APPLY_CONFIGS
-    kept = prune(configs, {}, BT=128)
+    kept = prune(configs, {}, BT=128, ONE_HALF=False)
     assert kept and all(c.kwargs["BK"] == 32 and c.num_warps == 4 for c in kept)
     assert {c.kwargs["BV"] for c in kept} == {32, 64}  # the batch decides between them
-    assert prune(configs, {}, BT=64) == configs
-    assert prune(configs[-1:], {}, BT=128) == configs[-1:]
+    assert prune(configs, {}, BT=64, ONE_HALF=False) == configs
+    assert prune(configs, {}, BT=128, ONE_HALF=True) == configs
+    assert prune(configs[-1:], {}, BT=128, ONE_HALF=False) == configs[-1:]
+
+
+def test_verify_tile():
+    """One block of 16 rows up to 16 nodes, two halves of 16 up to 32; up to 64 one block of 64 rows from
+    ONE_BLOCK_MIN_PAIRS (request, value head) pairs on, two halves of 32 below; two halves of 64 up to 128. The
+    workspace holds the blocks each needs, then the rows' norms."""
+    many = kernels.ONE_BLOCK_MIN_PAIRS
+    tiles = [kernels.verify_tile(T, many) for T in (1, 16, 17, 32, 33, 64, 65, 128)]
+    assert tiles == [(32, True)] * 2 + [(32, False)] * 2 + [(128, True)] * 2 + [(128, False)] * 2
+    assert kernels.verify_tile(33, many - 1) == kernels.verify_tile(64, many - 1) == (64, False)
+    assert kernels.workspace_bytes(8, 64, 32, 16) == (8 * 32 * 2 * 64 * 64 + 8 * 64 * 16 * 2) * 4  # 256 pairs
+    assert kernels.workspace_bytes(1, 64, 32, 16) == (32 * 6 * 32 * 32 + 64 * 16 * 2) * 4
+    assert kernels.workspace_bytes(1, 16, 1, 1) == (2 * 16 * 16 + 16 * 2) * 4
 
 
 # The interpreter computes float32 products whatever the precision: there this checks only the argument's way in.

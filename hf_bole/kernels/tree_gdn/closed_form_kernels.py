@@ -10,6 +10,8 @@ So a solve kernel, one program per (request, value head, block: 00, 11 or 10), f
 and G, C of its block and, on the diagonal, the inverse by doubling, (I - G)(I + G^2)(I + G^4)..., as many
 factors as the bits of the longest chain inside the block: log(depth) dependent matmuls, not depth. The six
 [BH, BH] float32 blocks A0, C00, A1, C11, C10, G10 go to a workspace (`workspace_bytes`, freed with the call).
+A tree that fits in the first half is one block (block 00 alone, one program): trees of up to 16 nodes, and of up
+to 64 nodes as one block of 64 rows over at least `ONE_BLOCK_MIN_PAIRS` (request, value head) pairs (`verify_tile`).
 With q and k L2-normalised in the kernel, the key norms come from the diagonal of K K^T; only the inverses need
 them inside; C and the off-diagonal blocks are stored without the row and column norms the apply kernel can apply
 to their products (its rows' 1 / ||k||, 1 / ||q||, which the solve kernel writes after the blocks), so that neither
@@ -54,7 +56,13 @@ APPLY_CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=1)
     for BK, BV, num_warps in ((32, 64, 4), (32, 32, 4), (64, 32, 4), (64, 32, 8), (64, 64, 8))
 ]  # fmt: skip
-WORKSPACE_BLOCKS = tl.constexpr(6)  # A0, C00, A1, C11, C10, G10 (a constexpr: the kernels read it too)
+WORKSPACE_BLOCKS = 6  # A0, C00, A1, C11, C10, G10; a tree of one block: A0, C00
+# From this many (request, value head) pairs, trees of 33-64 nodes are one block of 64 rows, not two halves of 32
+# (`verify_tile`). On an H100 (9B layer, Hk = 16, bench_kernels.py, two passes in turns) one block took 0.092 against
+# 0.108 ms at H = 32 B = 16 T = 64, 0.047 against 0.054 at H = 32 B = 8 and 0.072 against 0.080 at H = 48 B = 8
+# (Hopper's warpgroup matmuls take 64 rows, and one solve program does what three did), but 0.0195 against 0.0173 at
+# H = 32 B = 1, where the three programs a pair spread a small batch over more of the GPU.
+ONE_BLOCK_MIN_PAIRS = 256
 
 
 def full_tile_prune(BK: int, num_warps: int):
@@ -65,7 +73,7 @@ def full_tile_prune(BK: int, num_warps: int):
     was 5% slower than BK = 32 (32.7 against 31.1 us)."""
 
     def prune(configs, named_args, **kwargs):
-        if kwargs["BT"] < 128:
+        if kwargs["BT"] < 128 or kwargs["ONE_HALF"]:
             return configs
         kept = [c for c in configs if c.kwargs["BK"] == BK and c.num_warps == num_warps]
         return kept or configs  # a test pins one config of any kind: keep it
@@ -76,14 +84,20 @@ def full_tile_prune(BK: int, num_warps: int):
 def workspace_bytes(B: int, T: int, H: int, HK: int) -> int:
     """Bytes of what the solve kernel hands to the apply kernel (freed with the call): the float32 blocks of every
     request and value head, then the rows' inverse key and query norms (`[B, T, HK, 2]` float32)."""
-    half = tree_tile(T) // 2
-    return (B * H * WORKSPACE_BLOCKS.value * half * half + B * T * HK * 2) * 4
+    BT, one_half = verify_tile(T, B * H)
+    return (B * H * _blocks(one_half) * (BT // 2) ** 2 + B * T * HK * 2) * 4
+
+
+@triton.constexpr_function
+def _blocks(one_half):
+    """The [BH, BH] blocks the workspace holds per request and value head."""
+    return 2 if one_half else WORKSPACE_BLOCKS
 
 
 @triton.jit
-def _norms_of(ws, i_b, i_hk, B, T, H, HK, BH: tl.constexpr):
+def _norms_of(ws, i_b, i_hk, B, T, H, HK, BH: tl.constexpr, ONE_HALF: tl.constexpr):
     """Where the rows' inverse norms of request i_b and key head i_hk start: after the blocks in the workspace."""
-    return ws + B * H * WORKSPACE_BLOCKS * BH * BH + (i_b * T * HK + i_hk) * 2
+    return ws + B * H * _blocks(ONE_HALF) * BH * BH + (i_b * T * HK + i_hk) * 2
 
 
 @triton.jit
@@ -229,7 +243,7 @@ def _diagonal_block(
 
 @triton.autotune(
     configs=autotune_configs(SOLVE_CONFIGS),
-    key=["B", "BT", "H", "HK", "K", "USE_QK_L2NORM"],
+    key=["B", "BT", "H", "HK", "K", "USE_QK_L2NORM", "ONE_HALF"],
     prune_configs_by={"early_config_prune": full_tile_prune(BK=128, num_warps=4)},
 )
 @triton.jit(do_not_specialize=["T"])
@@ -251,14 +265,15 @@ def tree_gdn_verify_solve_kernel(
     K: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
+    ONE_HALF: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # One program per (block, request x value head). Block 0: A0 and C00, and log P of the first half's rows;
-    # block 1: A1 and C11, and log P of the second half's (nothing when the tree fits in one half); block 2: C10 and
-    # G10 without norms or beta (the apply kernel scales their products). None needs another's results. The
+    # One program per (block, request x value head); a tree of one block (ONE_HALF) has block 0 alone. Block 0: A0
+    # and C00, and log P of the first half's rows; block 1: A1 and C11, and log P of the second half's; block 2: C10
+    # and G10 without norms or beta (the apply kernel scales their products). None needs another's results. The
     # diagonal blocks' programs of each key head's first value head write the rows' inverse norms ([B, T, HK, 2]:
     # keys, queries) after the blocks, which the apply kernel reads.
     if USE_PDL:
@@ -276,8 +291,8 @@ def tree_gdn_verify_solve_kernel(
     p_beta = beta + i_b * T * H + i_h
     p_q = q + i_b * stride_qb + i_hk * stride_qh
     p_k = k + i_b * stride_qb + i_hk * stride_qh
-    p_ws = ws + i_bh * WORKSPACE_BLOCKS * BH * BH
-    p_rn = _norms_of(ws, i_b, i_hk, B, T, H, HK, BH)
+    p_ws = ws + i_bh * _blocks(ONE_HALF) * BH * BH
+    p_rn = _norms_of(ws, i_b, i_hk, B, T, H, HK, BH, ONE_HALF)
     b_g = tl.load(g + (i_b * T + o_t) * H + i_h, mask=o_t < T, other=0).to(tl.float32)  # [BT]
 
     if i_blk < 2:
@@ -367,14 +382,16 @@ def _state_products(
     BK: tl.constexpr,
     BV: tl.constexpr,
     FULL_TILE: tl.constexpr,
+    ONE_HALF: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     SPLIT_STATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Raw K S_pre and Q S_pre of both halves' rows for the V-tile ([BH, BV] each, zeros without a state); every
-    chunk of the state is read, and split, once for both halves. FULL_TILE: one matmul of all 2 BH rows each,
-    split into halves after; else one a half. (The rows' norms come from the solve kernel.)"""
+    """Raw K S_pre and Q S_pre of both halves' rows for the V-tile ([BH, BV] each, zeros without a state or for the
+    second half of a tree of one block); every chunk of the state is read, and split, once for both halves.
+    FULL_TILE: one matmul of all 2 BH rows each, split into halves after; else one a half (the first alone with
+    ONE_HALF). (The rows' norms come from the solve kernel.)"""
     if FULL_TILE:
         o_t = tl.arange(0, 2 * BH)
         m_t = o_t < T
@@ -405,23 +422,25 @@ def _state_products(
                 o_k = i_k + tl.arange(0, BK)
                 m_k = o_k < K
                 m0 = m_r0[:, None] & m_k[None, :]
-                m1 = m_r1[:, None] & m_k[None, :]
                 b_k0 = tl.load(p_k + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
                 b_q0 = tl.load(p_q + o_r0[:, None] * stride_qt + o_k[None, :], mask=m0, other=0)
-                b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
-                b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
+                if not ONE_HALF:
+                    m1 = m_r1[:, None] & m_k[None, :]
+                    b_k1 = tl.load(p_k + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
+                    b_q1 = tl.load(p_q + o_r1[:, None] * stride_qt + o_k[None, :], mask=m1, other=0)
                 b_h1, b_h2, b_h3 = _state_chunk(p_h0, o_k, m_k, o_v, m_v, V, SPLIT_STATE, UPCAST_DOT)
                 b_ks0 = _rows_state(b_k0, b_h1, b_h2, b_h3, b_ks0, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
                 b_qs0 = _rows_state(b_q0, b_h1, b_h2, b_h3, b_qs0, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
-                b_ks1 = _rows_state(b_k1, b_h1, b_h2, b_h3, b_ks1, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
-                b_qs1 = _rows_state(b_q1, b_h1, b_h2, b_h3, b_qs1, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
+                if not ONE_HALF:
+                    b_ks1 = _rows_state(b_k1, b_h1, b_h2, b_h3, b_ks1, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
+                    b_qs1 = _rows_state(b_q1, b_h1, b_h2, b_h3, b_qs1, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT)
     return b_ks0, b_qs0, b_ks1, b_qs1
 
 
 @triton.heuristics({"USE_INITIAL_STATE": lambda args: args["h0"] is not None})
 @triton.autotune(
     configs=autotune_configs(APPLY_CONFIGS),
-    key=["B", "BT", "H", "HK", "K", "V", "USE_QK_L2NORM"],
+    key=["B", "BT", "H", "HK", "K", "V", "USE_QK_L2NORM", "ONE_HALF"],
     prune_configs_by={"early_config_prune": full_tile_prune(BK=32, num_warps=4)},
 )
 @triton.jit(do_not_specialize=["T"])
@@ -450,6 +469,7 @@ def tree_gdn_verify_apply_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    ONE_HALF: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     SPLIT_STATE: tl.constexpr,
@@ -475,22 +495,22 @@ def tree_gdn_verify_apply_kernel(
     m_v = o_v < V
     p_beta = beta + i_b * T * H + i_h
     p_lp = log_decay + i_b * T * H + i_h
-    p_rn = _norms_of(ws, i_b, i_hk, B, T, H, HK, BH)
+    p_rn = _norms_of(ws, i_b, i_hk, B, T, H, HK, BH, ONE_HALF)
     p_q = q + i_b * stride_qb + i_hk * stride_qh
     p_k = k + i_b * stride_qb + i_hk * stride_qh
     p_v = v + i_b * stride_vb + i_h * V
     p_u = u + (i_b * T * H + i_h) * V
     p_o = o + (i_b * T * H + i_h) * V
-    p_ws = ws + i_bh * WORKSPACE_BLOCKS * BH * BH
+    p_ws = ws + i_bh * _blocks(ONE_HALF) * BH * BH
     p_h0 = h0
     if USE_INITIAL_STATE:
         p_h0 = h0 + i_bh * K * V
 
-    # The state products of all 2 BH rows in one matmul each where BT <= 64: Hopper's warpgroup matmuls take 64 rows
-    # and more, which T = 64's halves of 32 rows do not reach (an H100 took 12-18% less at B = 8 and 16, T = 64); at
-    # BT = 128, [128, BV] tiles cost more registers than they save (3.6% slower at B = 16).
+    # The state products of all 2 BH rows of two halves in one matmul each where BT <= 64: Hopper's warpgroup matmuls
+    # take 64 rows and more, which T = 64's halves of 32 rows do not reach (an H100 took 12-18% less at B = 8 and 16,
+    # T = 64); at BT = 128, [128, BV] tiles cost more registers than they save (3.6% slower at B = 16).
     b_ks0, b_qs0, b_ks1, b_qs1 = _state_products(
-        p_q, p_k, p_h0, T, o_v, m_v, stride_qt, V, K, BH, BK, BV, BT <= 64,
+        p_q, p_k, p_h0, T, o_v, m_v, stride_qt, V, K, BH, BK, BV, BT <= 64 and not ONE_HALF, ONE_HALF,
         USE_INITIAL_STATE, SPLIT_STATE, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
     if USE_PDL:
@@ -513,7 +533,7 @@ def tree_gdn_verify_apply_kernel(
     tl.store(p_o + o_r0[:, None] * H * V + o_v[None, :], (scale * b_o).to(p_o.dtype.element_ty), mask=m_rv)
 
     # ---- second half ----
-    if BH < T:
+    if not ONE_HALF:
         b_beta = tl.load(p_beta + o_r1 * H, mask=m_r1, other=0).to(tl.float32)
         b_p = tl.exp(tl.load(p_lp + o_r1 * H, mask=m_r1, other=0))
         b_v = tl.load(p_v + o_r1[:, None] * stride_vt + o_v[None, :], mask=m_r1[:, None] & m_v[None, :], other=0)
@@ -562,19 +582,20 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
     u = torch.empty(B, T, H, V, dtype=torch.float32, device=device)
     log_decay = torch.empty(B, T, H, dtype=torch.float32, device=device)
     ws = torch.empty(workspace_bytes(B, T, H, HK) // 4, dtype=torch.float32, device=device)
-    BT = tree_tile(T)
+    BT, one_half = verify_tile(T, B * H)
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), B * H)
 
     with on_device(v):
-        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, BT)
+        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl)
         _APPLY(
             key, grid,
             (q, k, v, beta, initial_state, ws, log_decay, o, u, scale, *stride_q[:3], *stride_v[:2], B, T, H, HK),
             lambda: dict(
-                K=K, V=V, BT=BT, USE_QK_L2NORM=use_qk_l2norm, SPLIT_STATE=k.dtype == torch.bfloat16,
-                DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(), **_pdl_options(pdl, v),
+                K=K, V=V, BT=BT, ONE_HALF=one_half, USE_QK_L2NORM=use_qk_l2norm,
+                SPLIT_STATE=k.dtype == torch.bfloat16, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
+                **_pdl_options(pdl, v),
             ),
         )  # fmt: skip
     return o, u, log_decay
@@ -595,7 +616,7 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
         alignment(q.data_ptr(), k.data_ptr(), g.data_ptr(), beta.data_ptr(), anc.data_ptr()),
     )  # fmt: skip
     with on_device(k):
-        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, tree_tile(T))
+        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl)
     return ws, log_decay
 
 
@@ -607,15 +628,16 @@ def _pdl_options(pdl: bool | None, x: torch.Tensor, launch: bool = True) -> dict
     return {"USE_PDL": pdl, **({"launch_pdl": True} if pdl and launch else {})}
 
 
-def _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, BT):
+def _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl):
     """Launches the solve kernel into the workspace `ws` and `log_decay`."""
     B, T, HK, K = k.shape
+    BT, one_half = verify_tile(T, B * H)
     _SOLVE(
-        key, (3, B * H),
+        key, (1 if one_half else 3, B * H),
         (q, k, g, beta, anc, ws, log_decay, *q.stride()[:3], B, T, H, HK),
         lambda: dict(
-            K=K, BT=BT, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision, UPCAST_DOT=is_interpreter(),
-            **_pdl_options(pdl, k, launch=False),
+            K=K, BT=BT, ONE_HALF=one_half, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_precision,
+            UPCAST_DOT=is_interpreter(), **_pdl_options(pdl, k, launch=False),
         ),
     )  # fmt: skip
 
@@ -623,3 +645,17 @@ def _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_
 def tree_tile(T: int) -> int:
     """BT: the tree padded to a power of two of >= 32 rows, two halves of >= 16 (the smallest tensor-core tile)."""
     return max(32, next_power_of_2(T))
+
+
+def verify_tile(T: int, pairs: int) -> tuple[int, bool]:
+    """The tree tile BT (a power of two >= 32; halves of BH = BT / 2 >= 16 rows, the smallest tensor-core tile) and
+    whether the tree is one block, its first half (BH >= T), or both halves, for `pairs` (request, value head) pairs:
+    up to 16 nodes one block of 16 rows; up to 32 two halves of 16; up to 64 one block of 64 rows from
+    `ONE_BLOCK_MIN_PAIRS` pairs on, two halves of 32 below; up to 128 two halves of 64."""
+    if T <= 16:
+        return 32, True
+    if T <= 32:
+        return 32, False
+    if T <= 64:
+        return (128, True) if pairs >= ONE_BLOCK_MIN_PAIRS else (64, False)
+    return 128, False
