@@ -85,13 +85,17 @@ def workspace_bytes(B: int, T: int, H: int, HK: int) -> int:
     """Bytes of what the solve kernel hands to the apply kernel (freed with the call): the float32 blocks of every
     request and value head, then the rows' inverse key and query norms (`[B, T, HK, 2]` float32)."""
     BT, one_half = verify_tile(T, B * H)
-    return (B * H * _blocks(one_half) * (BT // 2) ** 2 + B * T * HK * 2) * 4
+    return (B * H * workspace_blocks(one_half) * (BT // 2) ** 2 + B * T * HK * 2) * 4
 
 
-@triton.constexpr_function
-def _blocks(one_half):
+def workspace_blocks(one_half: bool) -> int:
     """The [BH, BH] blocks the workspace holds per request and value head."""
     return 2 if one_half else WORKSPACE_BLOCKS
+
+
+# The same count inside the kernels. The host calls the plain function: a constexpr function costs about 3 us a call
+# from Python, and `workspace_bytes` runs at every GDN layer of an eager forward.
+_blocks = triton.constexpr_function(workspace_blocks)
 
 
 @triton.jit
