@@ -592,7 +592,7 @@ def tree_gdn_verify_fwd(q, k, v, g, beta, ancestors, initial_state, scale, use_q
         return (triton.cdiv(V, meta["BV"]), B * H)
 
     with on_device(v):
-        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl)
+        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, BT, one_half)
         _APPLY(
             key, grid,
             (q, k, v, beta, initial_state, ws, log_decay, o, u, scale, *stride_q[:3], *stride_v[:2], B, T, H, HK),
@@ -620,7 +620,9 @@ def solve(q, k, H, g, beta, ancestors, use_qk_l2norm, dot_precision, pdl=False):
         alignment(q.data_ptr(), k.data_ptr(), g.data_ptr(), beta.data_ptr(), anc.data_ptr()),
     )  # fmt: skip
     with on_device(k):
-        _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl)
+        _launch_solve(
+            key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, *verify_tile(T, B * H)
+        )  # fmt: skip
     return ws, log_decay
 
 
@@ -632,10 +634,9 @@ def _pdl_options(pdl: bool | None, x: torch.Tensor, launch: bool = True) -> dict
     return {"USE_PDL": pdl, **({"launch_pdl": True} if pdl and launch else {})}
 
 
-def _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl):
-    """Launches the solve kernel into the workspace `ws` and `log_decay`."""
+def _launch_solve(key, q, k, H, g, beta, anc, ws, log_decay, use_qk_l2norm, dot_precision, pdl, BT, one_half):
+    """Launches the solve kernel into the workspace `ws` and `log_decay`, the tree held as `verify_tile` gives."""
     B, T, HK, K = k.shape
-    BT, one_half = verify_tile(T, B * H)
     _SOLVE(
         key, (1 if one_half else 3, B * H),
         (q, k, g, beta, anc, ws, log_decay, *q.stride()[:3], B, T, H, HK),
