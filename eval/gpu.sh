@@ -185,7 +185,7 @@ house8)
     ;;
 kernels)
     step kernels 240 python3 eval/bench_kernels.py --out benchmarks/kernels.jsonl --providers serial fla bole \
-        --shapes 32,1,16 48,1,128 32,8,64 32,16,128
+        --shapes 32,1,16 32,1,128 48,1,128 32,8,64 32,16,64 32,16,128 48,8,64
     RENDER=1
     ;;
 host)
