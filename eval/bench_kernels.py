@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from eval.report import cpu_model  # noqa: E402
 from hf_bole.kernels import tree_ancestor_mask, tree_gdn_commit, tree_gdn_verify, tree_gdn_verify_serial  # noqa: E402
 from hf_bole.kernels.tree_gdn import closed_form_kernels  # noqa: E402
 from hf_bole.kernels.tree_gdn.closed_form import DOT_PRECISIONS  # noqa: E402
@@ -67,6 +68,7 @@ def machine_header(device: str = "cuda") -> dict:
     ).stdout.strip()
     return {
         "gpu": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "transformers": transformers.__version__,

@@ -35,11 +35,13 @@
 #   next1       end to end on the random Qwen3-Next-80B-A3B shape cut to 40 of its 48 layers (one H200; the whole
 #               shape needs two GPUs), oracle drafter, batch 1: ar, ar-static, bole     benchmarks/e2e_next_b1.jsonl
 #   cal-next    its budget table                                        hf_bole/budgets/<key>.json
-#   families    greedy exactness of every supported family at its real shape (random weights, bf16), 8 layers each and
-#               GLM-5-Next's 4 (8 take 74 GiB), oracle and n-gram drafters (eval/check_families.py)      (logs only)
-#   kda1        end to end on the random KDA shapes cut for one H100 (Kimi-Linear-48B-A3B-16L, Ling-3.0-flash-12L;
-#               Ling needs transformers >= 5.25), batch 1: ar and bole, oracle then n-gram drafter (about 5 min)
-#                       benchmarks/e2e_kimi_b1.jsonl, e2e_kimi_b1_ngram.jsonl, e2e_ling_b1.jsonl, e2e_ling_b1_ngram.jsonl
+#   families    greedy exactness of every supported GDN family at its real shape (random weights, bf16), 8 layers
+#               each, oracle and n-gram drafters (eval/check_families.py; about 7 min)                    (logs only)
+#   families-kda  the same for the KDA families, GLM-5-Next at 4 layers (8 take 74 GiB; about 8 min)   (logs only)
+#   kimi1       end to end on the random Kimi-Linear-48B-A3B shape cut to 16 layers for one H100, batch 1: ar and
+#               bole, oracle then n-gram drafter (about 5 min)    benchmarks/e2e_kimi_b1.jsonl, e2e_kimi_b1_ngram.jsonl
+#   ling1       the same on Ling-3.0-flash cut to 12 layers (transformers >= 5.25; about 4 min)
+#                                                                 benchmarks/e2e_ling_b1.jsonl, e2e_ling_b1_ngram.jsonl
 #   batch-sweep   the random 9B shape at batch 1, 4, 16, 32 and 64, one batch each, oracle drafter: ar-static,
 #                 chain, bole ("auto": cal-9B first, on this GPU)                    benchmarks/batch_sweep.jsonl
 #   batch-sweep-big  the same at batch 128 and 256 (the seven batch sizes take more than one 10-minute command)
@@ -133,6 +135,12 @@ launched() {  # launched NAME SECONDS COMMAND...: an eval/run.py command line, i
     cp "/tmp/$name/results.md" "$LOGS/$name.md" 2>/dev/null
     RENDER=1
 }
+kda_e2e() {  # kda_e2e SHAPE NAME: batch 1, ar and bole, the oracle drafter into NAME, the n-gram drafter into NAME_ngram
+    for run in oracle: ngram:_ngram; do  # drafter:suffix of the run's name
+        harness "$2${run#*:}" 280 --shape "$1" --drafter "${run%%:*}" --max-new-tokens 128 --depth 6 --repeats 3 \
+            --interleave --batch-sizes 1 --num-prompts 2 --modes ar bole
+    done
+}
 calibrate() {  # calibrate SHAPE SECONDS BATCH_SIZES...: a table at a KV length of 1024, into the package
     local source="--shape $1" name=$1 limit=$2
     shift 2
@@ -209,18 +217,15 @@ next1)
     ;;
 cal-next) calibrate Qwen3-Next-80B-A3B-40L 400 ;;
 families)
-    step families 420 python3 eval/check_families.py --layers 8 --new 64 --families Qwen3.5 Qwen3-Next OLMo-Hybrid \
-        Lara-Mini Kimi-Linear Bailing-Hybrid
-    step families_glm 150 python3 eval/check_families.py --families GLM-5-Next --layers 4 --new 64
+    step families 540 python3 eval/check_families.py --layers 8 --new 64 --families Qwen3.5 Qwen3-Next OLMo-Hybrid \
+        Lara-Mini
     ;;
-kda1)
-    for shape in Kimi-Linear-48B-A3B-16L:e2e_kimi_b1 Ling-3.0-flash-12L:e2e_ling_b1; do
-        for run in oracle: ngram:_ngram; do  # drafter:suffix of the run's name
-            harness "${shape#*:}${run#*:}" 140 --shape "${shape%%:*}" --drafter "${run%%:*}" \
-                --max-new-tokens 128 --depth 6 --repeats 3 --interleave --batch-sizes 1 --num-prompts 2 --modes ar bole
-        done
-    done
+families-kda)
+    step families_kda 300 python3 eval/check_families.py --layers 8 --new 64 --families Kimi-Linear Bailing-Hybrid
+    step families_glm 270 python3 eval/check_families.py --families GLM-5-Next --layers 4 --new 64
     ;;
+kimi1) kda_e2e Kimi-Linear-48B-A3B-16L e2e_kimi_b1 ;;
+ling1) kda_e2e Ling-3.0-flash-12L e2e_ling_b1 ;;
 budget-9b)
     harness budget_9b 540 --shape 9B --depth 6 --modes bole --batch-sizes 8 1 --num-prompts 8 --max-new-tokens 96 \
         --budget 16 32 64 128 auto --repeats 3 --interleave

@@ -28,7 +28,7 @@ DATA = REPO / "benchmarks"
 DOC = REPO / "BENCHMARKS.md"
 README = REPO / "README.md"
 E2E = ("e2e_house_b1", "e2e_house_b8", "e2e_9b_b1", "e2e_9b_b8_b16")
-# The KDA models' runs (eval/gpu.sh kda1): their own section, outside README's summary and the plot
+# The KDA models' runs (eval/gpu.sh kimi1, ling1): their own section, outside README's summary and the plot
 KDA_E2E = ("e2e_kimi_b1", "e2e_kimi_b1_ngram", "e2e_ling_b1", "e2e_ling_b1_ngram")
 BUDGETS = ("budget_house", "budget_9b")
 # the oracle's runs (ar-static among their modes), the MTP head's: batch 1 to 64, and 128 and 256 in a run of their own
@@ -67,10 +67,12 @@ def machine_line(m: dict, what: str = "") -> str:
         versions += f", fla-core {m['fla']}" if m["fla"] else ", no fla-core"
     commit = (m.get("commit") or "?")[:7]
     dirty = " (dirty)" if m.get("dirty") else ""
-    return f"- {what}**{m.get('gpu')}**, {versions}; commit `{commit}`{dirty}, {currency(m.get('commit'))}."
+    # older records hold only the architecture (x86_64), which says nothing of the host's speed
+    host = f" (host {m['cpu']})" if m.get("cpu") and m["cpu"] not in ("x86_64", "aarch64", "arm64") else ""
+    return f"- {what}**{m.get('gpu')}**{host}, {versions}; commit `{commit}`{dirty}, {currency(m.get('commit'))}."
 
 
-MACHINE_FIELDS = ("gpu", "torch", "triton", "transformers", "fla", "commit", "dirty")
+MACHINE_FIELDS = ("gpu", "cpu", "torch", "triton", "transformers", "fla", "commit", "dirty")
 
 
 def provenance(rows: list[dict], label=lambda r: r["dataset"]) -> list[str]:

@@ -17,6 +17,19 @@ from eval.modes import CHAIN_DEPTH
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (Linux's /proc/cpuinfo), else the architecture: host-bound timings (eager decoding,
+    a kernel call's launch) move with it as much as with the GPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict:
     """Hardware and software versions, as every JSONL line records them."""
     import transformers
@@ -40,7 +53,7 @@ def machine() -> dict:
     given = os.environ.get("BOLE_COMMIT")
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
