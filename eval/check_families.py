@@ -4,8 +4,8 @@ against hf_bole with the oracle drafter (deep accepted paths) and with the n-gra
     python eval/check_families.py --layers 8 --new 64
     python eval/check_families.py --families Kimi-Linear Bailing-Hybrid --layers 8
 
-Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B; Qwen4-Exp's defaults leave
-its indexer's sizes unset and do not build, so it is not here), cut to `--layers` decoder layers (every layer as the
+Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B; Qwen4-Exp: see `FIELDS`),
+cut to `--layers` decoder layers (every layer as the
 shape's; the layer pattern the config makes for that count) so that every family fits one GPU (Kimi-Linear: the 48B-A3B
 shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16. Bailing-Hybrid: `BailingHybridConfig()`, whose
 docstring names inclusionAI/Ling-3.0-Flash and whose 42 layers count 124.4B parameters, 5.1B active without the
@@ -45,12 +45,26 @@ MODELS = {
     "Kimi-Linear": "kimi_linear",
     "Bailing-Hybrid": "bailing_hybrid",
     "GLM-5-Next": "glm5_next",
+    "Qwen4-Exp": "qwen4_exp_text",
+}
+# Fields beyond the config defaults. Qwen4-Exp's defaults (hidden 2048, 512 experts of which 10 a token, head dim 256)
+# leave its QSA indexer unset, which the config refuses for indexed attention layers, and its per-layer embedding
+# (PLE) off: the check gives the indexer 16 query heads of 128 and one key head (an index head of 128 then needs the
+# partial rotary factor 0.25 of Qwen3.5's attention), pools blocks of 4 tokens and keeps 32 tokens, so that it selects
+# within the check's sequences of at most 101 tokens, and puts PLE on layers 2 and 6 with n-gram tables of about
+# 100,000 rows a head instead of 20 million (8 layers: about 14B parameters, 28 GB in bf16).
+FIELDS = {
+    "Qwen4-Exp": dict(
+        indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=128, indexer_compress_ratio=4, indexer_budget=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+        ple_layer_ids=[2, 6], ngram_vocab_size_base=100_000, eos_token_id=2,
+    ),
 }
 
 
 def build(family: str, layers: int, device: torch.device, dtype: torch.dtype, overrides: dict, seed: int = 0):
     model_type = MODELS[family]
-    fields = dict(num_hidden_layers=layers, **overrides)
+    fields = {**FIELDS.get(family, {}), "num_hidden_layers": layers, **overrides}
     config_class = getattr(transformers, CLASSES[model_type][0])
     if model_type == "qwen3_5_text":
         config = shape_config("9B", **fields)

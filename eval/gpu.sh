@@ -35,9 +35,11 @@
 #   next1       end to end on the random Qwen3-Next-80B-A3B shape cut to 40 of its 48 layers (one H200; the whole
 #               shape needs two GPUs), oracle drafter, batch 1: ar, ar-static, bole     benchmarks/e2e_next_b1.jsonl
 #   cal-next    its budget table                                        hf_bole/budgets/<key>.json
-#   families    greedy exactness of every supported GDN family at its real shape (random weights, bf16), 8 layers
-#               each, oracle and n-gram drafters (eval/check_families.py; about 7 min)                    (logs only)
-#   families-kda  the same for the KDA families, GLM-5-Next at 4 layers (8 take 74 GiB; about 8 min)   (logs only)
+#   families    greedy exactness of the supported families at their real shapes (random weights, bf16), 8 layers
+#               each, oracle and n-gram drafters (eval/check_families.py): Qwen3.5, Qwen3-Next, OLMo-Hybrid and
+#               Lara-Mini (about 7 min)                                                                   (logs only)
+#   families-2  the same for Qwen4-Exp, Kimi-Linear and Bailing-Hybrid                                (logs only)
+#   families-glm  the same for GLM-5-Next at 4 layers (8 take 74 GiB; about 4 min)                     (logs only)
 #   kimi1       end to end on the random Kimi-Linear-48B-A3B shape cut to 16 layers for one H100, batch 1: ar and
 #               bole, oracle then n-gram drafter (about 5 min)    benchmarks/e2e_kimi_b1.jsonl, e2e_kimi_b1_ngram.jsonl
 #   ling1       the same on Ling-3.0-flash cut to 12 layers (transformers >= 5.25; about 4 min)
@@ -220,9 +222,12 @@ families)
     step families 540 python3 eval/check_families.py --layers 8 --new 64 --families Qwen3.5 Qwen3-Next OLMo-Hybrid \
         Lara-Mini
     ;;
-families-kda)
-    step families_kda 300 python3 eval/check_families.py --layers 8 --new 64 --families Kimi-Linear Bailing-Hybrid
-    step families_glm 270 python3 eval/check_families.py --families GLM-5-Next --layers 4 --new 64
+families-2)
+    step families_2 540 python3 eval/check_families.py --layers 8 --new 64 --families Qwen4-Exp Kimi-Linear \
+        Bailing-Hybrid
+    ;;
+families-glm)
+    step families_glm 400 python3 eval/check_families.py --families GLM-5-Next --layers 4 --new 64
     ;;
 kimi1) kda_e2e Kimi-Linear-48B-A3B-16L e2e_kimi_b1 ;;
 ling1) kda_e2e Ling-3.0-flash-12L e2e_ling_b1 ;;

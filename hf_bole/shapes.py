@@ -100,8 +100,9 @@ SHAPES: dict[str, dict] = {
     "Ling-3.0-flash-12L": dict(model_type="bailing_hybrid", num_hidden_layers=12),
     "Ling-3.0-flash-24L": dict(model_type="bailing_hybrid", num_hidden_layers=24),
 }  # fmt: skip
-# model_type -> (config class, model class), by their names in transformers (Lara-Mini's, Bailing-Hybrid's and
-# GLM-5-Next's from 5.24 on); eval/check_families.py builds every family's from its config defaults through them
+# model_type -> (config class, model class), by their names in transformers (Lara-Mini's, Bailing-Hybrid's,
+# GLM-5-Next's and Qwen4-Exp's from 5.24 on); eval/check_families.py builds every family's from its config defaults
+# through them
 CLASSES = {
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
@@ -111,6 +112,7 @@ CLASSES = {
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM"),
     "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration"),  # the text path; no text-only class
+    "qwen4_exp_text": ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM"),
 }
 
 
