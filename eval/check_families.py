@@ -5,18 +5,17 @@ against hf_bole with the oracle drafter (deep accepted paths) and with the n-gra
     python eval/check_families.py --families Kimi-Linear Bailing-Hybrid --layers 8
 
 Each family's shape is transformers' config defaults for it (Qwen3.5: `hf_bole.shapes`' 9B; Qwen4-Exp: see `FIELDS`),
-cut to `--layers` decoder layers (every layer as the
-shape's; the layer pattern the config makes for that count) so that every family fits one GPU (Kimi-Linear: the 48B-A3B
-shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16. Bailing-Hybrid: `BailingHybridConfig()`, whose
-docstring names inclusionAI/Ling-3.0-Flash and whose 42 layers count 124.4B parameters, 5.1B active without the
-embedding, as published for Ling-3.0-flash (124B, ~5.1B active); of 8 layers one is MLA and six are MoE, 36 GiB in bf16.
-GLM-5-Next: `Glm5NextConfig()`'s text config, through the text path of `Glm5NextForConditionalGeneration`; of 8 layers
-two are MLA with a DSA indexer and five are MoE of 288 experts, 74 GiB in bf16: one H200, or `--families GLM-5-Next
---layers 4` on an H100, 19 GiB). Weights are random, made decodable by `hf_bole.shapes.trained_like`; OLMo-Hybrid's
-attention blocks normalise after their output projections, so their post-norms are scaled down instead. Where an output
-differs from plain decoding, the line names the first differing step and plain decoding's gap between its two best
-logits there: a gap within bf16 rounding of the logits is a near-tie (the verify forward's kernels round differently, as
-DESIGN.md §6 explains), a wide one a bug.
+cut to `--layers` decoder layers (every layer as the shape's; the layer pattern the config makes for that count) so that
+every family fits one GPU (Kimi-Linear: the 48B-A3B shape; of 8 layers one is MLA, and the experts take ~26 GB in bf16.
+Bailing-Hybrid: `BailingHybridConfig()`, whose docstring names inclusionAI/Ling-3.0-Flash and whose 42 layers count
+124.4B parameters, 5.1B active without the embedding, as published for Ling-3.0-flash (124B, ~5.1B active); of 8 layers
+one is MLA and six are MoE, 36 GiB in bf16. GLM-5-Next: `Glm5NextConfig()`'s text config, through the text path of
+`Glm5NextForConditionalGeneration`; of 8 layers two are MLA with a DSA indexer and five are MoE of 288 experts, 74 GiB
+in bf16: one H200, or `--families GLM-5-Next --layers 4` on an H100, 19 GiB). Weights are random, made decodable by
+`hf_bole.shapes.trained_like`; OLMo-Hybrid's attention blocks normalise after their output projections, so their
+post-norms are scaled down instead. Where an output differs from plain decoding, the line names the first differing step
+and plain decoding's gap between its two best logits there: a gap within bf16 rounding of the logits is a near-tie (the
+verify forward's kernels round differently, as DESIGN.md §6 explains), a wide one a bug.
 """
 
 from __future__ import annotations

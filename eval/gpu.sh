@@ -39,10 +39,10 @@
 #               each, oracle and n-gram drafters (eval/check_families.py): Qwen3.5, Qwen3-Next, OLMo-Hybrid and
 #               Lara-Mini (about 7 min)                                                                   (logs only)
 #   families-2  the same for Qwen4-Exp, Kimi-Linear and Bailing-Hybrid                                (logs only)
-#   families-glm  the same for GLM-5-Next at 4 layers (8 take 74 GiB; about 4 min)                     (logs only)
+#   families-glm  the same for GLM-5-Next at 4 layers (8 take 74 GiB)                                  (logs only)
 #   kimi1       end to end on the random Kimi-Linear-48B-A3B shape cut to 16 layers for one H100, batch 1: ar and
-#               bole, oracle then n-gram drafter (about 5 min)    benchmarks/e2e_kimi_b1.jsonl, e2e_kimi_b1_ngram.jsonl
-#   ling1       the same on Ling-3.0-flash cut to 12 layers (transformers >= 5.25; about 4 min)
+#               bole, oracle then n-gram drafter                  benchmarks/e2e_kimi_b1.jsonl, e2e_kimi_b1_ngram.jsonl
+#   ling1       the same on Ling-3.0-flash cut to 12 layers (transformers >= 5.25; about 3.5 min)
 #                                                                 benchmarks/e2e_ling_b1.jsonl, e2e_ling_b1_ngram.jsonl
 #   batch-sweep   the random 9B shape at batch 1, 4, 16, 32 and 64, one batch each, oracle drafter: ar-static,
 #                 chain, bole ("auto": cal-9B first, on this GPU)                    benchmarks/batch_sweep.jsonl
