@@ -22,7 +22,7 @@
 #                                                                                  benchmarks/e2e_9b_b1.jsonl
 #   9b816       the same at batch 8 and 16, without ar-static (MODES_9B816)   benchmarks/e2e_9b_b8_b16.jsonl
 #   kernels     one GDN layer's tree verify (serial walk, fla chain, closed form) and the commit
-#                                                                                     benchmarks/kernels.jsonl
+#                                                       benchmarks/kernels.jsonl (an H200's: kernels_h200.jsonl)
 #   host        the host time of an eager tree_gdn_verify and of the ancestor build, GPU idle, the 9B layer's sizes
 #               at (B, T) = (1, 16), (8, 64), (16, 64)                                 benchmarks/host.jsonl
 #   kda         one KDA layer's tree verify (serial walk, fla chunk_kda chain, closed form) and the commit,
@@ -194,7 +194,9 @@ house8)
     harness e2e_9b_b8_b16 480 $SHAPE9B --batch-sizes 8 16 --num-prompts 16 --modes ${MODES_9B816:-ar chain tree-serial bole}
     ;;
 kernels)
-    step kernels 240 python3 eval/bench_kernels.py --out benchmarks/kernels.jsonl --providers serial fla bole \
+    # an H200's table beside an H100's
+    NAME=kernels$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -q H200 && echo _h200)
+    step kernels 240 python3 eval/bench_kernels.py --out "benchmarks/$NAME.jsonl" --providers serial fla bole \
         --shapes 32,1,16 32,1,128 48,1,128 32,8,64 32,16,64 32,16,128 48,8,64
     RENDER=1
     ;;

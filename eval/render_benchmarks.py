@@ -532,8 +532,9 @@ def main() -> None:
             doc = replace(doc, name, kda_e2e(rows))
     if rows := [r for name in LAYOUTS for r in load(name)]:
         doc = replace(doc, "layouts", layouts(rows))
-    if rows := load("kernels"):
-        doc = replace(doc, "kernels", kernels(rows))
+    for name in ("kernels", "kernels_h200"):  # the same table on each GPU
+        if rows := load(name):
+            doc = replace(doc, name, kernels(rows))
     if rows := load("host"):
         doc = replace(doc, "host", host(rows))
     if rows := load("kda"):
