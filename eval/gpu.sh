@@ -182,10 +182,10 @@ auto)
     step auto 150 python3 eval/check_auto_budget.py --shape 9B
     ;;
 house1)
-    harness e2e_house_b1 400 $HOUSE --batch-sizes 1 --modes ${MODES_HOUSE:-ar ar-static chain tree-serial bole}
+    harness e2e_house_b1 540 $HOUSE --batch-sizes 1 --modes ${MODES_HOUSE:-ar ar-static chain tree-serial bole}
     ;;
 house8)
-    harness e2e_house_b8 400 $HOUSE --batch-sizes 8 --modes ${MODES_HOUSE:-ar ar-static chain tree-serial bole}
+    harness e2e_house_b8 540 $HOUSE --batch-sizes 8 --modes ${MODES_HOUSE:-ar ar-static chain tree-serial bole}
     ;;
 9b1)
     harness e2e_9b_b1 420 $SHAPE9B --batch-sizes 1 --num-prompts 2 --modes ${MODES_9B1:-ar ar-static chain tree-serial bole}
