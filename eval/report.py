@@ -108,6 +108,8 @@ def markdown(rows: list[dict], header: dict) -> str:
     static = speedup and any(r.get("speedup_over_ar_static") is not None for r in rows)  # where ar-static ran
     parallel = s.get("num_processes", 1) > 1  # data-parallel: a column of the processes' throughput together
     graphs = "on" if s.get("cuda_graphs") else "off"
+    if graphs == "on" and on_cpu:  # asked for, but a CPU has none: every kernel launches from Python
+        graphs = "off (a CPU has none)"
     if graphs == "on" and len(devices) > 1:  # generate turns them off for a model spread by --device-map, and says so
         graphs = f"off (the model spans {', '.join(devices)})"
     tp = s.get("tensor_parallel", 1)

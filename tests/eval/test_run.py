@@ -191,7 +191,7 @@ def test_run_shape_oracle(checkpoint, tmp_path):
     (row,) = rows
     assert "timed 2× after an untimed warm-up, the median pass kept" in (tmp_path / "results.md").read_text()
     assert row["pass_spread"] >= 0
-    assert "CUDA graphs on" in (tmp_path / "results.md").read_text()  # the default (on a CPU: nothing to capture)
+    assert "CUDA graphs off (a CPU has none)" in (tmp_path / "results.md").read_text()  # asked for by default
     assert set(row["round_phase_ms"]) == {"draft", "select", "verify", "accept", "commit", "host"}
     assert set(row["round_host_phase_ms"]) == set(row["round_phase_ms"])
     assert "Where a round's time goes" in (tmp_path / "results.md").read_text()
@@ -519,8 +519,8 @@ def test_budget_sweep_plot(tmp_path):
 
 
 def test_header_says_graphs_are_off_for_a_spread_model():
-    """generate runs a model spread over devices without CUDA graphs (and warns): the table's header says so, with
-    the devices, instead of the flag's "on"."""
+    """generate runs a model spread over devices without CUDA graphs (and warns), and a CPU has none: the table's
+    header says so, with the devices, instead of the flag's "on"."""
     from eval import report
 
     machine = {"gpu": "NVIDIA H200", "cpu_threads": 16, "torch": "2", "transformers": "5", "triton": "3",
@@ -531,6 +531,8 @@ def test_header_says_graphs_are_off_for_a_spread_model():
     two = report.markdown([], {"machine": machine, "settings": settings, "devices": ["cuda:0", "cuda:1"]})
     assert "hf_bole's CUDA graphs on" in one and "tree attention" not in one
     assert "hf_bole's CUDA graphs off (the model spans cuda:0, cuda:1)" in two
+    cpu = report.markdown([], {"machine": {**machine, "gpu": None}, "settings": settings, "devices": ["cpu"]})
+    assert "CPU (16 threads)" in cpu and "hf_bole's CUDA graphs off (a CPU has none)" in cpu
     tp = report.markdown([], {"machine": machine, "settings": {**settings, "tensor_parallel": 2}, "devices": ["cuda:0"]})
     assert "NVIDIA H200 ×2, the model sharded over 2 processes" in tp and "CUDA graphs off (tensor parallelism)" in tp
     for attention, said in (("triton", "hf_bole's kernel"), ("model", "the model's own attention")):
