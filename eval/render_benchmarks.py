@@ -86,8 +86,15 @@ def provenance(rows: list[dict], label=lambda r: r["dataset"]) -> list[str]:
         machine_line(json.loads(key), f"{', '.join(datasets)}: " if len(groups) > 1 else "")
         for key, datasets in groups.items()
     ]
-    sources = {r["transcribed_from"] for r in rows if r.get("transcribed_from")}
-    return lines + [f"- Transcribed from {s}." for s in sources]
+    sources: dict[str, list[str]] = {}  # a transcription's source -> what its rows ran
+    for r in rows:
+        if r.get("transcribed_from") and label(r) not in sources.setdefault(r["transcribed_from"], []):
+            sources[r["transcribed_from"]].append(label(r))
+    ran = {what for whats in groups.values() for what in whats}
+    return lines + [  # what was transcribed named where some of the rows were not
+        ("- Transcribed" if set(whats) == ran else f"- {', '.join(whats)}: transcribed") + f" from {source}."
+        for source, whats in sources.items()
+    ]
 
 
 def _f(x, spec: str = ".1f") -> str:
@@ -296,16 +303,23 @@ def layouts(rows: list[dict]) -> list[str]:
 
 def summary(runs: dict[str, list[dict]]) -> list[str]:
     """README's table: every end-to-end run's tokens/s by mode, one line per model, prompts and batch size."""
-    lines = provenance([r for rows in runs.values() for r in rows]) + [
+    def model(name: str) -> str:
+        return "house" if "house" in name else "9B shape"
+
+    def label(r: dict) -> str:  # the 9B shape runs on random prompts
+        return r["readme_model"] if r["dataset"] == "random" else f"{r['readme_model']} {r['dataset']}"
+
+    tagged = [{**r, "readme_model": model(name)} for name, rows in runs.items() for r in rows]
+    lines = provenance(tagged, label) + [
         "",
         "| model | prompts | batch | " + " | ".join(MODES) + " | bole ÷ ar-static | bole ÷ chain |",
         "|---|---|---:|" + "---:|" * (len(MODES) + 2),
     ]
     for name, rows in runs.items():
-        model = "house" if "house" in name else "9B shape"
         for (dataset, batch), by_mode in _cells(rows).items():
             ratios = [_over(by_mode.get("bole"), by_mode.get(m)) for m in ("ar-static", "chain")]
-            lines.append("| " + " | ".join(map(str, [model, dataset, batch, *_tokens_per_s(by_mode), *ratios])) + " |")
+            cells = [model(name), dataset, batch, *_tokens_per_s(by_mode), *ratios]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
 
