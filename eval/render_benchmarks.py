@@ -45,11 +45,15 @@ def load(name: str) -> list[dict]:
 
 
 def currency(commit: str | None) -> str:
-    """Whether hf_bole/ changed after `commit`, by this clone's history."""
+    """Whether hf_bole/ changed after `commit`, by this clone's history. The shipped budget tables (hf_bole/budgets/)
+    are not counted: each is data measured on one GPU, and a run's rows name the table they used (budget_source)."""
     if not commit:
         return "commit unknown: not known to be the current code"
     count = subprocess.run(
-        ["git", "rev-list", "--count", f"{commit}..HEAD", "--", "hf_bole"], cwd=REPO, capture_output=True, text=True
+        ["git", "rev-list", "--count", f"{commit}..HEAD", "--", "hf_bole", ":(exclude)hf_bole/budgets"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     if count.returncode != 0:
         return "a commit this clone's history lacks: not known to be the current code"

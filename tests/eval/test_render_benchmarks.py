@@ -155,3 +155,29 @@ def test_provenance_names_what_was_transcribed():
     assert lines[2:] == ["- mbpp: transcribed from a results.md."]
     both = render.provenance([old, {**new, "transcribed_from": "a results.md"}])
     assert both[2:] == ["- Transcribed from a results.md."]
+
+
+def test_currency_counts_library_commits_not_budget_tables(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+    def commit(path, text):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", path)
+        git("commit", "-q", "-m", path)
+        return git("rev-parse", "--short", "HEAD")
+
+    git("init", "-q")
+    measured = commit("hf_bole/loop.py", "a")
+    monkeypatch.setattr(render, "REPO", tmp_path)
+    commit("hf_bole/budgets/h200.json", "{}")  # a GPU's budget table: data, not the measured code
+    commit("eval/run.py", "b")
+    assert render.currency(measured) == "hf_bole/ unchanged since: the current code"
+    commit("hf_bole/loop.py", "c")
+    assert render.currency(measured) == "hf_bole/ changed in 1 commit since: **not the current code**"
+    assert render.currency("deadbee").endswith("not known to be the current code")
+    assert render.currency(None).startswith("commit unknown")
