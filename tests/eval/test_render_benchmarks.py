@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 from eval import render_benchmarks as render
 
@@ -158,8 +159,6 @@ def test_provenance_names_what_was_transcribed():
 
 
 def test_currency_counts_library_commits_not_budget_tables(tmp_path, monkeypatch):
-    import subprocess
-
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
                               capture_output=True, text=True).stdout.strip()  # fmt: skip
