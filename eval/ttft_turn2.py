@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reply", type=int, default=200, help="of them, tokens turn 1 generated")
     ap.add_argument("--turn", type=int, default=32, help="new tokens of turn 2's question")
     ap.add_argument("--new", type=int, default=16, help="tokens turn 2 generates (the tokens compared)")
-    ap.add_argument("--passes", type=int, default=5)
+    # Passes are a small part of a run (building the model and turn 1 take most of it), and the median of many holds
+    # where a busy host slows a few of them.
+    ap.add_argument("--passes", type=int, default=15, help="timed passes, the arms in turns")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: a shrunk shape in fp32, short turns")
     ap.add_argument("--out", default=None, help="a JSONL file the line is appended to")
     ap.add_argument("--profile", default=None, metavar="TRACE.json", help="profile one more bole-continued call")
