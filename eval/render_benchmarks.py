@@ -86,18 +86,9 @@ def provenance(rows: list[dict], label=lambda r: r["dataset"]) -> list[str]:
         key = json.dumps({k: r["machine"][k] for k in MACHINE_FIELDS if k in r["machine"]})
         if label(r) not in groups.setdefault(key, []):
             groups[key].append(label(r))
-    lines = [
+    return [
         machine_line(json.loads(key), f"{', '.join(datasets)}: " if len(groups) > 1 else "")
         for key, datasets in groups.items()
-    ]
-    sources: dict[str, list[str]] = {}  # a transcription's source -> what its rows ran
-    for r in rows:
-        if r.get("transcribed_from") and label(r) not in sources.setdefault(r["transcribed_from"], []):
-            sources[r["transcribed_from"]].append(label(r))
-    ran = {what for whats in groups.values() for what in whats}
-    return lines + [  # what was transcribed named where some of the rows were not
-        ("- Transcribed" if set(whats) == ran else f"- {', '.join(whats)}: transcribed") + f" from {source}."
-        for source, whats in sources.items()
     ]
 
 

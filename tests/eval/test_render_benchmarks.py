@@ -146,16 +146,14 @@ def test_render(tmp_path, monkeypatch):
     assert "| house | mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.00× | 1.25× |" in readme.read_text()
 
 
-def test_provenance_names_what_was_transcribed():
-    """A machine line per commit, labelled where there are several; a transcription named by what it holds where
-    other rows were measured into JSONL, and plain where every row was transcribed."""
-    old = {**_row("ar", 1, 100.0), "transcribed_from": "a results.md"}
+def test_provenance_labels_each_machine_where_there_are_several():
+    """A machine line per commit, labelled with what it ran where there are several, unlabelled where there is one."""
+    old = _row("ar", 1, 100.0)
     new = {**_row("ar", 1, 90.0), "dataset": "gsm8k", "machine": {**MACHINE, "commit": "1111111"}}
     lines = render.provenance([old, new])
+    assert len(lines) == 2
     assert lines[0].startswith("- mbpp: **NVIDIA H200**") and lines[1].startswith("- gsm8k: **NVIDIA H200**")
-    assert lines[2:] == ["- mbpp: transcribed from a results.md."]
-    both = render.provenance([old, {**new, "transcribed_from": "a results.md"}])
-    assert both[2:] == ["- Transcribed from a results.md."]
+    assert render.provenance([old])[0].startswith("- **NVIDIA H200**")
 
 
 def test_currency_counts_library_commits_not_budget_tables(tmp_path, monkeypatch):
