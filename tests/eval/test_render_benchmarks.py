@@ -12,6 +12,16 @@ MACHINE = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers
 SETTINGS = {"model": "eval/house/checkpoint", "dtype": "bfloat16", "max_new_tokens": 128, "drafter": "mtp",
             "depth": [10], "chain_depth": [10], "topk": 4, "budget": ["auto"], "epsilon": [0.3], "repeats": 3,
             "interleave": True, "cuda_graphs": True}  # fmt: skip
+# eval/ttft_turn2.py's line: per arm the median and each pass's seconds, and whether its tokens were re-prefilling's
+TTFT_ARMS = ("median_s", "seconds", "same_tokens_as_bole_prefill")
+_ARMS = ("bole-continued", "bole-kept", "bole-prefill", "plain-continued", "plain-prefill")
+TTFT = {
+    "machine": MACHINE, "shape": "9B", "dtype": "bfloat16", "history": 2000,
+    "turn": 32, "new": 16, "passes": 5,
+    "median_s": dict(zip(_ARMS, (0.01, 0.008, 0.08, 0.05, 0.075))),
+    "seconds": dict(zip(_ARMS, ([0.009, 0.01], [0.007, 0.009], [0.072, 0.08], [0.05, 0.06], [0.075, 0.08]))),
+    "same_tokens_as_bole_prefill": dict(zip(_ARMS, (True, True, True, False, True))),
+}  # fmt: skip
 
 
 def _row(mode, batch, tps, **extra):
@@ -93,13 +103,7 @@ def test_render(tmp_path, monkeypatch):
     )
     (shipped / "old.json").write_text(json.dumps({"format": 4}))
     tp = {**SETTINGS, "shape": "122B-A10B", "tensor_parallel": 2, "device_map": None}
-    arms = ("bole-continued", "bole-prefill", "plain-continued", "plain-prefill")
-    _write(data / "ttft_turn2.jsonl", [{
-        "machine": MACHINE, "shape": "9B", "dtype": "bfloat16", "history": 2000, "turn": 32, "new": 16, "passes": 5,
-        "median_s": dict(zip(arms, (0.01, 0.08, 0.05, 0.075))),
-        "seconds": dict(zip(arms, ([0.009, 0.01], [0.072, 0.08], [0.05, 0.06], [0.075, 0.08]))),
-        "same_tokens_as_bole_prefill": dict(zip(arms, (True, True, False, True))),
-    }])  # fmt: skip
+    _write(data / "ttft_turn2.jsonl", [TTFT])
     _write(data / "host.jsonl", [{"header": MACHINE}, {
         "op": "host", "B": 16, "T": 64, "H": 32, "HK": 16, "K": 128, "V": 128, "device": "cuda", "verify_us": 90.0,
         "verify_triton_us": 260.0, "checks_us": 6.0, "launches_us": 40.0, "allocations_us": 12.0, "ancestors_us": 30.0,
@@ -137,13 +141,22 @@ def test_render(tmp_path, monkeypatch):
     assert "| 512 | 2100.0 | – | 2800.0 | 1.33× |" in text and "- batch 512: **NVIDIA H200**" in text
     assert text.count("Asked for but not in the runs' results") == 1 and "results: batch 1024." in text
     assert "budget from table t.json" in text
-    assert "| hf_bole | 10.0 (9.0) | 80.0 (72.0) | 8.00× (8.00×) | yes |" in text
-    assert "| plain `generate` | 50.0 (50.0) | 75.0 (75.0) | 1.50× (1.50×) | no |" in text
+    assert "| hf_bole, from a copy | 10.0 (9.0) | 80.0 (72.0) | 8.00× (8.00×) | yes |" in text
+    kept = "| hf_bole, from the cache turn 1 returned (a chat loop's) | 8.0 (7.0) | 80.0 (72.0) | 10.00× (10.29×) |"
+    assert kept in text
+    assert "| plain `generate`, from a copy | 50.0 (50.0) | 75.0 (75.0) | 1.50× (1.50×) | no |" in text
     assert "| 16 | 64 | 90.0 | 260.0 | 6.0 | 40.0 | 12.0 | 30.0 | 55.0 |" in text and "H = 32, K = V = 128" in text
     assert "| house model | NVIDIA H200 | bfloat16 | closed_form | graphs | 1: 3 | 1024 |" in text
     assert "| `old.json` | | | | | not read: budget table format 4 is not 5: calibrate again |" in text
     assert (data / "speedup.png").stat().st_size > 0
     assert "| house | mbpp | 1 | 100.0 | 500.0 | 2000.0 | out of memory | 2500.0 | 5.00× | 1.25× |" in readme.read_text()
+
+
+def test_ttft_runs_without_the_kept_arm_render_without_its_row():
+    line = {**TTFT, **{k: {arm: v for arm, v in TTFT[k].items() if arm != "bole-kept"} for k in TTFT_ARMS}}
+    text = "\n".join(render.ttft_turn2([line]))
+    assert "| hf_bole, from a copy | 10.0 (9.0) |" in text and "chat loop" not in text
+    assert "each arm's cache copied (and the garbage collected)" in text
 
 
 def test_provenance_labels_each_machine_where_there_are_several():
