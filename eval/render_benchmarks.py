@@ -505,7 +505,7 @@ def ttft_turn2(rows: list[dict]) -> list[str]:
     r = rows[-1]
     ms = {arm: 1e3 * s for arm, s in r["median_s"].items()}
     same = r["same_tokens_as_bole_prefill"]
-    prepared = "copied, or brought back to turn 1's state," if "bole-kept" in ms else "copied"
+    prepared = "copied or brought back to turn 1's state" if "bole-kept" in ms else "copied"
     lines = [
         machine_line(r["machine"]),
         f"- random {r['shape']} shape, {r['dtype']}, one conversation: {r['history']} tokens after turn 1, turn 2 adds "
