@@ -13,11 +13,10 @@ SETTINGS = {"model": "eval/house/checkpoint", "dtype": "bfloat16", "max_new_toke
             "depth": [10], "chain_depth": [10], "topk": 4, "budget": ["auto"], "epsilon": [0.3], "repeats": 3,
             "interleave": True, "cuda_graphs": True}  # fmt: skip
 # eval/ttft_turn2.py's line: per arm the median and each pass's seconds, and whether its tokens were re-prefilling's
-TTFT_ARMS = ("median_s", "seconds", "same_tokens_as_bole_prefill")
+TTFT_PER_ARM = ("median_s", "seconds", "same_tokens_as_bole_prefill")
 _ARMS = ("bole-continued", "bole-kept", "bole-prefill", "plain-continued", "plain-prefill")
 TTFT = {
-    "machine": MACHINE, "shape": "9B", "dtype": "bfloat16", "history": 2000,
-    "turn": 32, "new": 16, "passes": 5,
+    "machine": MACHINE, "shape": "9B", "dtype": "bfloat16", "history": 2000, "turn": 32, "new": 16, "passes": 5,
     "median_s": dict(zip(_ARMS, (0.01, 0.008, 0.08, 0.05, 0.075))),
     "seconds": dict(zip(_ARMS, ([0.009, 0.01], [0.007, 0.009], [0.072, 0.08], [0.05, 0.06], [0.075, 0.08]))),
     "same_tokens_as_bole_prefill": dict(zip(_ARMS, (True, True, True, False, True))),
@@ -153,7 +152,7 @@ def test_render(tmp_path, monkeypatch):
 
 
 def test_ttft_runs_without_the_kept_arm_render_without_its_row():
-    line = {**TTFT, **{k: {arm: v for arm, v in TTFT[k].items() if arm != "bole-kept"} for k in TTFT_ARMS}}
+    line = {**TTFT, **{k: {arm: v for arm, v in TTFT[k].items() if arm != "bole-kept"} for k in TTFT_PER_ARM}}
     text = "\n".join(render.ttft_turn2([line]))
     assert "| hf_bole, from a copy | 10.0 (9.0) |" in text and "chat loop" not in text
     assert "each arm's cache copied (and the garbage collected)" in text
